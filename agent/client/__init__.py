@@ -1,0 +1,1 @@
+"""Training-side client for preemptd: standard library only, cheap to import in every training process."""

@@ -1,0 +1,303 @@
+"""The agent's configuration: one frozen :class:`Config`, loaded from a TOML file, ``PREEMPTD_*`` environment
+variables and command-line settings, in increasing precedence.
+
+Each subsystem owns one section dataclass below; the loader is generic and checks every key against the
+field's type, so a bad file fails with the file, the dotted key and what was expected.
+
+Environment variables: ``PREEMPTD_<KEY>`` for a top-level key (``PREEMPTD_SOCKET``), and
+``PREEMPTD_<SECTION>__<KEY>`` for a key in a section (``PREEMPTD_AWS__POLL_INTERVAL_S=2``). Values are read
+as TOML values when they parse as one (numbers, booleans, arrays) and as plain strings otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from agent.errors import ConfigError
+from agent.paths import default_socket_path, default_state_dir
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = Path("/etc/preemptd/config.toml")
+ENV_PREFIX = "PREEMPTD_"
+
+CloudName = Literal["auto", "none", "aws", "gcp", "azure", "alibaba", "tencent"]
+CLOUDS: tuple[str, ...] = typing.get_args(CloudName)
+LogFormat = Literal["auto", "json", "console"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """The Unix-socket API and its event hub."""
+
+    heartbeat_s: float = 15.0
+    queue_size: int = 256
+    ring_size: int = 1024
+    max_subscribers: int = 4096
+    max_body_bytes: int = 65536
+    backlog: int = 4096
+    shutdown_timeout_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class Config:
+    socket: Path = field(default_factory=default_socket_path)
+    socket_group: str | None = None
+    socket_mode: int = 0o660
+    admin_group: str | None = None
+    state_dir: Path = field(default_factory=default_state_dir)
+    cloud: CloudName = "auto"
+    log_format: LogFormat = "auto"
+    log_level: LogLevel = "info"
+    # How long after its deadline a notice whose source is not running (a drill, a notice restored from a
+    # source no longer configured) stays active.
+    expire_grace_s: float = 30.0
+    # How long a drill notice stays after its deadline before it clears by itself.
+    drill_linger_s: float = 10.0
+    history_max_bytes: int = 16 * 1024 * 1024
+    api: ApiConfig = field(default_factory=ApiConfig)
+    config_file: Path | None = None
+
+
+def load_config(
+    path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the configuration: defaults, then the file, then the environment, then ``overrides``.
+
+    ``path`` None means the file named by ``PREEMPTD_CONFIG`` or the default path, which may be absent; an
+    explicit path must exist. ``overrides`` maps dotted keys (``"api.heartbeat_s"``) to values.
+    """
+    environ = dict(os.environ if env is None else env)
+    explicit = path is not None or bool(environ.get(ENV_PREFIX + "CONFIG"))
+    file_path = path or Path(environ.get(ENV_PREFIX + "CONFIG") or DEFAULT_CONFIG_PATH)
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if file_path.exists() or explicit:
+        file_doc = _read_toml(file_path)
+        _merge(merged, file_doc, origin, str(file_path))
+    _merge(merged, _env_table(environ), origin, "environment")
+    _merge(merged, _dotted_to_nested(overrides or {}), origin, "command line")
+    merged.pop("config_file", None)
+    config = _build(Config, merged, "", origin)
+    loaded_from = file_path if file_path.exists() else None
+    return dataclasses.replace(config, config_file=loaded_from)
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """Parse a ``--set section.key=value`` argument; the value is read as TOML where it parses as one."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects KEY=VALUE (for example api.heartbeat_s=5), got {text!r}")
+    return key.strip(), _parse_value(raw)
+
+
+def config_to_json(config: Config) -> dict[str, Any]:
+    """The effective configuration as JSON-able data (for status and ``preemptd run --print-config``)."""
+
+    def convert(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, Mapping):
+            return {str(k): convert(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [convert(v) for v in value]
+        return value
+
+    result = convert(config)
+    assert isinstance(result, dict)
+    return result
+
+
+# --- loading ------------------------------------------------------------------------------------------
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path}: config file not found") from exc
+    except PermissionError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: permission denied") from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"{path}: is a directory, expected a TOML file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid UTF-8 text: {exc}") from exc
+
+
+def _parse_value(raw: str) -> Any:
+    text = raw.strip()
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _env_table(environ: Mapping[str, str]) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__")]
+        if not all(parts):
+            continue
+        if len(parts) == 1 and parts[0] not in _field_names(Config):
+            # Unrelated PREEMPTD_* variables (PREEMPTD_SOCKET is used by clients too) are not an error.
+            continue
+        node = table
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _parse_value(raw)
+    return table
+
+
+def _dotted_to_nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        if value is None:
+            continue
+        parts = dotted.split(".")
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(into: dict[str, Any], new: Mapping[str, Any], origin: dict[str, str], where: str, prefix: str = "") -> None:
+    for key, value in new.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value, origin, where, dotted + ".")
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
+        origin.setdefault(dotted, where)
+        if not isinstance(value, Mapping):
+            origin[dotted] = where
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mapping[str, str]) -> Any:
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{_where(origin, prefix.rstrip('.'))}: key {prefix.rstrip('.')!r}: expected a table")
+    hints = typing.get_type_hints(cls)
+    names = _field_names(cls)
+    for key in table:
+        if key not in names:
+            dotted = prefix + key
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+            raise ConfigError(f"{_where(origin, dotted)}: unknown key {dotted!r}{hint}")
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in table:
+            values[f.name] = _coerce(hints[f.name], table[f.name], prefix + f.name, origin)
+    return cls(**values)
+
+
+def _where(origin: Mapping[str, str], dotted: str) -> str:
+    return origin.get(dotted) or origin.get(dotted.split(".")[0]) or "configuration"
+
+
+def _fail(origin: Mapping[str, str], dotted: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{_where(origin, dotted)}: key {dotted!r}: expected {expected}, got {value!r}")
+
+
+def _coerce(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
+    """Check ``value`` against the type ``hint`` and convert it (paths, tuples, nested sections)."""
+    type_origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        return _build(hint, value, dotted + ".", origin)
+    if type_origin is Union or type_origin is types.UnionType:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none")) and type(None) in args:
+            return None
+        errors: list[str] = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, dotted, origin)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise _fail(origin, dotted, " or ".join(_describe(a) for a in args if a is not type(None)), value)
+    if type_origin is Literal:
+        if value in args:
+            return value
+        raise _fail(origin, dotted, "one of " + ", ".join(repr(a) for a in args), value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise _fail(origin, dotted, "true or false", value)
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _fail(origin, dotted, "an integer", value)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _fail(origin, dotted, "a number", value)
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise _fail(origin, dotted, "a string", value)
+    if hint is Path:
+        if isinstance(value, (str, Path)) and str(value):
+            return Path(value)
+        raise _fail(origin, dotted, "a path", value)
+    if type_origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v for v in (p.strip() for p in value.split(",")) if v]
+        if not isinstance(value, (list, tuple)):
+            raise _fail(origin, dotted, "an array", value)
+        item_hint = args[0] if args else Any
+        items = [_coerce(item_hint, v, f"{dotted}[{i}]", origin) for i, v in enumerate(value)]
+        return tuple(items) if type_origin is tuple else items
+    if type_origin in (dict, Mapping, typing.get_origin(Mapping[str, Any])):
+        if not isinstance(value, Mapping):
+            raise _fail(origin, dotted, "a table", value)
+        key_hint, value_hint = args if args else (str, Any)
+        result: dict[Any, Any] = {}
+        for k, v in value.items():
+            key = k
+            if key_hint is int:
+                try:
+                    key = int(k)
+                except (TypeError, ValueError) as exc:
+                    raise _fail(origin, f"{dotted}.{k}", "an integer key", k) from exc
+            result[key] = _coerce(value_hint, v, f"{dotted}.{k}", origin)
+        return result
+    if hint is Any:
+        return value
+    raise ConfigError(f"{dotted}: unsupported configuration type {hint!r}")  # a bug in a section class
+
+
+def _describe(hint: Any) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path"}
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    return names.get(hint, getattr(hint, "__name__", str(hint)))

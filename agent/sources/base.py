@@ -1,0 +1,87 @@
+"""What a notice source is: a long-running task that reports observations and its own health.
+
+A source turns one external signal (a cloud's metadata service, NVML, the host) into
+:class:`~agent.notice.Observation` values and hands them to a :class:`Sink` that the agent gives it. Sources
+parse with pure functions and keep their I/O loops thin. Sink methods must be called from the event loop
+thread; a source that works on a thread hands results back with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from agent.notice import Observation, format_time
+
+
+class HealthState(str, enum.Enum):
+    STARTING = "starting"
+    OK = "ok"
+    DEGRADED = "degraded"
+    DISABLED = "disabled"
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """A source's health as shown in ``/v1/status`` and in metrics."""
+
+    state: HealthState
+    since: datetime
+    last_error: str | None = None
+    last_error_at: datetime | None = None
+    last_ok_at: datetime | None = None
+    errors: int = 0
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "since": format_time(self.since),
+            "last_error": self.last_error,
+            "last_error_at": format_time(self.last_error_at) if self.last_error_at else None,
+            "last_ok_at": format_time(self.last_ok_at) if self.last_ok_at else None,
+            "errors": self.errors,
+            "detail": dict(self.detail),
+        }
+
+
+class Sink(Protocol):
+    """How a source talks to the agent. All methods are cheap and never block."""
+
+    def replace(self, observations: Iterable[Observation]) -> None:
+        """Everything the source sees now (after a successful read): the rest of its notices clear."""
+
+    def observe(self, obs: Observation) -> None:
+        """Raise or update one observation without touching the source's other notices."""
+
+    def clear(self, key: str, reason: str | None = None) -> None:
+        """The condition under ``key`` is over."""
+
+    def ok(self, **detail: Any) -> None:
+        """A read succeeded; ``detail`` replaces the health detail shown in status."""
+
+    def error(self, message: str, **fields: Any) -> None:
+        """A read failed: the source is degraded, one ``source_error`` log event is written. Active notices
+        of the source are kept: an error never clears a notice."""
+
+    def disable(self, why: str) -> None:
+        """The source cannot work on this host (no driver, not this cloud); it should then return."""
+
+
+class Source(abc.ABC):
+    """A notice source. Subclasses set ``name`` (unique per agent) and implement :meth:`run`."""
+
+    name: str = "source"
+
+    @abc.abstractmethod
+    async def run(self, sink: Sink) -> None:
+        """Watch until cancelled. Returning early (after ``sink.disable``) ends the source for this run;
+        raising is logged and the source is restarted with backoff."""
+
+    def status(self) -> Mapping[str, Any]:
+        """Extra fields for ``/v1/status`` under this source (e.g. the GPUs a monitor sees)."""
+        return {}
