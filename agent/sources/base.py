@@ -68,6 +68,10 @@ class Sink(Protocol):
         """A read failed: the source is degraded, one ``source_error`` log event is written. Active notices
         of the source are kept: an error never clears a notice."""
 
+    def identify(self, cloud: str, instance: Mapping[str, Any]) -> None:
+        """The source found which cloud and instance this host is (shown as ``agent.cloud`` and
+        ``agent.instance`` in status)."""
+
     def disable(self, why: str) -> None:
         """The source cannot work on this host (no driver, not this cloud); it should then return."""
 

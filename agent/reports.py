@@ -1,0 +1,144 @@
+"""Client reports (``POST /v1/reports``): validation of the JSON body into a frozen :class:`Report`.
+
+Pure functions; the API handler only reads the body, calls :func:`parse_report` and answers 4xx with the
+message of a :class:`~agent.errors.ReportError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from agent.errors import ReportError
+from agent.notice import format_time
+
+PHASES = ("started", "finished", "failed")
+KINDS = ("checkpoint",)
+_CLIENT_KEYS = {"pid": int, "host": str, "rank": int, "world_size": int, "job": str, "name": str, "participant": bool}
+MAX_TEXT = 512
+
+
+@dataclass(frozen=True)
+class Report:
+    kind: str
+    phase: str
+    received_at: datetime
+    step: int | None = None
+    duration_s: float | None = None
+    bytes: int | None = None
+    emergency: bool = False
+    notice_id: str | None = None
+    path: str | None = None
+    client: Mapping[str, Any] = field(default_factory=dict)
+    peer_pid: int | None = None
+    peer_uid: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "phase": self.phase,
+            "received_at": format_time(self.received_at),
+            "step": self.step,
+            "duration_s": self.duration_s,
+            "bytes": self.bytes,
+            "emergency": self.emergency,
+            "notice_id": self.notice_id,
+            "path": self.path,
+            "client": dict(self.client),
+            "peer_pid": self.peer_pid,
+            "peer_uid": self.peer_uid,
+        }
+
+
+def parse_report(doc: Any, received_at: datetime, peer_pid: int | None = None, peer_uid: int | None = None) -> Report:
+    """Validate a decoded JSON report; raise ReportError naming the field and what was expected."""
+    if not isinstance(doc, Mapping):
+        raise ReportError(f"a report must be a JSON object, got {_json_type(doc)}")
+    known = {"kind", "phase", "step", "duration_s", "bytes", "emergency", "notice_id", "path", "client"}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise ReportError(f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+    kind = doc.get("kind")
+    if kind not in KINDS:
+        raise ReportError(f"field 'kind' must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+    phase = doc.get("phase")
+    if phase not in PHASES:
+        raise ReportError(f"field 'phase' must be one of {', '.join(map(repr, PHASES))}, got {phase!r}")
+    step = _optional_int(doc, "step")
+    size = _optional_int(doc, "bytes")
+    duration = doc.get("duration_s")
+    if duration is not None:
+        if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration):
+            raise ReportError(f"field 'duration_s' must be a finite number of seconds, got {duration!r}")
+        if duration < 0:
+            raise ReportError(f"field 'duration_s' must not be negative, got {duration!r}")
+        duration = float(duration)
+    if phase == "finished" and duration is None:
+        raise ReportError("a 'finished' report needs 'duration_s' (seconds the checkpoint blocked training)")
+    emergency = doc.get("emergency", False)
+    if not isinstance(emergency, bool):
+        raise ReportError(f"field 'emergency' must be true or false, got {emergency!r}")
+    notice_id = _optional_text(doc, "notice_id")
+    path = _optional_text(doc, "path")
+    client = doc.get("client") or {}
+    if not isinstance(client, Mapping):
+        raise ReportError(f"field 'client' must be an object, got {_json_type(client)}")
+    checked: dict[str, Any] = {}
+    for key, value in client.items():
+        expected = _CLIENT_KEYS.get(key)
+        if expected is None:
+            continue  # clients may add their own descriptive fields; they are dropped, not rejected
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ReportError(f"field 'client.{key}' must be {expected.__name__}, got {value!r}")
+        if isinstance(value, str) and len(value) > MAX_TEXT:
+            raise ReportError(f"field 'client.{key}' is longer than {MAX_TEXT} characters")
+        checked[key] = value
+    return Report(
+        kind=kind,
+        phase=phase,
+        received_at=received_at,
+        step=step,
+        duration_s=duration,
+        bytes=size,
+        emergency=emergency,
+        notice_id=notice_id,
+        path=path,
+        client=checked,
+        peer_pid=peer_pid,
+        peer_uid=peer_uid,
+    )
+
+
+def _optional_int(doc: Mapping[str, Any], name: str) -> int | None:
+    value = doc.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ReportError(f"field {name!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _optional_text(doc: Mapping[str, Any], name: str) -> str | None:
+    value = doc.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 4096:
+        raise ReportError(f"field {name!r} must be a string of at most 4096 characters, got {value!r:.80}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return type(value).__name__

@@ -1,0 +1,12 @@
+"""Notice sources: the contract in :mod:`agent.sources.base`, and which sources a configuration runs."""
+
+from __future__ import annotations
+
+from agent.config import Config
+from agent.sources.base import Source
+
+
+def build_sources(config: Config) -> list[Source]:
+    """The sources to run for ``config``; ``cloud = "none"`` runs no cloud source."""
+    sources: list[Source] = []
+    return sources
