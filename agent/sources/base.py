@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from agent.notice import Observation, format_time
+from agent.reports import Report
 
 
 class HealthState(str, enum.Enum):
@@ -85,6 +86,9 @@ class Source(abc.ABC):
     async def run(self, sink: Sink) -> None:
         """Watch until cancelled. Returning early (after ``sink.disable``) ends the source for this run;
         raising is logged and the source is restarted with backoff."""
+
+    def on_report(self, report: Report) -> None:
+        """Called on the loop for every accepted client report (the host monitor uses checkpoint sizes)."""
 
     def status(self) -> Mapping[str, Any]:
         """Extra fields for ``/v1/status`` under this source (e.g. the GPUs a monitor sees)."""
