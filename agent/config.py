@@ -52,6 +52,100 @@ class ApiConfig:
     shutdown_timeout_s: float = 3.0
 
 
+# --- actions (agent/actions/) --------------------------------------------------------------------------
+
+NoticeKindName = Literal["termination", "rebalance", "maintenance", "gpu_fault", "gpu_degraded", "host_degraded"]
+SeverityName = Literal["info", "warning", "critical"]
+ActionTrigger = Literal["notice", "update", "cleared", "ready"]
+
+
+@dataclass(frozen=True)
+class SignalRuleConfig:
+    """One ``[[actions.signals]]`` rule: which notices send which signal to which processes."""
+
+    name: str = "signal"
+    kinds: tuple[NoticeKindName, ...] = ("termination", "maintenance")
+    min_severity: SeverityName = "warning"
+    drills: bool = True
+    signal: str = "SIGTERM"
+    # Targets; a rule with none of them does nothing.
+    gpu_processes: bool = False
+    gpu_scope: Literal["all", "notice"] = "all"
+    units: tuple[str, ...] = ()
+    cgroups: tuple[str, ...] = ()
+    pid_files: tuple[Path, ...] = ()
+    cmdline: tuple[str, ...] = ()
+    # Sent to the processes still alive this long after the first signal; 0 disables escalation.
+    escalate_after_s: float = 0.0
+    escalate_signal: str = "SIGKILL"
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """One ``[[actions.hooks]]`` entry: a command (argv, never a shell) run on some events."""
+
+    argv: tuple[str, ...] = ()
+    name: str = ""
+    on: tuple[ActionTrigger, ...] = ("notice",)
+    kinds: tuple[NoticeKindName, ...] = ()
+    min_severity: SeverityName = "info"
+    drills: bool = True
+    timeout_s: float = 30.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    """One ``[[actions.webhooks]]`` entry: an HTTP endpoint that receives events as JSON."""
+
+    url: str = ""
+    name: str = ""
+    on: tuple[ActionTrigger, ...] = ("notice", "cleared", "ready")
+    kinds: tuple[NoticeKindName, ...] = ()
+    min_severity: SeverityName = "info"
+    drills: bool = True
+    format: Literal["event", "slack"] = "event"
+    template: str = "preemptd on $host: $event $kind ($severity) from $source: $reason; $seconds_left s left$drill"
+    headers: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 10.0
+    retries: int = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ReadyConfig:
+    """When the agent declares a notice ``ready`` (participants saved) and acknowledges it to the cloud."""
+
+    enabled: bool = True
+    kinds: tuple[NoticeKindName, ...] = ("termination", "maintenance", "rebalance")
+    min_severity: SeverityName = "warning"
+    # Longest wait for participants after the notice; never later than ``deadline - deadline_margin_s``.
+    grace_s: float = 120.0
+    deadline_margin_s: float = 5.0
+    # Without declared participants: ``grace`` waits out the grace (signalled programs may be saving),
+    # ``immediately`` declares ready at once.
+    without_participants: Literal["grace", "immediately"] = "grace"
+    # A participant is forgotten when its process is gone or it has not reported for this long.
+    participant_ttl_s: float = 7 * 24 * 3600.0
+    azure_acknowledge: Literal["on_ready", "immediately", "never"] = "on_ready"
+
+
+@dataclass(frozen=True)
+class ActionsConfig:
+    """What the agent does about notices besides telling clients: signals, hooks, webhooks, ready."""
+
+    dry_run: bool = False
+    signals: tuple[SignalRuleConfig, ...] = ()
+    hooks: tuple[HookConfig, ...] = ()
+    hook_concurrency: int = 4
+    hook_output_max_bytes: int = 65536
+    webhooks: tuple[WebhookConfig, ...] = ()
+    ready: ReadyConfig = field(default_factory=ReadyConfig)
+    stop_timeout_s: float = 5.0
+    history_size: int = 100
+
+
 @dataclass(frozen=True)
 class Config:
     socket: Path = field(default_factory=default_socket_path)
@@ -69,6 +163,7 @@ class Config:
     drill_linger_s: float = 10.0
     history_max_bytes: int = 16 * 1024 * 1024
     api: ApiConfig = field(default_factory=ApiConfig)
+    actions: ActionsConfig = field(default_factory=ActionsConfig)
     config_file: Path | None = None
 
 
