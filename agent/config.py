@@ -146,6 +146,88 @@ class ActionsConfig:
     history_size: int = 100
 
 
+# --- cloud sources (issue 3) ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AwsConfig:
+    """EC2 instance metadata (IMDSv2)."""
+
+    endpoint: str = "http://169.254.169.254"
+    poll_interval_s: float = 1.0
+    timeout_s: float = 1.0
+    token_ttl_s: int = 21600
+    # IMDSv1 (no token) only when asked for: it is what SSRF attacks use, and many fleets disable it.
+    imdsv1_fallback: bool = False
+    backoff_max_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class GcpConfig:
+    """Google Compute Engine metadata server; changes arrive through hanging GETs."""
+
+    # Empty: $GCE_METADATA_HOST (as in Google's own clients), else http://metadata.google.internal.
+    endpoint: str = ""
+    wait_timeout_s: int = 60
+    timeout_s: float = 2.0
+    backoff_max_s: float = 5.0
+    # Seconds between ACPI soft-off and hard power-off of a preempted VM.
+    preempt_notice_s: float = 30.0
+    # How early maintenance-event flips before the host maintenance starts.
+    maintenance_notice_s: float = 60.0
+
+
+AzureAcknowledge = Literal["never", "immediate"]
+
+
+@dataclass(frozen=True)
+class AzureConfig:
+    """Azure IMDS Scheduled Events."""
+
+    endpoint: str = "http://169.254.169.254"
+    poll_interval_s: float = 1.0
+    timeout_s: float = 1.0
+    api_version: str = "2020-07-01"
+    instance_api_version: str = "2021-02-01"
+    # This VM's name as listed in events' Resources; empty: read compute.name from instance metadata.
+    vm_name: str = ""
+    # When to send StartRequests for an event that concerns this VM. "never": only when a component calls
+    # AzureSource.acknowledge(); "immediate": as soon as the event is seen (shortens the notice window).
+    acknowledge: AzureAcknowledge = "never"
+    backoff_max_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class AlibabaConfig:
+    """Alibaba Cloud ECS metadata."""
+
+    endpoint: str = "http://100.100.100.200"
+    poll_interval_s: float = 1.0
+    timeout_s: float = 1.0
+    # The hardened mode: fetch a token first (required when the instance enforces it).
+    token: bool = False
+    token_ttl_s: int = 21600
+    backoff_max_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class TencentConfig:
+    """Tencent Cloud CVM metadata."""
+
+    endpoint: str = "http://metadata.tencentyun.com"
+    poll_interval_s: float = 1.0
+    timeout_s: float = 1.0
+    backoff_max_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    """How ``cloud = "auto"`` finds the cloud: DMI strings, then one short metadata probe."""
+
+    dmi_dir: Path = Path("/sys/class/dmi/id")
+    probe_timeout_s: float = 1.0
+
+
 @dataclass(frozen=True)
 class Config:
     socket: Path = field(default_factory=default_socket_path)
@@ -164,6 +246,12 @@ class Config:
     history_max_bytes: int = 16 * 1024 * 1024
     api: ApiConfig = field(default_factory=ApiConfig)
     actions: ActionsConfig = field(default_factory=ActionsConfig)
+    aws: AwsConfig = field(default_factory=AwsConfig)
+    gcp: GcpConfig = field(default_factory=GcpConfig)
+    azure: AzureConfig = field(default_factory=AzureConfig)
+    alibaba: AlibabaConfig = field(default_factory=AlibabaConfig)
+    tencent: TencentConfig = field(default_factory=TencentConfig)
+    detect: DetectConfig = field(default_factory=DetectConfig)
     config_file: Path | None = None
 
 
