@@ -15,14 +15,16 @@ HOUR = 3600.0
 # --- the reference table (shared/reference/checkpoint-math.md), δ = 4 min -------------------------------
 
 REFERENCE = [
-    # MTBP, Young, √(2δM) − δ, Daly higher order, efficiency of the exact model at its optimum (R = 0)
+    # MTBP, Young, √(2δM) - δ, Daly higher order, efficiency of the exact model at its optimum (R = 0)
     (360.0, 53.7, 49.7, 51.0, 85.8),
     (90.0, 26.8, 22.8, 24.2, 73.0),
 ]
 
 
 @pytest.mark.parametrize(("mtbp_min", "young", "first", "higher", "eff"), REFERENCE)
-def test_young_reproduces_reference_table(mtbp_min: float, young: float, first: float, higher: float, eff: float) -> None:
+def test_young_reproduces_reference_table(
+    mtbp_min: float, young: float, first: float, higher: float, eff: float
+) -> None:
     assert young == round(cm.young(4 * MIN, mtbp_min * MIN) / MIN, 1)
 
 
@@ -44,7 +46,7 @@ def test_daly_higher_order_reproduces_reference_table(
 def test_exact_model_efficiency_at_the_articles_interval_reproduces_reference_table(
     mtbp_min: float, young: float, first: float, higher: float, eff: float
 ) -> None:
-    """The table's efficiency is the exact model's at the article's τ = √(2δM) − δ (see docs/advisor.md)."""
+    """The table's efficiency is the exact model's at the article's τ = √(2δM) - δ (see docs/advisor.md)."""
     delta, mtbp = 4 * MIN, mtbp_min * MIN
     assert eff == round(100 * cm.efficiency(cm.daly_first_order(delta, mtbp), delta, mtbp), 1)
 
@@ -59,20 +61,20 @@ def test_exact_model_efficiency_at_the_exact_optimum(mtbp_min: float, eff: float
 def test_article_checkpoint_share_at_90_minutes() -> None:
     """4/22.8 = 17.5 % of compute time; 4/26.8 = 14.9 % of wall-clock without failures; total waste ≈ 27 %."""
     tau = cm.daly_first_order(4 * MIN, 90 * MIN)
-    assert (17.5, 14.9, 27.0) == (
+    assert (
         round(100 * 4 * MIN / tau, 1),
         round(100 * 4 * MIN / (tau + 4 * MIN), 1),
         round(100 * cm.waste(cm.exact_interval(4 * MIN, 90 * MIN), 4 * MIN, 90 * MIN), 0),
-    )
+    ) == (17.5, 14.9, 27.0)
 
 
 def test_notice_aware_example_24h() -> None:
     """δ = 4 min and unannounced M = 24 h: τ ≈ 105 min, first-order minimum waste √(2δ/M) ≈ 7.5 %."""
     delta, mtbp = 4 * MIN, 24 * HOUR
-    assert (105, 7.5) == (
+    assert (
         round(cm.exact_interval(delta, mtbp) / MIN),
         round(100 * math.sqrt(2 * delta / mtbp), 1),
-    )
+    ) == (105, 7.5)
 
 
 # --- Daly (2006): δ = 5 min, R = 10 min ---------------------------------------------------------------
@@ -86,34 +88,39 @@ def test_daly_check_values_from_higher_order_formula(mtbp: float, expected_min: 
 
 
 @pytest.mark.parametrize(("mtbp", "expected_min", "digits"), DALY[:2])
-def test_daly_check_values_from_exact_optimum_when_m_is_large(mtbp: float, expected_min: float, digits: int) -> None:
+def test_daly_check_values_from_exact_optimum_when_m_is_large(
+    mtbp: float, expected_min: float, digits: int
+) -> None:
     assert expected_min == round(cm.exact_interval(5 * MIN, mtbp) / MIN, digits)
 
 
 def test_daly_check_value_at_15_minutes_is_the_higher_order_one_not_the_exact_one() -> None:
     """At M = 15 min the exact optimum is 9.17 min (9.2); Daly's 9.1 is his higher-order formula's 9.14."""
-    assert (9.2, 9.1) == (
+    assert (
         round(cm.exact_interval(5 * MIN, 15 * MIN) / MIN, 1),
         round(cm.daly_higher_order(5 * MIN, 15 * MIN) / MIN, 1),
-    )
+    ) == (9.2, 9.1)
 
 
 def test_restart_time_does_not_move_the_optimum() -> None:
     delta, mtbp, tau = 5 * MIN, 6 * HOUR, cm.exact_interval(5 * MIN, 6 * HOUR)
     assert all(
-        cm.efficiency(tau, delta, mtbp, restart=10 * MIN) > cm.efficiency(tau * f, delta, mtbp, restart=10 * MIN)
+        cm.efficiency(tau, delta, mtbp, restart=10 * MIN)
+        > cm.efficiency(tau * f, delta, mtbp, restart=10 * MIN)
         for f in (0.99, 1.01)
     )
 
 
 def test_restart_time_scales_the_waste_by_exp_r_over_m() -> None:
     delta, mtbp, tau = 5 * MIN, 6 * HOUR, 50 * MIN
-    ratio = cm.expected_wall_time(tau, delta, mtbp, restart=10 * MIN) / cm.expected_wall_time(tau, delta, mtbp)
+    ratio = cm.expected_wall_time(tau, delta, mtbp, restart=10 * MIN) / cm.expected_wall_time(
+        tau, delta, mtbp
+    )
     assert ratio == pytest.approx(math.exp(10 / 360), rel=1e-12)
 
 
 def test_higher_order_is_m_when_delta_exceeds_twice_m() -> None:
-    assert 10.0 == cm.daly_higher_order(30.0, 10.0)
+    assert cm.daly_higher_order(30.0, 10.0) == 10.0
 
 
 # --- Lambert W and the exact optimum -----------------------------------------------------------------
@@ -129,7 +136,7 @@ def test_lambert_w0_matches_scipy(x: float) -> None:
 
 @pytest.mark.parametrize("distance", [1e-12, 1e-9, 1e-6, 1e-3])
 def test_lambert_w0_near_the_branch_point_solves_its_equation(distance: float) -> None:
-    """Near −1/e W₀ is ill-conditioned; check the residual w·e^w − x and agreement with scipy to 1e-9."""
+    """Near -1/e W₀ is ill-conditioned; check the residual w·e^w - x and agreement with scipy to 1e-9."""
     special = pytest.importorskip("scipy.special")
     x = -cm.INV_E * math.exp(-distance)
     w = cm.lambert_w0(x)
@@ -138,7 +145,7 @@ def test_lambert_w0_near_the_branch_point_solves_its_equation(distance: float) -
 
 
 def test_lambert_w0_is_minus_one_at_the_branch_point() -> None:
-    assert -1.0 == cm.lambert_w0(-cm.INV_E)
+    assert cm.lambert_w0(-cm.INV_E) == -1.0
 
 
 def test_lambert_w0_rejects_values_below_minus_one_over_e() -> None:
@@ -186,7 +193,7 @@ def test_mixed_model_without_announced_interruptions_is_dalys_model() -> None:
 
 
 def test_mixed_model_without_interruptions_only_pays_checkpoints() -> None:
-    assert 0.9 == pytest.approx(cm.efficiency_mixed(90.0, 10.0, None, None))
+    assert pytest.approx(cm.efficiency_mixed(90.0, 10.0, None, None)) == 0.9
 
 
 def test_announced_interruptions_waste_less_than_the_same_number_of_lost_ones() -> None:
@@ -202,11 +209,15 @@ def test_mixed_optimum_equals_exact_optimum_without_announced_interruptions() ->
 
 def test_mixed_optimum_is_the_numerical_maximum_of_the_mixed_efficiency() -> None:
     optimize = pytest.importorskip("scipy.optimize")
-    args = (240.0, 6 * HOUR, 2 * HOUR, 300.0, 60.0)
+    args = (240.0, 6 * HOUR, 2 * HOUR)
+    costs = {"restart": 300.0, "emergency_delta": 60.0}
     found = optimize.minimize_scalar(
-        lambda t: -cm.efficiency_mixed(t, *args), bounds=(60.0, 20000.0), method="bounded", options={"xatol": 1e-6}
+        lambda t: -cm.efficiency_mixed(t, *args, **costs),
+        bounds=(60.0, 20000.0),
+        method="bounded",
+        options={"xatol": 1e-6},
     )
-    assert float(found.x) == pytest.approx(cm.optimal_interval_mixed(*args), rel=1e-4)
+    assert float(found.x) == pytest.approx(cm.optimal_interval_mixed(*args, **costs), rel=1e-4)
 
 
 @pytest.mark.parametrize(("delta", "mtbp"), [(0.0, 10.0), (-1.0, 10.0), (1.0, 0.0), (1.0, math.nan)])

@@ -21,7 +21,9 @@ def _check(delta: float, mtbp: float) -> None:
     if not (math.isfinite(delta) and delta > 0):
         raise ValueError(f"checkpoint save time must be a positive number of seconds, got {delta!r}")
     if not (math.isfinite(mtbp) and mtbp > 0):
-        raise ValueError(f"mean time between interruptions must be a positive number of seconds, got {mtbp!r}")
+        raise ValueError(
+            f"mean time between interruptions must be a positive number of seconds, got {mtbp!r}"
+        )
 
 
 def young(delta: float, mtbp: float) -> float:
@@ -31,12 +33,12 @@ def young(delta: float, mtbp: float) -> float:
 
 
 def daly_first_order(delta: float, mtbp: float) -> float:
-    """Daly (2006) first order, the vendor article's formula: τ ≈ √(2δM) − δ (never below zero)."""
+    """Daly (2006) first order, the vendor article's formula: τ ≈ √(2δM) - δ (never below zero)."""
     return max(0.0, young(delta, mtbp) - delta)
 
 
 def daly_higher_order(delta: float, mtbp: float) -> float:
-    """Daly (2006) higher order: √(2δM)·[1 + ⅓√(δ/2M) + ⅑(δ/2M)] − δ for δ < 2M, else M."""
+    """Daly (2006) higher order: √(2δM)·[1 + ⅓√(δ/2M) + ⅑(δ/2M)] - δ for δ < 2M, else M."""
     _check(delta, mtbp)
     if delta >= 2.0 * mtbp:
         return mtbp
@@ -45,7 +47,7 @@ def daly_higher_order(delta: float, mtbp: float) -> float:
 
 
 def lambert_w0(x: float) -> float:
-    """The principal branch W₀ of the Lambert W function for real x ≥ −1/e (Halley's iteration)."""
+    """The principal branch W₀ of the Lambert W function for real x ≥ -1/e (Halley's iteration)."""
     if math.isnan(x) or x < -INV_E * (1.0 + 1e-15):
         raise ValueError(f"W0 is real only for x >= -1/e, got {x!r}")
     if x == 0.0:
@@ -76,14 +78,14 @@ def lambert_w0(x: float) -> float:
 
 
 def exact_interval(delta: float, mtbp: float) -> float:
-    """The τ that maximises efficiency under exponential interruptions: τ = M·[1 + W₀(−e^{−(1+δ/M)})].
+    """The τ that maximises efficiency under exponential interruptions: τ = M·[1 + W₀(-e^{-(1+δ/M)})].
 
-    Computed through Lambert W, then polished with Newton on the equivalent y + log(1 − y) = −δ/M
+    Computed through Lambert W, then polished with Newton on the equivalent y + log(1 - y) = -δ/M
     (y = τ/M), which stays accurate when δ ≪ M and W₀ sits next to its branch point.
     """
     _check(delta, mtbp)
     eps = delta / mtbp
-    # −e^{−(1+ε)} written as −(1/e)·e^{−ε} so the distance to the branch point is not lost to rounding.
+    # -e^{-(1+ε)} written as -(1/e)·e^{-ε} so the distance to the branch point is not lost to rounding.
     y = 1.0 + lambert_w0(-INV_E * math.exp(-eps))
     y = min(max(y, 1e-300), 1.0 - 1e-16)
     for _ in range(8):
@@ -101,8 +103,10 @@ def exact_interval(delta: float, mtbp: float) -> float:
     return mtbp * y
 
 
-def expected_wall_time(tau: float, delta: float, mtbp: float, restart: float = 0.0, work: float = 1.0) -> float:
-    """Daly's expected wall time to finish ``work`` of compute: M·e^{R/M}·(e^{(τ+δ)/M} − 1)·(work/τ).
+def expected_wall_time(
+    tau: float, delta: float, mtbp: float, restart: float = 0.0, work: float = 1.0
+) -> float:
+    """Daly's expected wall time to finish ``work`` of compute: M·e^{R/M}·(e^{(τ+δ)/M} - 1)·(work/τ).
 
     Exact for exponential interruptions that may also strike during checkpoints and restarts.
     """
@@ -136,6 +140,7 @@ def efficiency_mixed(
     delta: float,
     mtbp_lost: float | None,
     mtbp_announced: float | None = None,
+    *,
     restart: float = 0.0,
     emergency_delta: float | None = None,
 ) -> float:
@@ -192,6 +197,7 @@ def optimal_interval_mixed(
     delta: float,
     mtbp_lost: float,
     mtbp_announced: float | None = None,
+    *,
     restart: float = 0.0,
     emergency_delta: float | None = None,
 ) -> float:
@@ -203,7 +209,9 @@ def optimal_interval_mixed(
     lo, hi = math.log(guess / 20.0), math.log(guess * 20.0)
 
     def cost(log_tau: float) -> float:
-        return -efficiency_mixed(math.exp(log_tau), delta, mtbp_lost, mtbp_announced, restart, emergency_delta)
+        return -efficiency_mixed(
+            math.exp(log_tau), delta, mtbp_lost, mtbp_announced, restart, emergency_delta
+        )
 
     return math.exp(_golden_min(cost, lo, hi, tol=1e-12))
 
