@@ -209,8 +209,9 @@ def optimal_interval_mixed(
     lo, hi = math.log(guess / 20.0), math.log(guess * 20.0)
 
     def cost(log_tau: float) -> float:
+        tau = math.exp(log_tau)
         return -efficiency_mixed(
-            math.exp(log_tau), delta, mtbp_lost, mtbp_announced, restart, emergency_delta
+            tau, delta, mtbp_lost, mtbp_announced, restart=restart, emergency_delta=emergency_delta
         )
 
     return math.exp(_golden_min(cost, lo, hi, tol=1e-12))
