@@ -54,7 +54,9 @@ class ApiConfig:
 
 # --- actions (agent/actions/) --------------------------------------------------------------------------
 
-NoticeKindName = Literal["termination", "rebalance", "maintenance", "gpu_fault", "gpu_degraded", "host_degraded"]
+NoticeKindName = Literal[
+    "termination", "rebalance", "maintenance", "gpu_fault", "gpu_degraded", "host_degraded"
+]
 SeverityName = Literal["info", "warning", "critical"]
 ActionTrigger = Literal["notice", "update", "cleared", "ready"]
 
@@ -105,7 +107,9 @@ class WebhookConfig:
     min_severity: SeverityName = "info"
     drills: bool = True
     format: Literal["event", "slack"] = "event"
-    template: str = "preemptd on $host: $event $kind ($severity) from $source: $reason; $seconds_left s left$drill"
+    template: str = (
+        "preemptd on $host: $event $kind ($severity) from $source: $reason; $seconds_left s left$drill"
+    )
     headers: dict[str, str] = field(default_factory=dict)
     timeout_s: float = 10.0
     retries: int = 3
@@ -142,7 +146,8 @@ class ActionsConfig:
     hook_output_max_bytes: int = 65536
     webhooks: tuple[WebhookConfig, ...] = ()
     ready: ReadyConfig = field(default_factory=ReadyConfig)
-    stop_timeout_s: float = 5.0
+    # Bounded wait at shutdown for running actions; keep it below api.shutdown_timeout_s.
+    stop_timeout_s: float = 2.0
     history_size: int = 100
 
 
@@ -276,7 +281,7 @@ def load_config(
     _merge(merged, _env_table(environ), origin, "environment")
     _merge(merged, _dotted_to_nested(overrides or {}), origin, "command line")
     merged.pop("config_file", None)
-    config = _build(Config, merged, "", origin)
+    config: Config = _build(Config, merged, "", origin)
     loaded_from = file_path if file_path.exists() else None
     return dataclasses.replace(config, config_file=loaded_from)
 
@@ -314,7 +319,8 @@ def config_to_json(config: Config) -> dict[str, Any]:
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as handle:
-            return tomllib.load(handle)
+            doc: dict[str, Any] = tomllib.load(handle)
+            return doc
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: config file not found") from exc
     except PermissionError as exc:
@@ -366,7 +372,9 @@ def _dotted_to_nested(flat: Mapping[str, Any]) -> dict[str, Any]:
     return nested
 
 
-def _merge(into: dict[str, Any], new: Mapping[str, Any], origin: dict[str, str], where: str, prefix: str = "") -> None:
+def _merge(
+    into: dict[str, Any], new: Mapping[str, Any], origin: dict[str, str], where: str, prefix: str = ""
+) -> None:
     for key, value in new.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, Mapping) and isinstance(into.get(key), dict):
@@ -384,7 +392,9 @@ def _field_names(cls: type) -> set[str]:
 
 def _build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mapping[str, str]) -> Any:
     if not isinstance(table, Mapping):
-        raise ConfigError(f"{_where(origin, prefix.rstrip('.'))}: key {prefix.rstrip('.')!r}: expected a table")
+        raise ConfigError(
+            f"{_where(origin, prefix.rstrip('.'))}: key {prefix.rstrip('.')!r}: expected a table"
+        )
     hints = typing.get_type_hints(cls)
     names = _field_names(cls)
     for key in table:
@@ -401,7 +411,7 @@ def _build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mappin
 
 
 def _where(origin: Mapping[str, str], dotted: str) -> str:
-    return origin.get(dotted) or origin.get(dotted.split(".")[0]) or "configuration"
+    return origin.get(dotted) or origin.get(dotted.split(".", maxsplit=1)[0]) or "configuration"
 
 
 def _fail(origin: Mapping[str, str], dotted: str, expected: str, value: Any) -> ConfigError:
@@ -415,7 +425,7 @@ def _coerce(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> An
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return _build(hint, value, dotted + ".", origin)
     if type_origin is Union or type_origin is types.UnionType:
-        if value is None or (isinstance(value, str) and value.lower() in ("", "none")) and type(None) in args:
+        if value is None or ((isinstance(value, str) and value.lower() in ("", "none")) and type(None) in args):
             return None
         errors: list[str] = []
         for arg in args:

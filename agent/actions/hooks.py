@@ -1,0 +1,189 @@
+"""Operator hooks: commands run as argv (never through a shell) on notice, update, cleared and ready events,
+with the event JSON on stdin, ``PREEMPTD_*`` variables in the environment, a timeout that kills the hook's
+whole process group, a bound on how many run at once, and their output in the log.
+
+Hooks run on tasks of their own: a hook that hangs never delays anything else the agent does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from agent.actions.common import Recent, TaskSet, applies, log, trigger_of
+from agent.config import HookConfig
+from agent.errors import ConfigError
+from agent.notice import Event, Notice, format_time, utcnow
+
+MAX_LOGGED_LINES = 200
+KILL_WAIT_S = 5.0
+
+
+def validate_hooks(hooks: Iterable[HookConfig]) -> tuple[HookConfig, ...]:
+    checked = []
+    for index, hook in enumerate(hooks):
+        where = f"actions.hooks[{index}]"
+        if not hook.argv or not hook.argv[0]:
+            raise ConfigError(
+                f'{where}: argv is empty; give the command as a list, e.g. ["/usr/local/bin/x", "--y"]'
+            )
+        if hook.timeout_s <= 0:
+            raise ConfigError(f"{where}: timeout_s must be positive, got {hook.timeout_s}")
+        checked.append(hook)
+    return tuple(checked)
+
+
+def hook_name(hook: HookConfig) -> str:
+    return hook.name or os.path.basename(hook.argv[0])
+
+
+def hook_environment(
+    base: Mapping[str, str], doc: Mapping[str, Any], notice: Notice | None, extra: Mapping[str, str]
+) -> dict[str, str]:
+    """The hook's environment: the agent's own, the hook's ``env`` table, then the ``PREEMPTD_*`` facts."""
+    env = dict(base)
+    env.update(extra)
+    env["PREEMPTD_EVENT"] = str(doc.get("type", ""))
+    env["PREEMPTD_EVENT_SEQ"] = str(doc.get("seq", ""))
+    if notice is not None:
+        env["PREEMPTD_NOTICE_ID"] = notice.id
+        env["PREEMPTD_KIND"] = notice.kind.value
+        env["PREEMPTD_SEVERITY"] = notice.severity.value
+        env["PREEMPTD_SOURCE"] = notice.source
+        env["PREEMPTD_REASON"] = notice.reason
+        env["PREEMPTD_DRILL"] = "1" if notice.drill else "0"
+        env["PREEMPTD_DEADLINE"] = format_time(notice.deadline) if notice.deadline else ""
+        left = notice.seconds_left(utcnow())
+        env["PREEMPTD_SECONDS_LEFT"] = "" if left is None else f"{left:.3f}"
+    return env
+
+
+class HookEngine:
+    """Starts the configured hooks for each event, at most ``concurrency`` at a time."""
+
+    def __init__(
+        self,
+        hooks: Iterable[HookConfig],
+        *,
+        concurrency: int,
+        output_max_bytes: int,
+        tasks: TaskSet,
+        recent: Recent,
+        base_env: Mapping[str, str] | None = None,
+        count: Callable[[str], None] = lambda outcome: None,
+    ) -> None:
+        self.hooks = validate_hooks(hooks)
+        if concurrency < 1:
+            raise ConfigError(f"actions.hook_concurrency must be at least 1, got {concurrency}")
+        self._limit = asyncio.Semaphore(concurrency)
+        self._max_bytes = output_max_bytes
+        self._tasks = tasks
+        self._recent = recent
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._count = count
+
+    def handle(self, event: Event, notice: Notice | None, doc: Mapping[str, Any]) -> None:
+        """Start every hook that wants this event; ``doc`` is the event JSON given on stdin."""
+        trigger = trigger_of(event)
+        if trigger is None:
+            return
+        for hook in self.hooks:
+            if trigger not in hook.on or not applies(notice, hook.kinds, hook.min_severity, hook.drills):
+                continue
+            name = hook_name(hook)
+            self._tasks.spawn(self._run(hook, name, notice, doc), f"hook:{name}:{trigger}")
+
+    async def _run(self, hook: HookConfig, name: str, notice: Notice | None, doc: Mapping[str, Any]) -> None:
+        async with self._limit:
+            await self._run_one(hook, name, notice, doc)
+
+    async def _run_one(
+        self, hook: HookConfig, name: str, notice: Notice | None, doc: Mapping[str, Any]
+    ) -> None:
+        event_type = str(doc.get("type"))
+        context = {"hook": name, "event": event_type, "notice_id": notice.id if notice else None}
+        started = time.monotonic()
+        env = hook_environment(self._base_env, doc, notice, hook.env)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *hook.argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                cwd="/",
+                start_new_session=True,  # its own process group, so a timeout kills its children too
+            )
+        except OSError as exc:
+            self._finish(context, "failed_to_start", started, error=f"{hook.argv[0]}: {exc.strerror or exc}")
+            return
+        payload = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+        log.info("hook_started", pid=proc.pid, argv=list(hook.argv), **context)
+        try:
+            output, truncated = await asyncio.wait_for(self._interact(proc, payload), timeout=hook.timeout_s)
+        except asyncio.TimeoutError:
+            await _kill_group(proc)
+            self._finish(context, "timeout", started, error=f"no exit after {hook.timeout_s:g} s; killed")
+            return
+        except asyncio.CancelledError:
+            await _kill_group(proc)
+            raise
+        _log_output(output, truncated, context)
+        code = proc.returncode
+        self._finish(context, "ok" if code == 0 else "failed", started, exit_code=code, truncated=truncated)
+
+    async def _interact(self, proc: asyncio.subprocess.Process, payload: bytes) -> tuple[bytes, bool]:
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(payload)
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a hook that does not read its stdin is fine
+        finally:
+            proc.stdin.close()
+        kept = bytearray()
+        truncated = False
+        while chunk := await proc.stdout.read(65536):
+            room = self._max_bytes - len(kept)
+            if len(chunk) > room:
+                truncated = True
+            kept += chunk[: max(0, room)]
+        await proc.wait()
+        return bytes(kept), truncated
+
+    def _finish(self, context: Mapping[str, Any], outcome: str, started: float, **fields: Any) -> None:
+        record = {
+            "at": format_time(utcnow()),
+            **context,
+            "outcome": outcome,
+            "duration_s": round(time.monotonic() - started, 3),
+            **{k: v for k, v in fields.items() if v is not None},
+        }
+        self._recent.add(record)
+        self._count(outcome)
+        logged = {k: v for k, v in record.items() if k != "at"}
+        if outcome == "ok":
+            log.info("hook_finished", **logged)
+        else:
+            log.warning("hook_" + outcome, **logged)
+
+
+def _log_output(output: bytes, truncated: bool, context: Mapping[str, Any]) -> None:
+    lines = output.decode("utf-8", "replace").splitlines()
+    for line in lines[:MAX_LOGGED_LINES]:
+        log.info("hook_output", line=line, **context)
+    if truncated or len(lines) > MAX_LOGGED_LINES:
+        log.info("hook_output_truncated", lines=len(lines), **context)
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+        await asyncio.wait_for(proc.wait(), timeout=KILL_WAIT_S)

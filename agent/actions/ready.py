@@ -1,0 +1,273 @@
+"""The ``ready`` step: clients that declared themselves participants (``client.participant`` in a report)
+report their emergency checkpoint finished; once all that were alive at the notice have, or a grace runs out
+(never later than a margin before the deadline), the agent publishes ``ready`` for the notice. On Azure the
+event is then acknowledged to the platform (``StartRequests``), at ready, at once, or never.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import psutil
+
+from agent.actions.common import Recent, TaskSet, applies, log
+from agent.config import ReadyConfig
+from agent.notice import Event, EventType, Notice, format_time, utcnow
+from agent.reports import Report
+
+Publish = Callable[[str, Mapping[str, Any]], Any]
+
+
+def participant_key(report: Report) -> str:
+    """Who a report is from: ``job#rank`` for a distributed job, else ``name@pid``."""
+    client = report.client
+    if "job" in client and "rank" in client:
+        return f"{client['job']}#{client['rank']}"
+    pid = client.get("pid") or report.peer_pid
+    name = client.get("name") or "client"
+    return f"{name}@{pid}" if pid else str(name)
+
+
+@dataclass
+class Participant:
+    key: str
+    pid: int | None
+    last_seen: datetime
+    client: Mapping[str, Any]
+
+    def alive(self, now: datetime, ttl: timedelta) -> bool:
+        if now - self.last_seen > ttl:
+            return False
+        return self.pid is None or psutil.pid_exists(self.pid)
+
+
+@dataclass
+class Pending:
+    notice: Notice
+    expected: set[str]
+    started: float
+    cutoff_s: float
+    done: dict[str, str] = field(default_factory=dict)
+    ready_at: datetime | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    timer: asyncio.Task[Any] | None = None
+    cleared: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "kind": self.notice.kind.value,
+            "state": "cleared"
+            if self.cleared and self.ready_at is None
+            else "ready"
+            if self.ready_at
+            else "waiting",
+            "participants": sorted(self.expected),
+            "finished": sorted(k for k, v in self.done.items() if v == "finished"),
+            "failed": sorted(k for k, v in self.done.items() if v == "failed"),
+            "missing": sorted(self.expected - set(self.done)),
+            "grace_s": round(self.cutoff_s, 3),
+        }
+        if self.ready_at is not None:
+            doc["ready_at"] = format_time(self.ready_at)
+            doc.update(
+                {k: self.data[k] for k in ("reason", "notice_to_ready_s", "margin_s") if k in self.data}
+            )
+        return doc
+
+
+class ReadyEngine:
+    """Tracks participants and, per matching notice, who has saved; publishes ``ready`` once per notice."""
+
+    def __init__(self, config: ReadyConfig, *, publish: Publish, tasks: TaskSet, history: int = 100) -> None:
+        self.config = config
+        self._publish = publish
+        self._tasks = tasks
+        self._participants: dict[str, Participant] = {}
+        self._pending: dict[str, Pending] = {}
+        self._history = max(1, history)
+
+    # --- inputs -------------------------------------------------------------------------------------
+
+    def on_report(self, report: Report) -> None:
+        key = participant_key(report)
+        if report.client.get("participant") is True:
+            pid = report.client.get("pid") or report.peer_pid
+            self._participants[key] = Participant(key, pid, report.received_at, dict(report.client))
+        elif key in self._participants:
+            self._participants[key].last_seen = report.received_at
+        if report.phase not in ("finished", "failed") or not report.emergency:
+            return
+        for pending in list(self._pending.values()):
+            if pending.ready_at is not None or pending.cleared:
+                continue
+            if report.notice_id not in (None, pending.notice.id):
+                continue
+            if key not in pending.expected and key not in self._participants:
+                continue  # a client that never declared itself is not waited for, nor counted
+            pending.expected.add(key)
+            pending.done[key] = report.phase
+            log.info(
+                "ready_participant_done", notice_id=pending.notice.id, participant=key, phase=report.phase
+            )
+            if pending.expected <= set(pending.done):
+                self._declare(pending, "all_participants")
+
+    def on_event(self, event: Event) -> None:
+        notice = event.notice
+        if notice is None or not self.config.enabled:
+            return
+        if event.type is EventType.CLEARED:
+            pending = self._pending.get(notice.id)
+            if pending is not None and pending.ready_at is None:
+                pending.cleared = True
+                if pending.timer is not None:
+                    pending.timer.cancel("notice cleared")
+            return
+        if event.type not in (EventType.NOTICE, EventType.UPDATE) or notice.id in self._pending:
+            return
+        cfg = self.config
+        if not applies(notice, cfg.kinds, cfg.min_severity, True):
+            return
+        self._start(notice)
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    def _start(self, notice: Notice) -> None:
+        now = utcnow()
+        ttl = timedelta(seconds=self.config.participant_ttl_s)
+        for key, who in list(self._participants.items()):
+            if not who.alive(now, ttl):
+                del self._participants[key]
+        expected = set(self._participants)
+        cutoff = self.config.grace_s
+        if notice.deadline is not None:
+            cutoff = min(cutoff, (notice.deadline - now).total_seconds() - self.config.deadline_margin_s)
+        cutoff = max(0.0, cutoff)
+        pending = Pending(notice=notice, expected=expected, started=time.monotonic(), cutoff_s=cutoff)
+        self._pending[notice.id] = pending
+        self._trim()
+        log.info(
+            "ready_waiting", notice_id=notice.id, participants=sorted(expected), grace_s=round(cutoff, 3)
+        )
+        if not expected and self.config.without_participants == "immediately":
+            self._declare(pending, "no_participants")
+            return
+        if cutoff <= 0:
+            self._declare(pending, "deadline")
+            return
+        pending.timer = self._tasks.spawn(self._expire(pending), f"ready-grace:{notice.id}")
+
+    async def _expire(self, pending: Pending) -> None:
+        await asyncio.sleep(pending.cutoff_s)
+        if pending.ready_at is None and not pending.cleared:
+            self._declare(pending, "grace" if pending.expected else "no_participants")
+
+    def _declare(self, pending: Pending, reason: str) -> None:
+        if pending.timer is not None and pending.timer is not asyncio.current_task():
+            pending.timer.cancel("ready")
+        now = utcnow()
+        notice = pending.notice
+        pending.ready_at = now
+        data: dict[str, Any] = {
+            "reason": reason,
+            "participants": sorted(pending.expected),
+            "finished": sorted(k for k, v in pending.done.items() if v == "finished"),
+            "failed": sorted(k for k, v in pending.done.items() if v == "failed"),
+            "missing": sorted(pending.expected - set(pending.done)),
+            "notice_to_ready_s": round((now - notice.detected_at).total_seconds(), 3),
+            "margin_s": round((notice.deadline - now).total_seconds(), 3) if notice.deadline else None,
+        }
+        pending.data = data
+        log.info("ready", notice_id=notice.id, **data)
+        result = self._publish(notice.id, data)
+        if inspect.isawaitable(result):
+            self._tasks.spawn(_await(result), f"publish-ready:{notice.id}")
+
+    def _trim(self) -> None:
+        while len(self._pending) > self._history:
+            oldest = next(iter(self._pending))
+            if self._pending[oldest].ready_at is None and not self._pending[oldest].cleared:
+                break
+            del self._pending[oldest]
+
+    def pending(self, notice_id: str) -> Pending | None:
+        return self._pending.get(notice_id)
+
+    def status(self) -> dict[str, Any]:
+        now = utcnow()
+        return {
+            "participants": [
+                {"key": p.key, "pid": p.pid, "last_seen": format_time(p.last_seen)}
+                for p in sorted(self._participants.values(), key=lambda p: p.key)
+                if now - p.last_seen <= timedelta(seconds=self.config.participant_ttl_s)
+            ],
+            "notices": {notice_id: pending.to_json() for notice_id, pending in self._pending.items()},
+        }
+
+
+async def _await(result: Awaitable[Any]) -> None:
+    await result
+
+
+# --- Azure acknowledgement -----------------------------------------------------------------------------
+
+EVENT_ID_KEYS = ("EventId", "event_id", "eventId")
+
+
+def azure_event_id(notice: Notice) -> str | None:
+    for key in EVENT_ID_KEYS:
+        value = notice.detail.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+class AzureAcknowledger:
+    """Sends ``StartRequests`` through the Azure source's ``acknowledge(event_id)`` once per notice."""
+
+    def __init__(self, mode: str, *, source: Callable[[], Any], tasks: TaskSet, recent: Recent) -> None:
+        self.mode = mode
+        self._source = source
+        self._tasks = tasks
+        self._recent = recent
+        self._done: set[str] = set()
+
+    def handle(self, event: Event, notice: Notice | None) -> None:
+        if notice is None or notice.source != "azure" or self.mode == "never":
+            return
+        wanted = EventType.READY if self.mode == "on_ready" else EventType.NOTICE
+        if event.type is not wanted or notice.id in self._done:
+            return
+        self._done.add(notice.id)
+        self._tasks.spawn(self._acknowledge(notice), f"azure-ack:{notice.id}")
+
+    async def _acknowledge(self, notice: Notice) -> None:
+        event_id = azure_event_id(notice)
+        record: dict[str, Any] = {"at": format_time(utcnow()), "notice_id": notice.id, "event_id": event_id}
+        source = self._source()
+        if notice.drill:
+            record["outcome"] = "skipped_drill"
+        elif event_id is None:
+            record.update(outcome="failed", error="the notice carries no Azure EventId")
+        elif source is None or not hasattr(source, "acknowledge"):
+            record.update(outcome="failed", error="no Azure source with acknowledge() is running")
+        else:
+            try:
+                result = source.acknowledge(event_id)
+                if inspect.isawaitable(result):
+                    await result
+                record["outcome"] = "sent"
+            except Exception as exc:
+                record.update(outcome="failed", error=f"{type(exc).__name__}: {exc}")
+        self._recent.add(record)
+        fields = {k: v for k, v in record.items() if k != "at"}
+        if record["outcome"] == "failed":
+            log.warning("azure_acknowledge_failed", **fields)
+        else:
+            log.info("azure_acknowledge", **fields)

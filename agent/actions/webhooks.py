@@ -1,0 +1,182 @@
+"""Webhooks: POST the event JSON (or a Slack-style ``{"text": ...}`` built from a template) to configured
+URLs, with a timeout, retries with exponential backoff on network errors, 429 and 5xx, and no secrets in the
+log: a webhook is logged by its name and its scheme, host and port only, never its path, query or headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import string
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from agent.actions.common import Recent, TaskSet, applies, log, trigger_of
+from agent.config import WebhookConfig
+from agent.errors import ConfigError
+from agent.notice import Event, Notice, format_time, utcnow
+
+
+def redact(url: str) -> str:
+    """``https://hooks.example.com:8443/services/T0/B0/secret?token=x`` → ``https://hooks.example.com:8443``."""
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}"
+
+
+def validate_webhooks(hooks: Iterable[WebhookConfig]) -> tuple[WebhookConfig, ...]:
+    checked = []
+    for index, hook in enumerate(hooks):
+        where = f"actions.webhooks[{index}]"
+        parts = urlsplit(hook.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"{where}: url must be an http:// or https:// URL, got {redact(hook.url)!r}")
+        if hook.timeout_s <= 0 or hook.retries < 0 or hook.backoff_s < 0:
+            raise ConfigError(f"{where}: timeout_s must be positive and retries, backoff_s not negative")
+        checked.append(hook)
+    return tuple(checked)
+
+
+def webhook_name(hook: WebhookConfig) -> str:
+    return hook.name or redact(hook.url)
+
+
+def render_payload(hook: WebhookConfig, doc: Mapping[str, Any], notice: Notice | None, host: str) -> Any:
+    """The body to POST: the event document, or ``{"text": template}`` for ``format = "slack"``.
+
+    Template variables (``$name``): event, kind, severity, source, reason, notice_id, deadline,
+    seconds_left, drill (`` (drill)`` or empty), host. Unknown variables are left as written.
+    """
+    if hook.format == "event":
+        return dict(doc)
+    fields: dict[str, str] = {"event": str(doc.get("type", "")), "host": host}
+    if notice is not None:
+        left = notice.seconds_left(utcnow())
+        fields.update(
+            kind=notice.kind.value,
+            severity=notice.severity.value,
+            source=notice.source,
+            reason=notice.reason,
+            notice_id=notice.id,
+            deadline=format_time(notice.deadline) if notice.deadline else "none",
+            seconds_left="?" if left is None else f"{left:.0f}",
+            drill=" (drill)" if notice.drill else "",
+        )
+    return {"text": string.Template(hook.template).safe_substitute(fields)}
+
+
+class _Retry(Exception):
+    pass
+
+
+class WebhookEngine:
+    """Delivers events to the configured webhooks; each delivery is an owned task with its own retries."""
+
+    def __init__(
+        self,
+        hooks: Iterable[WebhookConfig],
+        *,
+        tasks: TaskSet,
+        recent: Recent,
+        host: str | None = None,
+        count: Callable[[str], None] = lambda outcome: None,
+    ) -> None:
+        self.hooks = validate_webhooks(hooks)
+        self._tasks = tasks
+        self._recent = recent
+        self._host = host or socket.gethostname()
+        self._count = count
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        if self.hooks and self._session is None:
+            self._session = aiohttp.ClientSession(headers={"User-Agent": "preemptd"})
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def handle(self, event: Event, notice: Notice | None, doc: Mapping[str, Any]) -> None:
+        trigger = trigger_of(event)
+        if trigger is None:
+            return
+        for hook in self.hooks:
+            if trigger not in hook.on or not applies(notice, hook.kinds, hook.min_severity, hook.drills):
+                continue
+            payload = render_payload(hook, doc, notice, self._host)
+            name = webhook_name(hook)
+            self._tasks.spawn(self._deliver(hook, name, payload, doc, notice), f"webhook:{name}:{trigger}")
+
+    async def _deliver(
+        self, hook: WebhookConfig, name: str, payload: Any, doc: Mapping[str, Any], notice: Notice | None
+    ) -> None:
+        context = {
+            "webhook": name,
+            "endpoint": redact(hook.url),
+            "event": str(doc.get("type")),
+            "notice_id": notice.id if notice else None,
+        }
+        started = time.monotonic()
+        if self._session is None:
+            self._finish(context, "failed", started, attempts=0, error="webhooks are not started")
+            return
+        attempts = hook.retries + 1
+        error = ""
+        for attempt in range(1, attempts + 1):
+            try:
+                status = await self._post(hook, payload)
+            except _Retry as exc:
+                error = str(exc)
+            else:
+                if status < 300:
+                    self._finish(context, "ok", started, attempts=attempt, status=status)
+                    return
+                self._finish(context, "rejected", started, attempts=attempt, status=status)
+                return
+            if attempt < attempts:
+                delay = min(hook.backoff_max_s, hook.backoff_s * (2 ** (attempt - 1)))
+                log.info("webhook_retry", attempt=attempt, error=error, retry_in_s=delay, **context)
+                await asyncio.sleep(delay)
+        self._finish(context, "failed", started, attempts=attempts, error=error)
+
+    async def _post(self, hook: WebhookConfig, payload: Any) -> int:
+        """POST once; the status for a final answer, :class:`_Retry` (with a redacted reason) otherwise."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=hook.timeout_s)
+        try:
+            async with self._session.post(
+                hook.url, json=payload, headers=hook.headers, timeout=timeout
+            ) as resp:
+                await resp.read()
+                if resp.status == 429 or resp.status >= 500:
+                    raise _Retry(f"HTTP {resp.status}")
+                return resp.status
+        except asyncio.TimeoutError:
+            raise _Retry(f"no answer within {hook.timeout_s:g} s") from None
+        except aiohttp.ClientError as exc:
+            # aiohttp's messages can carry the URL (and with it a token): keep only the error class and
+            # what the OS said.
+            reason = getattr(exc, "os_error", None) or getattr(exc, "strerror", None)
+            raise _Retry(f"{type(exc).__name__}{': ' + str(reason) if reason else ''}") from None
+
+    def _finish(self, context: Mapping[str, Any], outcome: str, started: float, **fields: Any) -> None:
+        record = {
+            "at": format_time(utcnow()),
+            **context,
+            "outcome": outcome,
+            "duration_s": round(time.monotonic() - started, 3),
+            **fields,
+        }
+        self._recent.add(record)
+        self._count(outcome)
+        logged = {k: v for k, v in record.items() if k != "at"}
+        if outcome == "ok":
+            log.info("webhook_delivered", **logged)
+        else:
+            log.warning("webhook_" + outcome, **logged)
