@@ -382,19 +382,28 @@ class NoticeBoard:
                 changes.append(change)
         return changes
 
-    def expire(self, now: datetime, grace: timedelta, live_sources: Iterable[str]) -> list[Change]:
-        """Clear notices whose deadline passed more than ``grace`` ago and whose source is not running
-        (drills, or notices restored from a source no longer configured)."""
-        live = set(live_sources)
+    def expire(self, now: datetime, grace_for: Callable[[Notice], timedelta | None]) -> list[Change]:
+        """Clear notices whose deadline passed more than ``grace_for(notice)`` ago; ``None`` keeps a notice
+        (the agent keeps notices of running sources: the source itself says when they end)."""
         changes: list[Change] = []
         for notice in list(self._by_key.values()):
-            if notice.source in live and not notice.drill:
+            grace = grace_for(notice)
+            if grace is None or notice.deadline is None:
                 continue
-            if notice.deadline is not None and now - notice.deadline >= grace:
+            if now - notice.deadline >= grace:
                 change = self.clear(notice.source, notice.key, now, "deadline passed")
                 if change is not None:
                     changes.append(change)
         return changes
+
+    def next_expiry(self, grace_for: Callable[[Notice], timedelta | None]) -> datetime | None:
+        """When :meth:`expire` will next have something to do, or None."""
+        times = [
+            n.deadline + grace
+            for n in self._by_key.values()
+            if n.deadline is not None and (grace := grace_for(n)) is not None
+        ]
+        return min(times) if times else None
 
 
 def _merge_deadline(current: datetime | None, observed: datetime | None) -> datetime | None:

@@ -1,0 +1,389 @@
+"""The HTTP API on the Unix socket: status, the event stream, reports, drills and metrics.
+
+Handlers stay thin: bodies are parsed by pure functions (:mod:`agent.reports`, :func:`parse_drill`) and
+errors become JSON ``{"error": ...}`` answers with a 4xx status that says what was wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import math
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+
+from agent import __version__
+from agent.errors import NoticeError, ReportError
+from agent.hub import CLOSE, HubFull
+from agent.notice import Kind, Severity
+from agent.reports import parse_report
+
+if TYPE_CHECKING:
+    from agent.daemon import Agent
+
+AGENT_KEY: web.AppKey[Agent] = web.AppKey("agent")
+MAX_DRILL_S = 7 * 24 * 3600.0
+
+
+def peer_credentials(request: web.Request) -> tuple[int, int, int] | None:
+    """(pid, uid, gid) of the connected process, from SO_PEERCRED."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def _peer_doc(request: web.Request) -> dict[str, Any]:
+    creds = peer_credentials(request)
+    if creds is None:
+        return {}
+    return {"pid": creds[0], "uid": creds[1], "gid": creds[2]}
+
+
+def _process_groups(pid: int) -> set[int]:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
+
+
+def is_admin(creds: tuple[int, int, int] | None, admin_group: str | None) -> tuple[bool, str]:
+    """Root, the agent's own user, or a member of the admin group may use mutating endpoints."""
+    if creds is None:
+        return False, "peer credentials unavailable"
+    pid, uid, gid = creds
+    if uid == 0 or uid == os.geteuid():
+        return True, "owner"
+    if admin_group:
+        try:
+            admin_gid = grp.getgrnam(admin_group).gr_gid
+        except KeyError:
+            return False, f"admin group {admin_group!r} does not exist"
+        if gid == admin_gid or admin_gid in _process_groups(pid):
+            return True, f"member of {admin_group}"
+        return False, f"uid {uid} is not root and not in the admin group {admin_group!r}"
+    return False, f"uid {uid} is not root and no admin_group is configured"
+
+
+def parse_drill(doc: Any, default_in_s: float = 120.0) -> tuple[Kind, float, Severity | None, str]:
+    """Validate a drill request ``{"kind", "in_s", "severity", "reason"}``; raises NoticeError."""
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, Mapping):
+        raise NoticeError("a drill request must be a JSON object")
+    unknown = sorted(set(doc) - {"kind", "in_s", "severity", "reason"})
+    if unknown:
+        raise NoticeError(
+            f"unknown field(s) {', '.join(map(repr, unknown))}; known: in_s, kind, reason, severity"
+        )
+    try:
+        kind = Kind(doc.get("kind", "termination"))
+    except ValueError as exc:
+        raise NoticeError(
+            f"field 'kind' must be one of {', '.join(k.value for k in Kind)}, got {doc.get('kind')!r}"
+        ) from exc
+    in_s = doc.get("in_s", default_in_s)
+    if isinstance(in_s, bool) or not isinstance(in_s, (int, float)) or not math.isfinite(in_s):
+        raise NoticeError(f"field 'in_s' must be a number of seconds, got {in_s!r}")
+    if not 0 <= in_s <= MAX_DRILL_S:
+        raise NoticeError(f"field 'in_s' must be between 0 and {MAX_DRILL_S:.0f}, got {in_s!r}")
+    severity = None
+    if doc.get("severity") is not None:
+        try:
+            severity = Severity(doc["severity"])
+        except ValueError as exc:
+            raise NoticeError(
+                f"field 'severity' must be info, warning or critical, got {doc['severity']!r}"
+            ) from exc
+    reason = doc.get("reason", f"drill: {kind.value}")
+    if not isinstance(reason, str) or not reason or len(reason) > 512:
+        raise NoticeError("field 'reason' must be a non-empty string of at most 512 characters")
+    return kind, float(in_s), severity, reason
+
+
+def _error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+async def _read_json(request: web.Request) -> Any:
+    agent = request.app[AGENT_KEY]
+    limit = agent.config.api.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as exc:
+        raise ReportError(f"body is not UTF-8: {exc}") from exc
+    except ValueError as exc:
+        raise ReportError(f"body is not valid JSON: {exc}") from exc
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    agent = request.app[AGENT_KEY]
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as exc:
+        agent.log.warning(
+            "bad_request", path=request.path, status=413, error="body too large", peer=_peer_doc(request)
+        )
+        return _error(
+            413, f"body too large: the limit is {agent.config.api.max_body_bytes} bytes", limit=exc.text
+        )
+    except web.HTTPNotFound:
+        return _error(
+            404,
+            f"no endpoint {request.method} {request.path}; the API is under /v1 (status, events, reports, drills, advice) and /metrics",
+        )
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return _error(405, f"{request.method} is not allowed on {request.path}; use {allowed}")
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return _error(exc.status, exc.reason)
+        raise
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[AGENT_KEY].status(), dumps=_dumps)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=str)
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    agent = request.app[AGENT_KEY]
+    peer = _peer_doc(request)
+    try:
+        sub = agent.hub.subscribe(peer)
+    except HubFull as exc:
+        agent.log.warning("subscriber_refused", error=str(exc), peer=peer)
+        return _error(503, str(exc))
+    last_event_id = request.headers.get("Last-Event-ID")
+    resume = agent.hub.resume_from(last_event_id)
+    transport = request.transport
+
+    def abort(reason: str) -> None:
+        if transport is not None:
+            transport.abort()
+
+    sub.on_kick = abort
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
+    agent.log.info(
+        "client_connected",
+        subscriber=sub.id,
+        peer=peer,
+        last_event_id=last_event_id,
+        snapshot=resume.snapshot,
+        replay=len(resume.frames),
+    )
+    reason = "client closed the stream"
+    try:
+        await response.prepare(request)
+        first = (
+            [agent.hub.snapshot_frame(agent.board.active(), agent.now())]
+            if resume.snapshot
+            else list(resume.frames)
+        )
+        if first:
+            await response.write(b"".join(first))
+        while True:
+            frame = await sub.queue.get()
+            if frame is CLOSE or frame == CLOSE:
+                reason = "agent shutting down"
+                break
+            await response.write(frame)
+            sub.delivered += 1
+    except (ConnectionResetError, ConnectionError, asyncio.CancelledError) as exc:
+        reason = sub.closed_reason or (
+            "cancelled" if isinstance(exc, asyncio.CancelledError) else "client went away"
+        )
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+    finally:
+        agent.hub.unsubscribe(sub)
+        agent.log.info(
+            "client_disconnected",
+            subscriber=sub.id,
+            peer=peer,
+            reason=sub.closed_reason or reason,
+            delivered=sub.delivered,
+        )
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
+    return response
+
+
+async def reports(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    creds = peer_credentials(request)
+    try:
+        doc = await _read_json(request)
+        report = parse_report(
+            doc, agent.now(), peer_pid=creds[0] if creds else None, peer_uid=creds[1] if creds else None
+        )
+    except ReportError as exc:
+        agent.reports_rejected += 1
+        agent.log.warning("report_rejected", error=str(exc), peer=_peer_doc(request))
+        return _error(400, str(exc))
+    agent.accept_report(report)
+    return web.json_response({"accepted": True, "report": report.to_json()}, status=202)
+
+
+async def drills(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    creds = peer_credentials(request)
+    allowed, why = is_admin(creds, agent.config.admin_group)
+    peer = _peer_doc(request)
+    if not allowed:
+        agent.log.warning("drill_refused", why=why, peer=peer)
+        return _error(403, f"drills need an administrator: {why}")
+    try:
+        doc = await _read_json(request)
+        kind, in_s, severity, reason = parse_drill(doc)
+    except (NoticeError, ReportError) as exc:
+        agent.log.warning("drill_rejected", error=str(exc), peer=peer)
+        return _error(400, str(exc))
+    notice = agent.drill(kind, in_s, severity, reason, peer)
+    return web.json_response({"notice": notice.to_json(agent.now())}, status=201)
+
+
+async def clear_drill(request: web.Request) -> web.Response:
+    agent = request.app[AGENT_KEY]
+    allowed, why = is_admin(peer_credentials(request), agent.config.admin_group)
+    if not allowed:
+        return _error(403, f"drills need an administrator: {why}")
+    notice_id = request.match_info["notice_id"]
+    notice = agent.board.get(notice_id)
+    if notice is None or not notice.drill:
+        return _error(404, f"no active drill with id {notice_id!r}")
+    cleared = agent.retract(notice.source, notice.key, "drill cleared by request")
+    assert cleared is not None
+    return web.json_response({"notice": cleared.to_json(agent.now())})
+
+
+class AgentCollector:
+    """Prometheus metrics read from the agent at scrape time."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self) -> list[Metric]:
+        agent = self.agent
+        now = agent.now()
+        info = InfoMetricFamily("preemptd_build", "Agent version", labels=["version"])
+        info.add_metric([__version__], {"version": __version__})
+        active = GaugeMetricFamily("preemptd_notices_active", "Active notices", labels=["kind", "severity"])
+        counts: dict[tuple[str, str], int] = {}
+        seconds = GaugeMetricFamily(
+            "preemptd_notice_seconds_left",
+            "Seconds to each active notice's deadline",
+            labels=["id", "kind", "source"],
+        )
+        for notice in agent.board.active():
+            slot = (notice.kind.value, notice.severity.value)
+            counts[slot] = counts.get(slot, 0) + 1
+            left = notice.seconds_left(now)
+            if left is not None:
+                seconds.add_metric([notice.id, notice.kind.value, notice.source], left)
+        for kind in Kind:
+            for severity in Severity:
+                active.add_metric([kind.value, severity.value], counts.get((kind.value, severity.value), 0))
+        events_metric = CounterMetricFamily("preemptd_events", "Events published", labels=["type"])
+        for event_type, count in sorted(agent.hub.published_total.items()):
+            events_metric.add_metric([event_type], count)
+        subs = GaugeMetricFamily("preemptd_subscribers", "Connected event-stream clients")
+        subs.add_metric([], len(agent.hub))
+        kicked = CounterMetricFamily(
+            "preemptd_subscribers_disconnected_slow", "Clients dropped for not reading"
+        )
+        kicked.add_metric([], agent.hub.kicked_total)
+        reports_metric = CounterMetricFamily("preemptd_reports", "Client reports accepted", labels=["phase"])
+        for phase, count in sorted(agent.reports_total.items()):
+            reports_metric.add_metric([phase], count)
+        rejected = CounterMetricFamily("preemptd_reports_rejected", "Client reports rejected")
+        rejected.add_metric([], agent.reports_rejected)
+        source_up = GaugeMetricFamily(
+            "preemptd_source_up", "1 when the source is healthy", labels=["source", "state"]
+        )
+        source_errors = CounterMetricFamily(
+            "preemptd_source_errors", "Failed source reads", labels=["source"]
+        )
+        for name, health in sorted(agent.health.items()):
+            source_up.add_metric([name, health.state.value], 1 if health.state.value == "ok" else 0)
+            source_errors.add_metric([name], health.errors)
+        state_ok = GaugeMetricFamily("preemptd_state_ok", "1 when the state directory is usable")
+        state_ok.add_metric([], 1 if agent.state_ok else 0)
+        return [
+            info,
+            active,
+            seconds,
+            events_metric,
+            subs,
+            kicked,
+            reports_metric,
+            rejected,
+            source_up,
+            source_errors,
+            state_ok,
+        ]
+
+
+async def metrics(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY_KEY]
+    body = generate_latest(registry)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+REGISTRY_KEY: web.AppKey[CollectorRegistry] = web.AppKey("registry")
+
+
+def build_app(
+    agent: Agent, extra_routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]]
+) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=agent.config.api.max_body_bytes)
+    app[AGENT_KEY] = agent
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentCollector(agent))
+    for collector in agent._collectors:
+        registry.register(collector)
+    app[REGISTRY_KEY] = registry
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/v1/events", events)
+    app.router.add_post("/v1/reports", reports)
+    app.router.add_post("/v1/drills", drills)
+    app.router.add_delete("/v1/drills/{notice_id}", clear_drill)
+    app.router.add_get("/metrics", metrics)
+    for method, path, handler in extra_routes:
+        app.router.add_route(method, path, handler)
+    return app

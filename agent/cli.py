@@ -1,0 +1,427 @@
+"""The ``preemptd`` command: turns flags into configuration and calls the agent, or talks to a running one.
+
+Verbs: ``run`` (the daemon), ``status``, ``watch``, ``drill``, ``version``, ``demo``, plus the verbs that
+modules listed in ``_EXTENSIONS`` register (each exposes ``register(subparsers)``). Client verbs use only the
+standard library client, so they start fast and work without the agent's dependencies loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import queue
+import sys
+import threading
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TextIO
+
+from agent import __version__
+from agent.client.transport import AgentHTTPError, AgentUnavailable, EventStream, request_json
+from agent.config import CLOUDS
+from agent.durations import format_duration, parse_duration
+from agent.errors import ConfigError
+from agent.paths import client_socket_path
+
+# Modules that add verbs: each has register(subparsers) and sets a `func` default on its parser.
+_EXTENSIONS: list[str] = []
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_NO_AGENT = 69  # EX_UNAVAILABLE
+
+
+def _add_run(subparsers: Any) -> None:
+    p = subparsers.add_parser("run", help="run the agent (the daemon)")
+    p.add_argument(
+        "--config", type=Path, help="TOML config file (default /etc/preemptd/config.toml if present)"
+    )
+    p.add_argument("--socket", type=Path, help="Unix socket to listen on")
+    p.add_argument("--socket-group", help="group owning the socket (mode 0660)")
+    p.add_argument("--state-dir", type=Path, help="directory for state and history")
+    p.add_argument("--cloud", choices=CLOUDS, help="cloud to watch (auto detects)")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), help="log format on stdout")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any config key, e.g. api.heartbeat_s=5 (repeatable)",
+    )
+    p.add_argument(
+        "--print-config", action="store_true", help="print the effective configuration as JSON and exit"
+    )
+    p.set_defaults(func=cmd_run)
+
+
+def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from agent.config import parse_setting
+
+    overrides: dict[str, Any] = {}
+    for text in args.settings:
+        key, value = parse_setting(text)
+        overrides[key] = value
+    for key in ("socket", "socket_group", "state_dir", "cloud", "log_format", "log_level"):
+        value = getattr(args, key, None)
+        if value is not None:
+            overrides[key] = str(value) if isinstance(value, Path) else value
+    return overrides
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.config import config_to_json, load_config
+    from agent.daemon import run_agent
+    from agent.logs import configure_logging
+
+    overrides = _run_overrides(args)
+
+    def load() -> Any:
+        return load_config(args.config, overrides=overrides)
+
+    try:
+        config = load()
+    except ConfigError as exc:
+        print(f"preemptd: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.print_config:
+        print(json.dumps(config_to_json(config), indent=2))
+        return EXIT_OK
+    configure_logging(config.log_format, config.log_level)
+    return run_agent(config, reload_config=load)
+
+
+def _socket_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--socket",
+        type=Path,
+        help="the agent's socket (default: $PREEMPTD_SOCKET, the system socket, or the per-user one)",
+    )
+
+
+def _fail_no_agent(exc: Exception) -> int:
+    print(
+        f"preemptd: {exc}. Is the agent running? (preemptd run, or systemctl status preemptd)",
+        file=sys.stderr,
+    )
+    return EXIT_NO_AGENT
+
+
+def _parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _left(deadline: str | None, now: datetime | None = None) -> str:
+    when = _parse_time(deadline)
+    if when is None:
+        return "no deadline"
+    seconds = (when - (now or datetime.now(timezone.utc))).total_seconds()
+    return f"{format_duration(seconds)} left" if seconds > 0 else "deadline passed"
+
+
+def format_status(doc: dict[str, Any]) -> str:
+    agent = doc.get("agent", {})
+    lines = [
+        f"preemptd {agent.get('version')}  overall: {str(doc.get('overall')).upper()}",
+        f"  socket {agent.get('socket')}  cloud {agent.get('cloud') or 'unknown'}"
+        + (
+            f"  instance {agent['instance'].get('instance_id') or agent['instance']}"
+            if agent.get("instance")
+            else ""
+        ),
+        f"  up {format_duration(float(agent.get('uptime_s') or 0))}  state dir {agent.get('state_dir')}"
+        + ("" if doc.get("state", {}).get("ok", True) else f"  STATE PROBLEM: {doc['state'].get('error')}"),
+    ]
+    notices = doc.get("notices") or []
+    lines.append(f"Notices ({len(notices)}):" if notices else "Notices: none")
+    for n in notices:
+        drill = " [drill]" if n.get("drill") else ""
+        lines.append(
+            f"  {n['kind']:<13} {n['severity']:<8} {n['source']:<8} {_left(n.get('deadline')):<16} {n['reason']}{drill}  ({n['id']})"
+        )
+    sources = doc.get("sources") or {}
+    lines.append("Sources:" if sources else "Sources: none")
+    for name, health in sources.items():
+        extra = (
+            f"  last error: {health.get('last_error')}"
+            if health.get("state") != "ok" and health.get("last_error")
+            else ""
+        )
+        why = health.get("detail", {}).get("why")
+        lines.append(f"  {name:<10} {health.get('state'):<9}{extra}{f'  ({why})' if why else ''}")
+    gpus = doc.get("gpus") or []
+    if gpus:
+        lines.append(f"GPUs: {len(gpus)}")
+    subs = doc.get("subscribers", {})
+    lines.append(
+        f"Subscribers: {subs.get('connected', 0)} connected, {subs.get('disconnected_slow', 0)} dropped for not reading"
+    )
+    advice = doc.get("advice")
+    if isinstance(advice, dict) and advice.get("interval_s"):
+        lines.append(f"Advice: checkpoint every {format_duration(float(advice['interval_s']))}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        doc = request_json("GET", "/v1/status", socket_path=args.socket)
+    except (AgentUnavailable, OSError) as exc:
+        return _fail_no_agent(exc)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_status(doc))
+    return EXIT_OK if doc.get("overall") == "ok" else 1
+
+
+def format_event(doc: dict[str, Any], now: datetime | None = None) -> str:
+    """One readable line for an event."""
+    stamp = (now or datetime.now(timezone.utc)).astimezone().strftime("%H:%M:%S")
+    kind = doc.get("type", "?")
+    if kind == "snapshot":
+        notices = doc.get("notices") or []
+        if not notices:
+            return f"{stamp} SNAPSHOT  no active notices"
+        return f"{stamp} SNAPSHOT  {len(notices)} active: " + "; ".join(
+            f"{n['kind']} ({_left(n.get('deadline'), now)})" for n in notices
+        )
+    notice = doc.get("notice") or {}
+    if kind == "ready":
+        return f"{stamp} READY     {notice.get('kind', '')} {notice.get('id', doc.get('data', {}).get('notice_id'))}: {json.dumps(doc.get('data', {}))}"
+    drill = " [drill]" if notice.get("drill") else ""
+    deadline = notice.get("deadline")
+    when = f"deadline {deadline} ({_left(deadline, now)})" if kind != "cleared" and deadline else ""
+    return (
+        f"{stamp} {kind.upper():<9} {notice.get('kind', ''):<13} {notice.get('severity', ''):<8} "
+        f"{notice.get('source', ''):<8} {notice.get('reason', '')}{drill}  {when}  [{notice.get('id', '')}]"
+    ).rstrip()
+
+
+class _Reader(threading.Thread):
+    """Reads the event stream on a thread, reconnecting with Last-Event-ID, into a queue."""
+
+    def __init__(self, socket_path: Path | None, out: queue.Queue[tuple[str, Any]]) -> None:
+        super().__init__(daemon=True, name="preemptd-watch")
+        self.socket_path = socket_path
+        self.out = out
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        last_id: str | None = None
+        delay = 0.5
+        announced = False
+        while not self.stop.is_set():
+            try:
+                with EventStream(self.socket_path, last_event_id=last_id, read_timeout=60.0) as stream:
+                    self.out.put(("connected", None))
+                    announced = False
+                    delay = 0.5
+                    for message in stream:
+                        last_id = stream.decoder.last_event_id or last_id
+                        self.out.put(("event", json.loads(message.data)))
+                        if self.stop.is_set():
+                            return
+            except (OSError, AgentHTTPError, ValueError) as exc:
+                if not announced:
+                    self.out.put(("disconnected", str(exc)))
+                    announced = True
+            self.stop.wait(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def cmd_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    stream_out = out or sys.stdout
+    events: queue.Queue[tuple[str, Any]] = queue.Queue()
+    reader = _Reader(args.socket, events)
+    reader.start()
+    active: dict[str, dict[str, Any]] = {}
+    live = stream_out.isatty() and not args.json
+    shown = 0
+    try:
+        while True:
+            try:
+                what, payload = events.get(timeout=1.0 if live else None)
+            except queue.Empty:
+                what, payload = "tick", None
+            if live:
+                stream_out.write("\r\033[K")
+            if what == "event":
+                if args.json:
+                    stream_out.write(json.dumps(payload) + "\n")
+                else:
+                    stream_out.write(format_event(payload) + "\n")
+                _track(active, payload)
+                shown += 1
+            elif what == "disconnected" and not args.json:
+                stream_out.write(
+                    f"(waiting for the agent at {args.socket or client_socket_path()}: {payload})\n"
+                )
+            elif what == "connected" and not args.json and shown:
+                stream_out.write("(reconnected)\n")
+            if live and active:
+                stream_out.write(_countdown(active))
+            stream_out.flush()
+            if args.count and shown >= args.count:
+                return EXIT_OK
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        reader.stop.set()
+        if live:
+            stream_out.write("\n")
+
+
+def _track(active: dict[str, dict[str, Any]], doc: dict[str, Any]) -> None:
+    if doc.get("type") == "snapshot":
+        active.clear()
+        active.update({n["id"]: n for n in doc.get("notices") or []})
+    elif doc.get("type") in ("notice", "update") and doc.get("notice"):
+        active[doc["notice"]["id"]] = doc["notice"]
+    elif doc.get("type") == "cleared" and doc.get("notice"):
+        active.pop(doc["notice"]["id"], None)
+
+
+def _countdown(active: dict[str, dict[str, Any]]) -> str:
+    parts = []
+    for notice in active.values():
+        parts.append(f"{notice['kind']}: {_left(notice.get('deadline'))}")
+    return "  >> " + " | ".join(parts)
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    try:
+        if args.clear:
+            doc = request_json("DELETE", f"/v1/drills/{args.clear}", socket_path=args.socket)
+            print(f"cleared drill {doc['notice']['id']}")
+            return EXIT_OK
+        body: dict[str, Any] = {"kind": args.kind, "in_s": args.lead}
+        if args.severity:
+            body["severity"] = args.severity
+        if args.reason:
+            body["reason"] = args.reason
+        doc = request_json("POST", "/v1/drills", body, socket_path=args.socket)
+    except AgentHTTPError as exc:
+        print(f"preemptd: drill refused: {exc}", file=sys.stderr)
+        return 1
+    except (AgentUnavailable, OSError) as exc:
+        return _fail_no_agent(exc)
+    notice = doc["notice"]
+    if args.json:
+        print(json.dumps(notice))
+    else:
+        print(
+            f"drill {notice['id']}: {notice['kind']} with deadline {notice['deadline']} ({format_duration(args.lead)} from now)"
+        )
+    return EXIT_OK
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    print(f"preemptd {__version__} (Python {sys.version.split()[0]})")
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from agent.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="preemptd", description="Warn GPU training jobs before their host goes away."
+    )
+    parser.add_argument("--version", action="version", version=f"preemptd {__version__}")
+    subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
+    _add_run(subparsers)
+
+    p = subparsers.add_parser("status", help="show the agent's status")
+    _socket_arg(p)
+    p.add_argument("--json", action="store_true", help="print the raw status document")
+    p.set_defaults(func=cmd_status)
+
+    p = subparsers.add_parser("watch", help="stream notices as they happen, with a live countdown")
+    _socket_arg(p)
+    p.add_argument("--json", action="store_true", help="one JSON event per line (NDJSON)")
+    p.add_argument("--count", type=int, default=0, help="exit after this many events")
+    p.set_defaults(func=cmd_watch)
+
+    p = subparsers.add_parser("drill", help="inject a drill notice to rehearse a checkpoint flush (admin)")
+    _socket_arg(p)
+    p.add_argument(
+        "--kind",
+        default="termination",
+        choices=("termination", "rebalance", "maintenance", "gpu_fault", "gpu_degraded", "host_degraded"),
+    )
+    p.add_argument(
+        "--in",
+        dest="lead",
+        type=_duration_arg,
+        default=120.0,
+        metavar="DURATION",
+        help="lead time before the deadline (default 2m)",
+    )
+    p.add_argument("--severity", choices=("info", "warning", "critical"))
+    p.add_argument("--reason")
+    p.add_argument("--clear", metavar="ID", help="clear an active drill instead")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_drill)
+
+    p = subparsers.add_parser("version", help="print the version")
+    p.set_defaults(func=cmd_version)
+
+    p = subparsers.add_parser(
+        "demo", help="run the agent on a simulated cloud that sends a spot termination notice"
+    )
+    p.add_argument("--socket", type=Path, help="socket for the demo agent (default: the per-user socket)")
+    p.add_argument(
+        "--after",
+        type=_duration_arg,
+        default=5.0,
+        metavar="DURATION",
+        help="when the notice arrives (default 5s)",
+    )
+    p.add_argument(
+        "--lead",
+        type=_duration_arg,
+        default=120.0,
+        metavar="DURATION",
+        help="notice lead time (default 2m, as on AWS)",
+    )
+    p.add_argument("--keep", action="store_true", help="keep running after the notice's deadline")
+    p.set_defaults(func=cmd_demo)
+
+    for module_name in _EXTENSIONS:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    if os.environ.get("PREEMPTD_SOCKET") == "":
+        os.environ.pop("PREEMPTD_SOCKET")
+    try:
+        result: int = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

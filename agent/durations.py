@@ -1,0 +1,37 @@
+"""Human durations for the command line: ``90``, ``90s``, ``4m``, ``1.5h``, ``2d``, ``1h30m``."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(sec|min|s|m|h|d)?", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``; a bare number is seconds. Raises ValueError with what was expected."""
+    raw = text.strip().lower()
+    if not raw:
+        raise ValueError("expected a duration such as 90s, 4m or 1.5h, got an empty string")
+    total = 0.0
+    pos = 0
+    for match in _PART.finditer(raw):
+        if match.start() != pos and raw[pos : match.start()].strip():
+            break
+        total += float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+        pos = match.end()
+    if pos != len(raw) or pos == 0:
+        raise ValueError(f"expected a duration such as 90s, 4m or 1.5h, got {text!r}")
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """A short human form: ``45s``, ``12m05s``, ``3h20m``."""
+    value = max(0.0, seconds)
+    if value < 60:
+        return f"{value:.0f}s" if value >= 10 else f"{value:.1f}s"
+    if value < 3600:
+        minutes, secs = divmod(round(value), 60)
+        return f"{minutes}m{secs:02d}s"
+    hours, rest = divmod(round(value), 3600)
+    return f"{hours}h{rest // 60:02d}m"

@@ -1,0 +1,248 @@
+"""Test helpers: a real agent on a short temporary Unix socket (in-process or as a child process), and a real
+SSE client. Nothing here mocks the agent; waits are bounded and driven by events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from agent.config import load_config
+from agent.daemon import Agent, Component
+from agent.sources.base import Source
+from agent.sse import SSEDecoder
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def short_tmp(prefix: str = "pd-") -> Path:
+    """A short directory under /tmp: Unix socket paths are limited to 108 bytes."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+def agent_config(base: Path, settings: Mapping[str, Any] | None = None) -> Any:
+    overrides: dict[str, Any] = {
+        "socket": str(base / "a.sock"),
+        "state_dir": str(base / "state"),
+        "cloud": "none",
+        "log_format": "json",
+    }
+    overrides.update(settings or {})
+    return load_config(path=None, env={}, overrides=overrides)
+
+
+@asynccontextmanager
+async def running_agent(
+    base: Path | None = None,
+    settings: Mapping[str, Any] | None = None,
+    sources: list[Source] | None = None,
+    components: list[Component] | None = None,
+) -> AsyncIterator[Agent]:
+    """Start an agent in this event loop; ``sources``/``components`` None means what the config builds.
+
+    ``settings`` maps dotted config keys to values (``{"api.heartbeat_s": 0.2}``).
+    """
+    base = base or short_tmp()
+    agent = Agent(agent_config(base, settings), sources=sources, components=components)
+    await agent.start()
+    try:
+        yield agent
+    finally:
+        await agent.stop()
+
+
+class SSEClient:
+    """A real event-stream client over the Unix socket (aiohttp's client and our SSE decoder)."""
+
+    def __init__(self, session: aiohttp.ClientSession, response: aiohttp.ClientResponse) -> None:
+        self.session = session
+        self.response = response
+        self.decoder = SSEDecoder()
+        self._pending: list[dict[str, Any]] = []
+        self.received: list[dict[str, Any]] = []
+
+    @classmethod
+    async def connect(
+        cls, socket_path: Path | str, last_event_id: str | None = None, timeout: float = 10.0
+    ) -> SSEClient:
+        session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(socket_path)))
+        headers = {"Last-Event-ID": last_event_id} if last_event_id is not None else {}
+        try:
+            response = await asyncio.wait_for(session.get("http://agent/v1/events", headers=headers), timeout)
+        except BaseException:
+            await session.close()
+            raise
+        if response.status != 200:
+            body = await response.text()
+            await session.close()
+            raise AssertionError(f"events answered {response.status}: {body}")
+        return cls(session, response)
+
+    @property
+    def last_event_id(self) -> str | None:
+        return self.decoder.last_event_id
+
+    async def next(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The next event as its JSON document; raises TimeoutError if none arrives in time."""
+        async with asyncio.timeout(timeout) if sys.version_info >= (3, 11) else _timeout(timeout):
+            while not self._pending:
+                chunk = await self.response.content.readany()
+                if not chunk:
+                    raise ConnectionError("event stream closed")
+                for message in self.decoder.feed(chunk):
+                    doc = json.loads(message.data)
+                    doc["_id"] = message.id
+                    self._pending.append(doc)
+        event = self._pending.pop(0)
+        self.received.append(event)
+        return event
+
+    async def until(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0
+    ) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            event = await self.next(max(0.01, end - loop.time()))
+            if predicate(event):
+                return event
+
+    async def close(self) -> None:
+        self.response.close()
+        await self.session.close()
+
+
+@contextlib.asynccontextmanager
+async def _timeout(seconds: float) -> AsyncIterator[None]:  # Python 3.10 stand-in for asyncio.timeout
+    task = asyncio.current_task()
+    assert task is not None
+    handle = asyncio.get_running_loop().call_later(seconds, task.cancel)
+    try:
+        yield
+    except asyncio.CancelledError as exc:
+        raise TimeoutError from exc
+    finally:
+        handle.cancel()
+
+
+async def http_json(
+    socket_path: Path | str, method: str, path: str, body: Any = None, raw: bytes | None = None
+) -> tuple[int, Any]:
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(socket_path))) as session:
+        kwargs: dict[str, Any] = {}
+        if raw is not None:
+            kwargs["data"] = raw
+        elif body is not None:
+            kwargs["json"] = body
+        async with session.request(method, f"http://agent{path}", **kwargs) as response:
+            text = await response.text()
+            try:
+                return response.status, json.loads(text)
+            except ValueError:
+                return response.status, text
+
+
+class AgentProcess:
+    """``python -m agent run`` as a child process, with a NOTIFY_SOCKET we listen on for READY=1."""
+
+    def __init__(
+        self, base: Path, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> None:
+        self.base = base
+        self.socket_path = base / "a.sock"
+        self.state_dir = base / "state"
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.proc: asyncio.subprocess.Process | None = None
+        self.notify_path = base / "notify.sock"
+        self.notifications: list[str] = []
+        self._notify: socket.socket | None = None
+        self.log_path = base / "agent.log"
+
+    async def start(self, timeout: float = 20.0, wait_ready: bool = True) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.notify_path.unlink()
+        self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._notify.bind(str(self.notify_path))
+        self._notify.setblocking(False)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("PREEMPTD_", "NOTIFY_SOCKET", "LISTEN_", "JOURNAL_STREAM"))
+        }
+        env.update({"NOTIFY_SOCKET": str(self.notify_path), "PYTHONPATH": str(REPO)})
+        env.update(self.env)
+        args = [
+            sys.executable, "-m", "agent", "run",
+            "--socket", str(self.socket_path), "--state-dir", str(self.state_dir),
+            "--cloud", "none", "--log-format", "json", *self.extra_args,
+        ]  # fmt: skip
+        log = self.log_path.open("ab")
+        self.proc = await asyncio.create_subprocess_exec(
+            *args, env=env, stdout=log, stderr=asyncio.subprocess.STDOUT, cwd=str(REPO)
+        )
+        log.close()
+        if wait_ready:
+            await self.wait_notification("READY=1", timeout)
+
+    async def wait_notification(self, needle: str, timeout: float = 20.0) -> str:
+        assert self._notify is not None
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        for message in self.notifications:
+            if needle in message.split("\n"):
+                return message
+        while True:
+            remaining = end - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"no {needle} from the agent; log:\n{self.logs_text()}")
+            if self.proc is not None and self.proc.returncode is not None:
+                raise AssertionError(f"agent exited with {self.proc.returncode}; log:\n{self.logs_text()}")
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(self._notify, 65536), min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                continue
+            message = data.decode()
+            self.notifications.append(message)
+            if needle in message.split("\n"):
+                return message
+
+    def logs_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def logs(self) -> list[dict[str, Any]]:
+        records = []
+        for line in self.logs_text().splitlines():
+            with contextlib.suppress(ValueError):
+                records.append(json.loads(line))
+        return records
+
+    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            self.proc.send_signal(sig)
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+                raise
+        if self._notify is not None:
+            self._notify.close()
+            self._notify = None
+        assert self.proc.returncode is not None
+        return self.proc.returncode
