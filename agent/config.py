@@ -285,6 +285,39 @@ class HostConfig:
 
 
 @dataclass(frozen=True)
+class AdvisorConfig:
+    """The checkpoint interval advisor (``GET /v1/advice``, ``preemptd advise``); see docs/advisor.md."""
+
+    enabled: bool = True
+    # Checkpoint save time to assume until clients report their own (seconds; none: wait for reports).
+    save_time_s: float | None = None
+    # Prior mean time between work-losing interruptions (e.g. from a published interruption-frequency
+    # bucket) and its weight in pseudo-observations; observed losses and uptime are added to it.
+    prior_mtbp_s: float | None = None
+    prior_weight: float = 1.0
+    # The periodic interval the training jobs use now (seconds of compute between checkpoints), when known;
+    # otherwise it is inferred from the times of periodic checkpoint reports.
+    current_interval_s: float | None = None
+    # Restart and restore time R after an interruption (scales the waste, does not move the optimum).
+    restart_s: float = 0.0
+    # Fewer observed losses than this, and no prior: no advice (interval_s is null).
+    min_losses: int = 3
+    # Fewer finished periodic checkpoints than this, and no save_time_s: no advice.
+    min_reports: int = 1
+    # The save time is the median of the last this many checkpoints.
+    report_window: int = 200
+    # Losses closer together than this count as one interruption (a host's GPUs often fail together).
+    coalesce_s: float = 300.0
+    # Notice kinds that take the host away at their deadline.
+    interrupting_kinds: tuple[str, ...] = ("termination", "maintenance")
+    # Probability mass of the credible range reported for M and the interval.
+    credible_level: float = 0.9
+    # How often the advisor appends an ``advice`` record to the history log (it also bounds how much uptime
+    # an unclean stop can hide); 0 disables.
+    record_interval_s: float = 3600.0
+
+
+@dataclass(frozen=True)
 class Config:
     socket: Path = field(default_factory=default_socket_path)
     socket_group: str | None = None
@@ -308,6 +341,7 @@ class Config:
     alibaba: AlibabaConfig = field(default_factory=AlibabaConfig)
     tencent: TencentConfig = field(default_factory=TencentConfig)
     detect: DetectConfig = field(default_factory=DetectConfig)
+    advisor: AdvisorConfig = field(default_factory=AdvisorConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     host: HostConfig = field(default_factory=HostConfig)
     config_file: Path | None = None
