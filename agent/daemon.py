@@ -59,7 +59,9 @@ class Component(Protocol):
 
 def build_components(config: Config) -> list[Component]:
     """The components a configuration runs, in start order (they stop in reverse)."""
-    components: list[Component] = []
+    from agent.actions import ActionsComponent
+
+    components: list[Component] = [ActionsComponent(config)]
     return components
 
 
