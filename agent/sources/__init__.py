@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from agent.config import Config
 from agent.sources.base import Source
+from agent.sources.detect import cloud_sources
 
 
 def build_sources(config: Config) -> list[Source]:
     """The sources to run for ``config``; ``cloud = "none"`` runs no cloud source."""
     sources: list[Source] = []
+    sources.extend(cloud_sources(config))
     return sources

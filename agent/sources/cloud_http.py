@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,7 +169,7 @@ class Backoff:
         self.failures = 0
 
     def next_delay(self, floor_s: float | None = None) -> float:
-        step = min(self.max_s, self.base_s * (2**self.failures))
+        step = min(self.max_s, self.base_s * 2.0 ** min(self.failures, 32))
         self.failures += 1
         delay = step * (0.5 + 0.5 * self._rng())
         return max(delay, floor_s or 0.0)
@@ -210,3 +210,21 @@ class LevelState:
         else:
             for obs in self.observations():
                 sink.observe(obs)
+
+
+async def run_all(coros: Sequence[Coroutine[Any, Any, None]]) -> None:
+    """Run coroutines as tasks owned here: wait for all of them; the first to raise cancels the others (and
+    is re-raised), and cancelling the caller cancels and awaits them all."""
+    tasks = [asyncio.ensure_future(coro) for coro in coros]
+    try:
+        pending: set[asyncio.Future[None]] = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                error = None if task.cancelled() else task.exception()
+                if error is not None:
+                    raise error
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

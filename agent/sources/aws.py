@@ -1,0 +1,363 @@
+"""AWS EC2: spot interruption, rebalance recommendation, scheduled maintenance and Auto Scaling lifecycle
+notices read from the instance metadata service (IMDSv2), with pure parsers under a thin polling loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+import structlog
+
+from agent.config import AwsConfig
+from agent.errors import NoticeError
+from agent.notice import Kind, Observation, Severity, parse_time
+from agent.sources.base import Sink, Source
+from agent.sources.cloud_http import (
+    Backoff,
+    CloudError,
+    LevelState,
+    MetadataClient,
+    ParseError,
+    Reply,
+    status_error,
+)
+
+log = structlog.get_logger("preemptd.sources.aws")
+
+TOKEN_PATH = "/latest/api/token"
+TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+TOKEN_HEADER = "X-aws-ec2-metadata-token"
+
+INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
+REBALANCE = "/latest/meta-data/events/recommendations/rebalance"
+MAINTENANCE = "/latest/meta-data/events/maintenance/scheduled"
+LIFECYCLE = "/latest/meta-data/autoscaling/target-lifecycle-state"
+
+IDENTITY_PATHS = {
+    "instance_id": "/latest/meta-data/instance-id",
+    "instance_type": "/latest/meta-data/instance-type",
+    "zone": "/latest/meta-data/placement/availability-zone",
+    "life_cycle": "/latest/meta-data/instance-life-cycle",
+}
+
+# Stable observation keys: one per condition, never derived from the payload (whose `time` may drift).
+KEY_SPOT = "spot/instance-action"
+KEY_REBALANCE = "events/recommendations/rebalance"
+KEY_LIFECYCLE = "autoscaling/target-lifecycle-state"
+MAINTENANCE_KEY_PREFIX = "events/maintenance/scheduled/"
+
+_SPOT_ACTIONS = ("terminate", "stop", "hibernate")
+# Codes that take the instance away from the job (the others are host work that may pass unnoticed).
+_DISRUPTIVE_MAINTENANCE = {"instance-reboot", "system-reboot", "instance-stop", "instance-retirement"}
+_MONTH_NAMES = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_MONTHS = {name: number for number, name in enumerate(_MONTH_NAMES, start=1)}
+_MAINTENANCE_TIME = re.compile(
+    r"^\s*(\d{1,2}) ([A-Za-z]{3}) (\d{4}) (\d{1,2}):(\d{2}):(\d{2}) (?:GMT|UTC)\s*$",
+)
+
+
+# --- pure parsers --------------------------------------------------------------------------------------
+
+
+def _json(body: bytes, what: str) -> Any:
+    try:
+        return json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ParseError(f"{what}: not JSON: {body[:60]!r}") from exc
+
+
+def _time(text: Any, what: str) -> datetime:
+    try:
+        return parse_time(text)
+    except NoticeError as exc:
+        raise ParseError(f"{what}: {exc}") from exc
+
+
+def parse_instance_action(body: bytes) -> Observation:
+    """``spot/instance-action``: ``{"action": "terminate", "time": "2017-09-18T08:22:00Z"}``."""
+    doc = _json(body, "spot/instance-action")
+    if not isinstance(doc, Mapping):
+        raise ParseError(f"spot/instance-action: expected an object, got {doc!r}")
+    action = doc.get("action")
+    if not isinstance(action, str) or action.lower() not in _SPOT_ACTIONS:
+        raise ParseError(f"spot/instance-action: unknown action {action!r}")
+    action = action.lower()
+    deadline = _time(doc.get("time"), "spot/instance-action")
+    return Observation(
+        key=KEY_SPOT,
+        kind=Kind.TERMINATION,
+        reason=f"EC2 spot interruption: the instance will {action}",
+        deadline=deadline,
+        detail={"action": action, "time": doc.get("time")},
+    )
+
+
+def parse_termination_time(body: bytes) -> datetime:
+    """Legacy ``spot/termination-time``: a bare RFC 3339 time."""
+    try:
+        return parse_time(body.decode("utf-8").strip())
+    except (UnicodeDecodeError, NoticeError) as exc:
+        raise ParseError(f"spot/termination-time: {body[:60]!r} is not a time") from exc
+
+
+def parse_rebalance(body: bytes) -> Observation:
+    """``events/recommendations/rebalance``: ``{"noticeTime": "2020-10-27T08:22:00Z"}``."""
+    doc = _json(body, "rebalance recommendation")
+    if not isinstance(doc, Mapping):
+        raise ParseError(f"rebalance recommendation: expected an object, got {doc!r}")
+    notice_time = _time(doc.get("noticeTime"), "rebalance recommendation")
+    return Observation(
+        key=KEY_REBALANCE,
+        kind=Kind.REBALANCE,
+        reason="EC2 rebalance recommendation: elevated risk of spot interruption",
+        detail={"noticeTime": doc.get("noticeTime"), "notice_time": notice_time.isoformat()},
+    )
+
+
+def parse_maintenance_time(text: Any) -> datetime:
+    """The scheduled-events layout ``21 Jan 2019 09:00:43 GMT`` (day without a leading zero), locale-free.
+    RFC 3339 is accepted too, as some mocks send it."""
+    if not isinstance(text, str) or not text.strip():
+        raise ParseError(f"maintenance time: expected a time, got {text!r}")
+    match = _MAINTENANCE_TIME.match(text)
+    if match is None:
+        try:
+            return parse_time(text)
+        except NoticeError as exc:
+            raise ParseError(f"maintenance time: {text!r} is not like '21 Jan 2019 09:00:43 GMT'") from exc
+    day, month_name, year, hour, minute, second = match.groups()
+    month = _MONTHS.get(month_name.lower())
+    if month is None:
+        raise ParseError(f"maintenance time: unknown month in {text!r}")
+    try:
+        return datetime(int(year), month, int(day), int(hour), int(minute), int(second), tzinfo=timezone.utc)
+    except ValueError as exc:
+        raise ParseError(f"maintenance time: {text!r}: {exc}") from exc
+
+
+def parse_maintenance(body: bytes) -> list[Observation]:
+    """``events/maintenance/scheduled``: a JSON array of events; ``canceled`` and ``completed`` ones are over.
+    An empty body or ``[]`` means none."""
+    if not body.strip():
+        return []
+    doc = _json(body, "scheduled maintenance")
+    if isinstance(doc, Mapping):
+        doc = [doc]
+    if not isinstance(doc, list):
+        raise ParseError(f"scheduled maintenance: expected an array, got {doc!r}")
+    observations: list[Observation] = []
+    for item in doc:
+        if not isinstance(item, Mapping):
+            raise ParseError(f"scheduled maintenance: expected event objects, got {item!r}")
+        state = str(item.get("State") or "active").lower()
+        if state in ("canceled", "cancelled", "completed"):
+            continue
+        event_id = item.get("EventId")
+        code = str(item.get("Code") or "unknown")
+        if not isinstance(event_id, str) or not event_id:
+            raise ParseError(f"scheduled maintenance: event without an EventId: {item!r}")
+        not_before = parse_maintenance_time(item.get("NotBefore"))
+        detail = {
+            k: item[k]
+            for k in ("Code", "Description", "EventId", "NotBefore", "NotAfter", "State")
+            if k in item
+        }
+        if "NotBeforeDeadline" in item:
+            detail["NotBeforeDeadline"] = item["NotBeforeDeadline"]
+        observations.append(
+            Observation(
+                key=MAINTENANCE_KEY_PREFIX + event_id,
+                kind=Kind.MAINTENANCE,
+                severity=Severity.CRITICAL if code in _DISRUPTIVE_MAINTENANCE else Severity.WARNING,
+                reason=f"EC2 scheduled event {code}: {item.get('Description') or code}",
+                deadline=not_before,
+                detail=detail,
+            )
+        )
+    return observations
+
+
+def parse_lifecycle_state(body: bytes) -> Observation | None:
+    """``autoscaling/target-lifecycle-state``: only ``Terminated`` is a notice."""
+    try:
+        state = body.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ParseError(f"target-lifecycle-state: not text: {body[:40]!r}") from exc
+    if not state or len(state) > 64 or not state.replace(":", "").replace("-", "").isalnum():
+        raise ParseError(f"target-lifecycle-state: unexpected value {body[:60]!r}")
+    if state != "Terminated":
+        return None
+    return Observation(
+        key=KEY_LIFECYCLE,
+        kind=Kind.TERMINATION,
+        reason="EC2 Auto Scaling is terminating the instance (target lifecycle state Terminated)",
+        detail={"target_lifecycle_state": state},
+    )
+
+
+# --- the source ----------------------------------------------------------------------------------------
+
+
+class AwsSource(Source):
+    """Polls the four notice endpoints concurrently every ``poll_interval_s`` with an IMDSv2 token."""
+
+    name = "aws"
+
+    def __init__(self, config: AwsConfig) -> None:
+        self.config = config
+        self._client = MetadataClient(config.endpoint, config.timeout_s)
+        self._token: str | None = None
+        self._token_expires = 0.0  # monotonic
+        self._imdsv1 = False
+        self._identity: dict[str, str] = {}
+        self._polls = 0
+
+    def status(self) -> Mapping[str, Any]:
+        return {
+            "endpoint": self.config.endpoint,
+            "mode": "imdsv1" if self._imdsv1 else "imdsv2",
+            "poll_interval_s": self.config.poll_interval_s,
+            "polls": self._polls,
+        }
+
+    # token lifecycle
+
+    async def _fetch_token(self) -> None:
+        ttl = max(1, min(21600, self.config.token_ttl_s))
+        try:
+            reply = await self._client.request("PUT", TOKEN_PATH, headers={TOKEN_TTL_HEADER: str(ttl)})
+        except CloudError as exc:
+            if self.config.imdsv1_fallback:
+                self._use_imdsv1(str(exc))
+                return
+            raise CloudError(
+                f"{exc}. Inside a container the IMDSv2 token reply is dropped when the instance's hop limit "
+                "is 1: raise it (aws ec2 modify-instance-metadata-options --http-put-response-hop-limit 2) "
+                "or set aws.imdsv1_fallback = true"
+            ) from exc
+        if reply.status != 200:
+            if self.config.imdsv1_fallback and reply.status in (403, 404, 405):
+                self._use_imdsv1(f"token PUT answered HTTP {reply.status}")
+                return
+            raise status_error("PUT", self._client.base_url + TOKEN_PATH, reply)
+        token = reply.text().strip()
+        if not token or len(token) > 4096 or not token.isprintable():
+            raise ParseError(f"PUT {TOKEN_PATH}: unusable token {reply.body[:40]!r}")
+        granted = reply.headers.get(TOKEN_TTL_HEADER)
+        try:
+            granted_ttl = float(granted) if granted else float(ttl)
+        except ValueError:
+            granted_ttl = float(ttl)
+        self._token = token
+        # Refresh well before expiry so a request never races the token's end.
+        self._token_expires = time.monotonic() + granted_ttl - min(60.0, granted_ttl / 4)
+        self._imdsv1 = False
+
+    def _use_imdsv1(self, why: str) -> None:
+        if not self._imdsv1:
+            log.warning("imdsv1_fallback", source=self.name, reason=why)
+        self._imdsv1 = True
+        self._token = None
+
+    async def _get(self, path: str) -> Reply:
+        """GET with a fresh token; on 401 the token is dropped and the request retried once."""
+        for attempt in (1, 2):
+            if not self._imdsv1 and (self._token is None or time.monotonic() >= self._token_expires):
+                await self._fetch_token()
+            headers = {TOKEN_HEADER: self._token} if self._token else None
+            reply = await self._client.request("GET", path, headers=headers)
+            if reply.status == 401 and attempt == 1:
+                self._token = None
+                self._imdsv1 = False
+                continue
+            return reply
+        raise AssertionError("unreachable")
+
+    async def _read(self, path: str) -> bytes | None:
+        """The body of a 200, None for a 404 (nothing pending); anything else raises."""
+        reply = await self._get(path)
+        if reply.status == 404:
+            return None
+        if reply.status != 200:
+            raise status_error("GET", self._client.base_url + path, reply)
+        return reply.body
+
+    async def read_identity(self) -> dict[str, str]:
+        identity: dict[str, str] = {}
+        for field_name, path in IDENTITY_PATHS.items():
+            body = await self._read(path)
+            if body is not None:
+                identity[field_name] = body.decode("utf-8", errors="replace").strip()[:256]
+        if "instance_id" not in identity:
+            raise CloudError(f"GET {self._client.base_url}{IDENTITY_PATHS['instance_id']}: no instance id")
+        return identity
+
+    # polling
+
+    async def _poll_part(self, part: str, state: LevelState) -> None:
+        if part == "spot":
+            body = await self._read(INSTANCE_ACTION)
+            state.set(part, [parse_instance_action(body)] if body is not None else [])
+        elif part == "rebalance":
+            body = await self._read(REBALANCE)
+            state.set(part, [parse_rebalance(body)] if body is not None else [])
+        elif part == "maintenance":
+            body = await self._read(MAINTENANCE)
+            state.set(part, parse_maintenance(body) if body is not None else [])
+        else:
+            body = await self._read(LIFECYCLE)
+            obs = parse_lifecycle_state(body) if body is not None else None
+            state.set(part, [obs] if obs is not None else [])
+
+    async def run(self, sink: Sink) -> None:
+        bound = log.bind(source=self.name)
+        parts = ("spot", "rebalance", "maintenance", "lifecycle")
+        state = LevelState(parts)
+        backoff = Backoff(self.config.poll_interval_s, self.config.backoff_max_s)
+        interval = self.config.poll_interval_s
+        try:
+            next_tick = time.monotonic()
+            while True:
+                errors: list[CloudError] = []
+                # One token fetch before the concurrent reads, so they do not each race to fetch one.
+                if not self._imdsv1 and (self._token is None or time.monotonic() >= self._token_expires):
+                    try:
+                        await self._fetch_token()
+                    except CloudError as exc:
+                        errors.append(exc)
+                if not errors:
+                    results = await asyncio.gather(
+                        *(self._poll_part(p, state) for p in parts), return_exceptions=True
+                    )
+                    for result in results:
+                        if isinstance(result, CloudError):
+                            errors.append(result)
+                        elif isinstance(result, BaseException):
+                            raise result
+                state.publish(sink)
+                self._polls += 1
+                if not errors and not self._identity:
+                    try:
+                        self._identity = await self.read_identity()
+                        sink.identify("aws", self._identity)
+                    except CloudError as exc:
+                        errors.append(exc)
+                if errors:
+                    sink.error(str(errors[0]), errors=len(errors), endpoint=self.config.endpoint)
+                    delay = backoff.next_delay(errors[0].retry_after_s)
+                    next_tick = time.monotonic() + delay
+                else:
+                    backoff.reset()
+                    sink.ok(endpoint=self.config.endpoint, mode="imdsv1" if self._imdsv1 else "imdsv2")
+                    # Fixed-rate ticks: the interval is the worst-case detection delay, whatever a poll took.
+                    next_tick = max(next_tick + interval, time.monotonic())
+                await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+        finally:
+            bound.debug("source_stopping")
+            await self._client.close()

@@ -1,0 +1,295 @@
+"""Azure: Scheduled Events (Preempt, Terminate, Reboot, Redeploy, Freeze) from the instance metadata
+service, filtered to this VM, with the ``StartRequests`` acknowledgement and a client-side rate limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+import structlog
+
+from agent.config import AzureConfig
+from agent.errors import NoticeError
+from agent.notice import Kind, Observation, Severity, parse_time, utcnow
+from agent.sources.base import Sink, Source
+from agent.sources.cloud_http import Backoff, CloudError, MetadataClient, ParseError, status_error
+
+log = structlog.get_logger("preemptd.sources.azure")
+
+EVENTS_PATH = "/metadata/scheduledevents"
+INSTANCE_PATH = "/metadata/instance"
+HEADERS = {"Metadata": "true"}
+EVENT_KEY_PREFIX = "scheduledevents/"
+# Azure answers 429 above 5 requests per second per VM; stay under it whatever the configuration says.
+MAX_REQUESTS_PER_S = 5
+
+_KINDS: Mapping[str, tuple[Kind, Severity]] = {
+    "preempt": (Kind.TERMINATION, Severity.CRITICAL),
+    "terminate": (Kind.TERMINATION, Severity.CRITICAL),
+    "reboot": (Kind.MAINTENANCE, Severity.CRITICAL),
+    "redeploy": (Kind.MAINTENANCE, Severity.CRITICAL),
+    "freeze": (Kind.MAINTENANCE, Severity.WARNING),
+}
+
+
+@dataclass(frozen=True)
+class ScheduledEvents:
+    incarnation: int
+    observations: tuple[Observation, ...]
+    # Events for other VMs of the availability set or scale set, ignored but counted for status.
+    ignored: int = 0
+
+
+# --- pure parsers --------------------------------------------------------------------------------------
+
+
+def parse_not_before(text: Any) -> datetime | None:
+    """``NotBefore``: RFC 1123 (``Mon, 19 Sep 2016 18:29:47 GMT``), ISO 8601 as Microsoft's mock sends it, or
+    ``""`` once the event has started (None)."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    if not isinstance(text, str):
+        raise ParseError(f"NotBefore: expected a string, got {text!r}")
+    value = text.strip()
+    if "," in value or value.endswith(("GMT", "UTC")):
+        try:
+            parsed = parsedate_to_datetime(value)
+        except (TypeError, ValueError) as exc:
+            raise ParseError(f"NotBefore: {value!r} is not an RFC 1123 time") from exc
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=timezone.utc)
+        return parsed.astimezone(timezone.utc)
+    try:
+        return parse_time(value)
+    except NoticeError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise ParseError(f"NotBefore: {value!r} is neither RFC 1123 nor ISO 8601") from exc
+    # A zone-less ISO time from a mock: Scheduled Events are in UTC.
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).astimezone(timezone.utc)
+
+
+def parse_scheduled_events(
+    body: bytes,
+    vm_name: str | None,
+    now: datetime,
+    known_deadlines: Mapping[str, datetime] | None = None,
+) -> ScheduledEvents:
+    """The Scheduled Events document. Events whose ``Resources`` do not name ``vm_name`` are another VM's
+    (None: the name is unknown, keep them all). A started event has no ``NotBefore``: its deadline is the one
+    seen while it was scheduled (``known_deadlines``), else now."""
+    try:
+        doc = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ParseError(f"scheduled events: not JSON: {body[:60]!r}") from exc
+    if not isinstance(doc, Mapping):
+        raise ParseError(f"scheduled events: expected an object, got {doc!r}")
+    incarnation = doc.get("DocumentIncarnation")
+    events = doc.get("Events")
+    if not isinstance(incarnation, int) or isinstance(incarnation, bool):
+        raise ParseError(f"scheduled events: DocumentIncarnation must be an integer, got {incarnation!r}")
+    if events is None:
+        events = []
+    if not isinstance(events, list):
+        raise ParseError(f"scheduled events: Events must be an array, got {events!r}")
+    known = known_deadlines or {}
+    wanted = vm_name.lower() if vm_name else None
+    observations: list[Observation] = []
+    ignored = 0
+    for event in events:
+        if not isinstance(event, Mapping):
+            raise ParseError(f"scheduled events: expected event objects, got {event!r}")
+        event_id = event.get("EventId")
+        if not isinstance(event_id, str) or not event_id:
+            raise ParseError(f"scheduled events: event without an EventId: {event!r}")
+        resources = event.get("Resources") or []
+        if not isinstance(resources, list):
+            raise ParseError(f"scheduled events: Resources must be an array in {event_id}")
+        if wanted is not None and resources and wanted not in {str(r).lower() for r in resources}:
+            ignored += 1
+            continue
+        event_type = str(event.get("EventType") or "")
+        kind, severity = _KINDS.get(event_type.lower(), (Kind.MAINTENANCE, Severity.WARNING))
+        deadline = parse_not_before(event.get("NotBefore"))
+        if deadline is None:
+            deadline = known.get(event_id, now)
+        status = str(event.get("EventStatus") or "Scheduled")
+        detail = {
+            k: event[k]
+            for k in (
+                "EventId",
+                "EventType",
+                "EventStatus",
+                "ResourceType",
+                "Resources",
+                "NotBefore",
+                "Description",
+                "EventSource",
+                "DurationInSeconds",
+            )
+            if k in event
+        }
+        detail["DocumentIncarnation"] = incarnation
+        observations.append(
+            Observation(
+                key=EVENT_KEY_PREFIX + event_id,
+                kind=kind,
+                severity=severity,
+                reason=f"Azure scheduled event {event_type or 'unknown'} ({status.lower()})",
+                deadline=deadline,
+                detail=detail,
+            )
+        )
+    return ScheduledEvents(incarnation, tuple(observations), ignored)
+
+
+def parse_instance(body: bytes) -> dict[str, str]:
+    """``/metadata/instance``: the fields of ``compute`` that identify this VM."""
+    try:
+        doc = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ParseError(f"instance metadata: not JSON: {body[:60]!r}") from exc
+    compute = doc.get("compute") if isinstance(doc, Mapping) else None
+    if not isinstance(compute, Mapping) or not isinstance(compute.get("name"), str) or not compute["name"]:
+        raise ParseError("instance metadata: no compute.name")
+    fields = {"name": "name", "vmId": "vm_id", "vmSize": "vm_size", "location": "location", "zone": "zone"}
+    identity = {
+        ours: str(compute[theirs]) for theirs, ours in fields.items() if compute.get(theirs) is not None
+    }
+    identity["priority"] = str(compute.get("priority") or "Regular")
+    return identity
+
+
+# --- the source ----------------------------------------------------------------------------------------
+
+
+class RateLimiter:
+    """At most ``limit`` requests in any ``window_s`` (a sliding window over the last request times)."""
+
+    def __init__(self, limit: int, window_s: float = 1.0) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._times: deque[float] = deque(maxlen=limit)
+        self._lock = asyncio.Lock()
+
+    async def acquire(self) -> None:
+        async with self._lock:
+            if len(self._times) == self.limit:
+                wait = self._times[0] + self.window_s - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            self._times.append(time.monotonic())
+
+
+class AzureSource(Source):
+    """Polls Scheduled Events every ``poll_interval_s`` (1 s by default, as Microsoft advises)."""
+
+    name = "azure"
+
+    def __init__(self, config: AzureConfig) -> None:
+        self.config = config
+        self._client = MetadataClient(config.endpoint, config.timeout_s, headers=HEADERS)
+        # A small margin over one second so that clock granularity never lets a sixth request in.
+        self._limiter = RateLimiter(MAX_REQUESTS_PER_S, 1.05)
+        self.vm_name: str | None = config.vm_name or None
+        self._identity: dict[str, str] = {}
+        self._incarnation: int | None = None
+        self._deadlines: dict[str, datetime] = {}
+        self._acknowledged: set[str] = set()
+        self._ignored = 0
+
+    def status(self) -> Mapping[str, Any]:
+        return {
+            "endpoint": self.config.endpoint,
+            "vm_name": self.vm_name,
+            "document_incarnation": self._incarnation,
+            "ignored_events": self._ignored,
+            "acknowledged": sorted(self._acknowledged),
+        }
+
+    async def _request(self, method: str, path: str, api_version: str, json_body: Any = None) -> bytes:
+        await self._limiter.acquire()
+        reply = await self._client.request(
+            method, path, params={"api-version": api_version}, json_body=json_body
+        )
+        if reply.status != 200:
+            raise status_error(method, f"{self.config.endpoint}{path}?api-version={api_version}", reply)
+        return reply.body
+
+    async def acknowledge(self, event_id: str) -> None:
+        """Tell Azure this VM is ready for ``event_id`` to start now (``StartRequests``). This shortens the
+        notice window, so only call it once the workload is safe. Raises CloudError if Azure refuses."""
+        body = {"StartRequests": [{"EventId": event_id}]}
+        await self._request("POST", EVENTS_PATH, self.config.api_version, json_body=body)
+        self._acknowledged.add(event_id)
+        log.info("azure_event_acknowledged", source=self.name, event_id=event_id)
+
+    async def _read_identity(self, sink: Sink) -> None:
+        identity = parse_instance(await self._request("GET", INSTANCE_PATH, self.config.instance_api_version))
+        self._identity = identity
+        if self.vm_name is None:
+            self.vm_name = identity["name"]
+        sink.identify("azure", identity)
+
+    async def poll_once(self, sink: Sink) -> ScheduledEvents:
+        body = await self._request("GET", EVENTS_PATH, self.config.api_version)
+        events = parse_scheduled_events(body, self.vm_name, utcnow(), self._deadlines)
+        self._deadlines = {
+            obs.key[len(EVENT_KEY_PREFIX) :]: obs.deadline for obs in events.observations if obs.deadline
+        }
+        self._incarnation = events.incarnation
+        self._ignored = events.ignored
+        # Level-triggered: an event that disappears from the document is over (there is no Completed).
+        sink.replace(events.observations)
+        return events
+
+    async def _acknowledge_new(self, events: ScheduledEvents) -> None:
+        for obs in events.observations:
+            event_id = obs.key[len(EVENT_KEY_PREFIX) :]
+            if event_id not in self._acknowledged and obs.detail.get("EventStatus") != "Started":
+                await self.acknowledge(event_id)
+
+    async def run(self, sink: Sink) -> None:
+        backoff = Backoff(self.config.poll_interval_s, self.config.backoff_max_s)
+        interval = max(self.config.poll_interval_s, 1.0 / MAX_REQUESTS_PER_S)
+        try:
+            next_tick = time.monotonic()
+            while True:
+                error: CloudError | None = None
+                if not self._identity:
+                    # Without the VM's name, events are not filtered: a peer's false alarm is better than a
+                    # missed preemption while instance metadata is failing.
+                    try:
+                        await self._read_identity(sink)
+                    except CloudError as exc:
+                        error = exc
+                try:
+                    events = await self.poll_once(sink)
+                    if self.config.acknowledge == "immediate":
+                        await self._acknowledge_new(events)
+                except CloudError as exc:
+                    error = exc
+                if error is not None:
+                    sink.error(str(error), endpoint=self.config.endpoint, status=error.status)
+                    next_tick = time.monotonic() + backoff.next_delay(error.retry_after_s)
+                else:
+                    backoff.reset()
+                    sink.ok(
+                        endpoint=self.config.endpoint,
+                        document_incarnation=self._incarnation,
+                        vm_name=self.vm_name,
+                    )
+                    next_tick = max(next_tick + interval, time.monotonic())
+                await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+        finally:
+            await self._client.close()

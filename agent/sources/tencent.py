@@ -1,0 +1,52 @@
+"""Tencent Cloud CVM: the spot instance termination time, published in China Standard Time (UTC+8) without a
+zone marker."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from agent.config import TencentConfig
+from agent.errors import NoticeError
+from agent.notice import parse_time
+from agent.sources.cloud_http import ParseError
+from agent.sources.cloud_spot import TerminationTimeSource
+
+TERMINATION_PATH = "/latest/meta-data/spot/termination-time"
+CHINA_STANDARD_TIME = timezone(timedelta(hours=8), "CST")
+
+
+def parse_tencent_time(body: bytes) -> datetime:
+    """``2018-08-18 12:05:33``: local time UTC+8, space-separated. A time with a zone (RFC 3339) is taken as
+    it says."""
+    try:
+        text = body.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ParseError(f"spot/termination-time: not text: {body[:40]!r}") from exc
+    try:
+        local = datetime.strptime(text, "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        try:
+            return parse_time(text)
+        except NoticeError as exc:
+            raise ParseError(
+                f"spot/termination-time: {text[:60]!r} is not like '2018-08-18 12:05:33'"
+            ) from exc
+    return local.replace(tzinfo=CHINA_STANDARD_TIME).astimezone(timezone.utc)
+
+
+class TencentSource(TerminationTimeSource):
+    name = "tencent"
+    cloud = "tencent"
+    termination_path = TERMINATION_PATH
+    identity_paths = {
+        "instance_id": "/latest/meta-data/instance-id",
+        "instance_type": "/latest/meta-data/instance/instance-type",
+        "zone": "/latest/meta-data/placement/zone",
+    }
+
+    def __init__(self, config: TencentConfig) -> None:
+        super().__init__(config.endpoint, config.poll_interval_s, config.timeout_s, config.backoff_max_s)
+        self.config = config
+
+    def parse_time(self, body: bytes) -> datetime:
+        return parse_tencent_time(body)
