@@ -107,7 +107,7 @@ class HookEngine:
         self, hook: HookConfig, name: str, notice: Notice | None, doc: Mapping[str, Any]
     ) -> None:
         event_type = str(doc.get("type"))
-        context = {"hook": name, "event": event_type, "notice_id": notice.id if notice else None}
+        context = {"hook": name, "trigger": event_type, "notice_id": notice.id if notice else None}
         started = time.monotonic()
         env = hook_environment(self._base_env, doc, notice, hook.env)
         try:

@@ -119,7 +119,7 @@ class WebhookEngine:
         context = {
             "webhook": name,
             "endpoint": redact(hook.url),
-            "event": str(doc.get("type")),
+            "trigger": str(doc.get("type")),
             "notice_id": notice.id if notice else None,
         }
         started = time.monotonic()
