@@ -5,6 +5,7 @@ Used by the CLI and by the training-side client; every call has an explicit time
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -133,6 +134,15 @@ class EventStream:
             if not chunk:
                 return
             yield from self.decoder.feed(chunk)
+
+    def interrupt(self) -> None:
+        """Wake a reader blocked in another thread (it sees the end of the stream); that thread closes.
+
+        ``close()`` from a second thread races with ``http.client``'s own cleanup in the reading one."""
+        sock = self._conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         try:

@@ -1,0 +1,466 @@
+"""The checkpoint store: atomic, durable, format-agnostic checkpoint directories with a manifest.
+
+``save(step, writer)`` gives ``writer`` a fresh temporary directory to fill with any files, then fsyncs them
+(checksumming in parallel with the fsync), writes ``manifest.json``, renames the directory to ``step-N`` and
+fsyncs the parent: a checkpoint either exists whole or not at all. ``latest()`` finds the newest checkpoint that
+verifies, skipping incomplete or corrupt ones with a :class:`CheckpointWarning`. Each save is reported to the
+agent (started, finished or failed) so the advisor learns what a checkpoint costs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from agent.client.reporting import Reporter
+
+MANIFEST = "manifest.json"
+FORMAT = "preemptd-checkpoint"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+_READ_BLOCK = 8 * 1024 * 1024
+# Large files are checksummed in pieces of this size on several threads; the CRCs are combined after.
+HASH_PIECE = 64 * 1024 * 1024
+
+Writer = Callable[[Path], Any]
+Verify = Literal["checksum", "size", "none"]
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped on resume because it is incomplete or corrupt."""
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be read or verified; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str
+    bytes: int
+    crc32: int | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint directory and its manifest."""
+
+    step: int
+    path: Path
+    time: datetime
+    bytes: int
+    files: tuple[FileEntry, ...]
+    emergency: bool = False
+    notice_id: str | None = None
+    duration_s: float | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    @classmethod
+    def load(cls, directory: Path) -> Checkpoint:
+        """Read the manifest of ``directory``; CheckpointError when it is missing or malformed."""
+        try:
+            doc = json.loads((directory / MANIFEST).read_text())
+        except FileNotFoundError as exc:
+            raise CheckpointError(f"{directory}: no {MANIFEST} (incomplete checkpoint)") from exc
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{directory / MANIFEST}: unreadable: {exc}") from exc
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise CheckpointError(f"{directory / MANIFEST}: not a {FORMAT} manifest")
+        try:
+            files = tuple(
+                FileEntry(str(f["path"]), int(f["bytes"]), f.get("crc32")) for f in doc.get("files", [])
+            )
+            return cls(
+                step=int(doc["step"]),
+                path=directory,
+                time=datetime.fromisoformat(str(doc["time"]).replace("Z", "+00:00")),
+                bytes=int(doc["bytes"]),
+                files=files,
+                emergency=bool(doc.get("emergency", False)),
+                notice_id=doc.get("notice_id"),
+                duration_s=doc.get("duration_s"),
+                metadata=doc.get("metadata") or {},
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{directory / MANIFEST}: malformed: {exc!r}") from exc
+
+    def verify(self, level: Verify = "checksum", workers: int | None = None) -> None:
+        """Check every file's presence and size (and CRC for ``checksum``); CheckpointError when one fails."""
+        if level == "none":
+            return
+        for entry in self.files:
+            target = self.path / entry.path
+            try:
+                size = target.stat().st_size
+            except OSError as exc:
+                raise CheckpointError(f"{target}: missing ({exc.strerror})") from exc
+            if size != entry.bytes:
+                raise CheckpointError(f"{target}: {size} bytes, the manifest says {entry.bytes}")
+        if level != "checksum":
+            return
+        with ThreadPoolExecutor(max_workers=workers or _hash_workers()) as pool:
+            sums = {
+                e.path: _file_crc(pool, self.path / e.path, e.bytes)
+                for e in self.files
+                if e.crc32 is not None
+            }
+            for entry in self.files:
+                if entry.crc32 is not None and sums[entry.path]() != entry.crc32:
+                    raise CheckpointError(f"{self.path / entry.path}: checksum mismatch (corrupt)")
+
+
+class CheckpointStore:
+    """Checkpoints under ``root`` as ``step-<N>`` directories; keeps the newest ``keep`` (0 keeps all).
+
+    ``checksum=False`` skips CRCs (sizes are still recorded and checked). ``reporter`` sends save reports to
+    the agent; pass ``report=False`` for none.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        keep: int = 3,
+        *,
+        checksum: bool = True,
+        reporter: Reporter | None = None,
+        report: bool = True,
+        socket_path: str | Path | None = None,
+        hash_workers: int | None = None,
+    ) -> None:
+        if keep < 0:
+            raise ValueError(f"keep must be 0 (keep all) or more, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+        self.checksum = checksum
+        self.reporter = reporter if reporter is not None or not report else Reporter(socket_path)
+        self.hash_workers = hash_workers or _hash_workers()
+        self.last_save: Checkpoint | None = None
+
+    # -- saving -----------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        writer: Writer,
+        *,
+        emergency: bool = False,
+        notice_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Checkpoint:
+        """Write a checkpoint for ``step`` atomically; ``writer(directory)`` puts the files in it.
+
+        Returns when the checkpoint is durable (files, manifest and the rename are fsynced). An existing
+        checkpoint of the same step is replaced. On failure the temporary directory is removed, a ``failed``
+        report is sent and the exception propagates.
+        """
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}")
+        started = time.monotonic()
+        self._report("started", step, emergency=emergency, notice_id=notice_id)
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f"{_TMP_PREFIX}{_owner_tag()}-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir()
+            writer(tmp)
+            files = self._seal(tmp)
+            total = sum(f.bytes for f in files)
+            now = datetime.now(timezone.utc)
+            manifest = {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "step": step,
+                "time": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                "bytes": total,
+                "emergency": emergency,
+                "notice_id": notice_id,
+                "duration_s": None,
+                "files": [
+                    {"path": f.path, "bytes": f.bytes, **({"crc32": f.crc32} if f.crc32 is not None else {})}
+                    for f in files
+                ],
+                "checksum": "crc32" if self.checksum else None,
+                "host": socket.gethostname(),
+                "metadata": dict(metadata or {}),
+            }
+            manifest["duration_s"] = round(time.monotonic() - started, 6)
+            _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _fsync_dir(tmp)
+            final = self.root / f"step-{step:012d}"
+            self._replace(tmp, final)
+            _fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._report("failed", step, emergency=emergency, notice_id=notice_id)
+            raise
+        duration = time.monotonic() - started
+        checkpoint = Checkpoint(
+            step=step,
+            path=final,
+            time=now,
+            bytes=total,
+            files=tuple(files),
+            emergency=emergency,
+            notice_id=notice_id,
+            duration_s=duration,
+            metadata=dict(metadata or {}),
+        )
+        self.last_save = checkpoint
+        self._report(
+            "finished",
+            step,
+            duration_s=duration,
+            size=total,
+            emergency=emergency,
+            notice_id=notice_id,
+            path=final,
+        )
+        self.prune()
+        return checkpoint
+
+    def _seal(self, directory: Path) -> list[FileEntry]:
+        """fsync every file the writer left, checksumming them at the same time on the thread pool."""
+        paths = sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+        if not paths:
+            raise CheckpointError(f"the writer put no files into {directory}")
+        with ThreadPoolExecutor(max_workers=self.hash_workers + 1) as pool:
+            pending: list[tuple[Path, int, Future[None], Callable[[], int] | None]] = []
+            for path in paths:
+                size = path.stat().st_size
+                synced = pool.submit(_fsync_file, path)
+                crc = _file_crc(pool, path, size) if self.checksum else None
+                pending.append((path, size, synced, crc))
+            entries = []
+            for path, size, synced, crc in pending:
+                synced.result()
+                entries.append(
+                    FileEntry(path.relative_to(directory).as_posix(), size, crc() if crc else None)
+                )
+        for sub in sorted({p.parent for p in paths if p.parent != directory}, key=lambda p: -len(p.parts)):
+            _fsync_dir(sub)
+        return entries
+
+    def _replace(self, tmp: Path, final: Path) -> None:
+        if final.exists():
+            trash = self.root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+
+    def _report(self, phase: str, step: int, **fields: Any) -> None:
+        if self.reporter is not None:
+            self.reporter.checkpoint(phase, step, **fields)
+
+    # -- listing, resuming, pruning ---------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoint directories, newest first (not verified)."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and entry.is_dir():
+                found.append(int(match.group(1)))
+        return sorted(found, reverse=True)
+
+    def path_of(self, step: int) -> Path:
+        return self.root / f"step-{step:012d}"
+
+    def get(self, step: int, verify: Verify = "checksum") -> Checkpoint:
+        """The checkpoint of ``step``, verified; CheckpointError when it is missing, incomplete or corrupt."""
+        checkpoint = Checkpoint.load(self.path_of(step))
+        if checkpoint.step != step:
+            raise CheckpointError(f"{checkpoint.path}: the manifest says step {checkpoint.step}")
+        checkpoint.verify(verify, self.hash_workers)
+        return checkpoint
+
+    def checkpoints(self, verify: Verify = "checksum") -> Iterator[Checkpoint]:
+        """Valid checkpoints, newest first; invalid ones are skipped with a CheckpointWarning."""
+        for step in self.steps():
+            try:
+                yield self.get(step, verify)
+            except CheckpointError as exc:
+                warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=3)
+
+    def latest(self, verify: Verify = "checksum") -> Checkpoint | None:
+        """The newest checkpoint that verifies, or None; skipped ones raise a CheckpointWarning each."""
+        return next(self.checkpoints(verify), None)
+
+    def prune(self) -> list[Path]:
+        """Remove checkpoints beyond the newest ``keep``, and temporary directories this host's dead
+        processes left behind. Returns what was removed."""
+        removed: list[Path] = []
+        if self.keep:
+            for step in self.steps()[self.keep :]:
+                victim = self.path_of(step)
+                trash = self.root / f"{_TRASH_PREFIX}{victim.name}-{uuid.uuid4().hex[:8]}"
+                try:
+                    os.rename(victim, trash)  # atomic: never seen half-deleted as a checkpoint
+                except OSError:
+                    continue
+                shutil.rmtree(trash, ignore_errors=True)
+                removed.append(victim)
+        if self.root.is_dir():
+            for entry in self.root.iterdir():
+                if entry.name.startswith(_TRASH_PREFIX) or (
+                    entry.name.startswith(_TMP_PREFIX) and _abandoned(entry.name)
+                ):
+                    shutil.rmtree(entry, ignore_errors=True)
+                    removed.append(entry)
+        return removed
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+
+
+def _hash_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _owner_tag() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _abandoned(name: str) -> bool:
+    """Whether a temporary directory belongs to a process of this host that is gone."""
+    rest = name[len(_TMP_PREFIX) :]
+    host, _, _tail = rest.rpartition("-")  # tail: the random suffix
+    host, _, pid_text = host.rpartition("-")
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc_range(path: Path, offset: int, length: int) -> int:
+    crc = 0
+    buffer = bytearray(min(_READ_BLOCK, max(length, 1)))
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        handle.seek(offset)
+        left = length
+        while left > 0:
+            got = handle.readinto(view[: min(left, len(buffer))])
+            if not got:
+                raise CheckpointError(f"{path}: shorter than expected while checksumming")
+            crc = zlib.crc32(view[:got], crc)
+            left -= got
+    return crc
+
+
+def _file_crc(pool: ThreadPoolExecutor, path: Path, size: int) -> Callable[[], int]:
+    """Start the CRC32 of ``path`` piecewise on ``pool`` (zlib releases the GIL while it hashes); the
+    returned function waits for the pieces and combines them."""
+    pieces = [
+        (
+            pool.submit(_crc_range, path, offset, min(HASH_PIECE, size - offset)),
+            min(HASH_PIECE, size - offset),
+        )
+        for offset in range(0, size, HASH_PIECE)
+    ]
+
+    def combined() -> int:
+        crc = 0
+        for piece, length in pieces:
+            crc = crc32_combine(crc, piece.result(), length)
+        return crc
+
+    return combined
+
+
+# CRC-32 combination (zlib's crc32_combine, which Python does not expose): the CRC of A+B from crc(A),
+# crc(B) and len(B), by applying len(B) zero bytes to crc(A) through GF(2) matrix squaring.
+_CRC_POLY = 0xEDB88320
+
+
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    total = 0
+    index = 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[index]
+        vector >>= 1
+        index += 1
+    return total
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, matrix[n]) for n in range(32)]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """``zlib.crc32(a + b)`` given ``crc32(a)``, ``crc32(b)`` and ``len(b)``."""
+    if len2 <= 0:
+        return crc1
+    odd = [_CRC_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:
+        even = _gf2_square(odd)
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
