@@ -604,7 +604,13 @@ class Agent:
             component.setup(self)
         app = build_app(self, self._routes)
         self._runner = web.AppRunner(
-            app, handle_signals=False, access_log=None, shutdown_timeout=self.config.api.shutdown_timeout_s
+            app,
+            handle_signals=False,
+            access_log=None,
+            shutdown_timeout=self.config.api.shutdown_timeout_s,
+            # A client that hangs up cancels its handler at once, so its stream is dropped without waiting
+            # for the next event to fail to write.
+            handler_cancellation=True,
         )
         await self._runner.setup()
         self._site = web.SockSite(self._runner, sock)

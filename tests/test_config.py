@@ -1,0 +1,105 @@
+"""Configuration: file < environment < flags, and errors that name the file, the key and what was expected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agent.config import Config, load_config, parse_setting
+from agent.errors import ConfigError
+from agent.paths import client_socket_path, default_socket_path, default_state_dir, user_socket_path
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("agent.config.DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
+    config = load_config(None, env={})
+    assert isinstance(config, Config)
+    assert ("auto", 15.0) == (config.cloud, config.api.heartbeat_s)
+
+
+def test_file_environment_and_flags_in_increasing_precedence(tmp_path: Path) -> None:
+    path = write(tmp_path, 'cloud = "aws"\nlog_level = "debug"\n[api]\nheartbeat_s = 5\nqueue_size = 10\n')
+    env = {"PREEMPTD_CLOUD": "gcp", "PREEMPTD_API__HEARTBEAT_S": "7"}
+    config = load_config(path, env=env, overrides={"cloud": "azure"})
+    assert ("azure", "debug", 7.0, 10) == (
+        config.cloud,
+        config.log_level,
+        config.api.heartbeat_s,
+        config.api.queue_size,
+    )
+    assert path == config.config_file
+
+
+def test_config_path_from_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, 'cloud = "tencent"\n')
+    assert "tencent" == load_config(env={"PREEMPTD_CONFIG": str(path)}).cloud
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("cloud = 3\n", "key 'cloud': expected one of 'auto', 'none'"),
+        ('clod = "aws"\n', "unknown key 'clod' \\(did you mean 'cloud'\\?\\)"),
+        ('[api]\nheartbeat_s = "fast"\n', "key 'api.heartbeat_s': expected a number, got 'fast'"),
+        ("[api]\nqueue_size = 1.5\n", "key 'api.queue_size': expected an integer"),
+        ("api = 3\n", "key 'api': expected a table"),
+        ("cloud = \n", "not valid TOML"),
+    ],
+)
+def test_bad_file_names_file_key_and_expectation(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path, env={})
+    assert str(path) in str(info.value)
+
+
+def test_an_explicit_file_that_is_missing_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml", env={})
+
+
+def test_bad_environment_value_names_the_environment() -> None:
+    with pytest.raises(ConfigError, match="environment: key 'api.queue_size'"):
+        load_config(env={"PREEMPTD_API__QUEUE_SIZE": "many"})
+
+
+def test_unrelated_preemptd_variables_are_ignored() -> None:
+    assert "auto" == load_config(env={"PREEMPTD_SOMETHING_ELSE": "1"}).cloud
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("api.heartbeat_s=5", ("api.heartbeat_s", 5)),
+        ("cloud=aws", ("cloud", "aws")),
+        ("x=[1, 2]", ("x", [1, 2])),
+    ],
+)
+def test_set_flag_values_are_read_as_toml(text: str, expected: tuple[str, object]) -> None:
+    assert expected == parse_setting(text)
+
+
+def test_set_flag_without_equals_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_setting("api.heartbeat_s")
+
+
+def test_socket_path_discovery_order() -> None:
+    assert Path("/x.sock") == default_socket_path({"PREEMPTD_SOCKET": "/x.sock"})
+    assert Path("/run/preemptd/preemptd.sock") == default_socket_path({"RUNTIME_DIRECTORY": "/run/preemptd"})
+    assert Path("/run/user/1000/preemptd/preemptd.sock") == user_socket_path(
+        {"XDG_RUNTIME_DIR": "/run/user/1000"}
+    )
+    assert Path("/tmp/preemptd-1234/preemptd.sock") == user_socket_path({}, uid=1234)
+    assert Path("/y.sock") == client_socket_path({"PREEMPTD_SOCKET": "/y.sock"})
+
+
+def test_state_dir_prefers_systemd_state_directory() -> None:
+    assert Path("/var/lib/preemptd") == default_state_dir({"STATE_DIRECTORY": "/var/lib/preemptd"})
