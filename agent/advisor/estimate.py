@@ -1,0 +1,547 @@
+"""Estimators over the history log: the checkpoint save time δ from client reports, the mean time M between
+interruptions that lost work, and the host's goodput. Pure: callers pass the records and ``now``.
+
+What counts as a loss (docs/advisor.md): a GPU fault; an interrupting notice (termination, maintenance) that
+reached its deadline while a training client was reporting and no emergency checkpoint finished before the
+deadline; a restart after an unclean stop that no such notice explains. Drills never count. Announced
+interruptions whose flush finished are counted apart: they cost a flush and a restart, not lost work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from agent.advisor.stats import mad_sigma, median, rate_interval
+from agent.config import AdvisorConfig
+from agent.errors import NoticeError
+from agent.notice import parse_time
+
+GPU_FAULT = "gpu_fault"
+UNCOVERED_NOTICE = "uncovered_notice"
+UNCLEAN_RESTART = "unclean_restart"
+LOSS_CAUSES = (GPU_FAULT, UNCOVERED_NOTICE, UNCLEAN_RESTART)
+# A checkpoint further than this many robust standard deviations from the median is reported as an outlier
+# (it still counts: the median is what keeps it from moving δ).
+OUTLIER_SIGMAS = 3.5
+# Tolerance on "the flush finished before the deadline": reports are stamped on arrival.
+DEADLINE_SLACK = timedelta(seconds=1)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint of one job, merged over the reports of all its ranks (the job blocks for the slowest)."""
+
+    job: str
+    step: int | None
+    finished_at: datetime
+    duration_s: float
+    emergency: bool
+    notice_id: str | None
+    reports: int
+
+
+@dataclass(frozen=True)
+class SaveTime:
+    value_s: float | None
+    source: str | None  # "reports", "config" or None
+    checkpoints: int
+    reports: int
+    spread_s: float | None  # robust standard deviation (scaled MAD)
+    outliers: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "value_s": _r(self.value_s),
+            "source": self.source,
+            "checkpoints": self.checkpoints,
+            "reports": self.reports,
+            "spread_s": _r(self.spread_s),
+            "outliers": self.outliers,
+        }
+
+
+@dataclass(frozen=True)
+class Loss:
+    time: datetime
+    cause: str
+    notice_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Mtbp:
+    """M with where it came from and how sure it is."""
+
+    value_s: float | None
+    source: str | None  # "history", "prior", "prior+history" or None
+    events: int
+    exposure_s: float
+    effective_observations: float
+    range_s: tuple[float, float] | None  # credible range of M (high end may be inf)
+    lower_bound_s: float | None  # what the uptime alone rules out, when there are too few events
+    prior_s: float | None = None
+    prior_weight: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "value_s": _r(self.value_s),
+            "source": self.source,
+            "events": self.events,
+            "exposure_s": _r(self.exposure_s),
+            "effective_observations": round(self.effective_observations, 3),
+            "range_s": [_r(v) for v in self.range_s] if self.range_s else None,
+            "lower_bound_s": _r(self.lower_bound_s),
+            "prior_s": _r(self.prior_s),
+            "prior_weight": self.prior_weight if self.prior_s is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """ETTR-style accounting of the time since a training client first reported on this host."""
+
+    wall_s: float
+    productive_s: float
+    checkpoint_s: float
+    lost_s: float
+    restart_s: float
+
+    @property
+    def ratio(self) -> float | None:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ratio": _r(self.ratio, 4),
+            "wall_s": _r(self.wall_s),
+            "productive_s": _r(self.productive_s),
+            "checkpoint_s": _r(self.checkpoint_s),
+            "lost_s": _r(self.lost_s),
+            "restart_s": _r(self.restart_s),
+        }
+
+
+@dataclass(frozen=True)
+class Observations:
+    """Everything the advisor learned from the history."""
+
+    save: SaveTime
+    emergency_save: SaveTime
+    lost: Mtbp
+    announced: Mtbp
+    losses: tuple[Loss, ...]
+    causes: Mapping[str, int]
+    announced_ids: tuple[str, ...]
+    runs: int
+    exposure_s: float
+    current_interval_s: float | None
+    current_source: str | None
+    goodput: Goodput | None
+    drills_ignored: int = 0
+    pending_notices: int = 0
+    checkpoints: tuple[Checkpoint, ...] = field(default=(), repr=False)
+
+
+def _r(value: float | None, digits: int = 3) -> float | None:
+    if value is None:
+        return None
+    if math.isinf(value):
+        return None
+    return round(value, digits)
+
+
+# --- parsing the history ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Notice:
+    id: str
+    kind: str
+    drill: bool
+    detected_at: datetime
+    deadline: datetime | None
+    cleared_at: datetime | None
+    run: int
+
+
+@dataclass
+class _Run:
+    start: datetime
+    previous_clean: bool | None
+    last: datetime
+    stopped: datetime | None = None
+
+
+@dataclass
+class _Report:
+    time: datetime
+    phase: str
+    duration_s: float | None
+    emergency: bool
+    notice_id: str | None
+    step: int | None
+    job: str
+    run: int
+
+
+def _time(record: Mapping[str, Any], key: str = "time") -> datetime | None:
+    value = record.get(key)
+    if not isinstance(value, str):
+        return None
+    try:
+        return parse_time(value)
+    except NoticeError:
+        return None
+
+
+def _parse(records: Iterable[Any]) -> tuple[list[_Run], dict[str, _Notice], list[_Report]]:
+    runs: list[_Run] = []
+    notices: dict[str, _Notice] = {}
+    reports: list[_Report] = []
+    for record in records:
+        if not isinstance(record, Mapping):
+            continue
+        at = _time(record)
+        if at is None:
+            continue
+        kind = record.get("type")
+        if kind == "agent_start" or not runs:
+            clean = record.get("previous_clean") if kind == "agent_start" else None
+            runs.append(_Run(start=at, previous_clean=clean if isinstance(clean, bool) else None, last=at))
+            if kind == "agent_start":
+                continue
+        run = runs[-1]
+        run.last = max(run.last, at)
+        if kind == "agent_stop":
+            run.stopped = at
+        elif kind in ("notice", "update", "cleared"):
+            _note_notice(notices, record.get("notice"), at, kind, len(runs) - 1)
+        elif kind == "report":
+            parsed = _parse_report(record.get("report"), at, len(runs) - 1)
+            if parsed is not None:
+                reports.append(parsed)
+    return runs, notices, reports
+
+
+def _note_notice(notices: dict[str, _Notice], doc: Any, at: datetime, kind: Any, run: int) -> None:
+    if (
+        not isinstance(doc, Mapping)
+        or not isinstance(doc.get("id"), str)
+        or not isinstance(doc.get("kind"), str)
+    ):
+        return
+    deadline = _time(doc, "deadline")
+    known = notices.get(doc["id"])
+    if known is None:
+        detected = _time(doc, "detected_at") or at
+        known = notices[doc["id"]] = _Notice(
+            id=doc["id"],
+            kind=doc["kind"],
+            drill=bool(doc.get("drill")),
+            detected_at=detected,
+            deadline=deadline,
+            cleared_at=None,
+            run=run,
+        )
+    elif deadline is not None:
+        known.deadline = deadline
+    if kind == "cleared":
+        known.cleared_at = _time(doc, "cleared_at") or at
+    elif kind == "notice":
+        known.cleared_at = None
+
+
+def _parse_report(doc: Any, at: datetime, run: int) -> _Report | None:
+    if not isinstance(doc, Mapping) or doc.get("kind", "checkpoint") != "checkpoint":
+        return None
+    phase = doc.get("phase")
+    if phase not in ("started", "finished", "failed"):
+        return None
+    duration = doc.get("duration_s")
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration):
+        duration = None
+    client = doc.get("client") if isinstance(doc.get("client"), Mapping) else {}
+    assert isinstance(client, Mapping)
+    job = client.get("job") or client.get("name") or client.get("host") or doc.get("peer_pid") or ""
+    step = doc.get("step")
+    return _Report(
+        time=_time(doc, "received_at") or at,
+        phase=str(phase),
+        duration_s=float(duration) if duration is not None and duration >= 0 else None,
+        emergency=bool(doc.get("emergency")),
+        notice_id=doc.get("notice_id") if isinstance(doc.get("notice_id"), str) else None,
+        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        job=str(job),
+        run=run,
+    )
+
+
+def _checkpoints(reports: Sequence[_Report]) -> list[Checkpoint]:
+    """Finished checkpoints, one per (job, step, kind): every rank reports the same checkpoint."""
+    groups: dict[tuple[Any, ...], list[_Report]] = {}
+    for index, report in enumerate(reports):
+        if report.phase != "finished" or report.duration_s is None:
+            continue
+        key: tuple[Any, ...] = (
+            (report.job, report.step, report.emergency, report.notice_id)
+            if report.step is not None
+            else (index,)
+        )
+        groups.setdefault(key, []).append(report)
+    result = [
+        Checkpoint(
+            job=group[0].job,
+            step=group[0].step,
+            finished_at=max(r.time for r in group),
+            duration_s=max(r.duration_s or 0.0 for r in group),
+            emergency=group[0].emergency,
+            notice_id=group[0].notice_id,
+            reports=len(group),
+        )
+        for group in groups.values()
+    ]
+    result.sort(key=lambda c: c.finished_at)
+    return result
+
+
+def _save_time(
+    checkpoints: Sequence[Checkpoint], window: int, fallback: float | None, minimum: int
+) -> SaveTime:
+    recent = list(checkpoints)[-window:] if window > 0 else list(checkpoints)
+    durations = [c.duration_s for c in recent]
+    reports = sum(c.reports for c in recent)
+    if durations and len(durations) >= minimum:
+        centre = median(durations)
+        spread = mad_sigma(durations)
+        # Identical durations have no spread: flag against 5 % of the median instead.
+        limit = OUTLIER_SIGMAS * max(spread, 0.05 * centre)
+        outliers = sum(1 for d in durations if abs(d - centre) > limit)
+        return SaveTime(centre, "reports", len(durations), reports, spread, outliers)
+    if fallback is not None:
+        return SaveTime(fallback, "config", len(durations), reports, None, 0)
+    return SaveTime(None, None, len(durations), reports, None, 0)
+
+
+# --- the estimate ------------------------------------------------------------------------------------------
+
+
+def observe(records: Iterable[Any], now: datetime, config: AdvisorConfig) -> Observations:
+    """Read history-shaped records (oldest first) into the advisor's inputs."""
+    runs, notices, reports = _parse(records)
+    interrupting = set(config.interrupting_kinds)
+    # Where each run ended: its stop record, else its last record when a later run started (an unclean stop:
+    # the advisor's periodic record bounds what this hides), else now for the current run.
+    ends: list[datetime] = []
+    for i, run in enumerate(runs):
+        if run.stopped is not None:
+            ends.append(run.stopped)
+        elif i + 1 < len(runs):
+            ends.append(run.last)
+        else:
+            ends.append(max(now, run.last))
+    exposure = sum(max(0.0, (end - run.start).total_seconds()) for run, end in zip(runs, ends, strict=True))
+
+    checkpoints = _checkpoints(reports)
+    periodic = [c for c in checkpoints if not c.emergency]
+    emergency = [c for c in checkpoints if c.emergency]
+    save = _save_time(periodic, config.report_window, config.save_time_s, max(1, config.min_reports))
+    emergency_save = _save_time(emergency, config.report_window, None, 1)
+
+    losses: list[Loss] = []
+    announced: list[str] = []
+    drills = pending = 0
+    for notice in notices.values():
+        if notice.drill:
+            drills += 1
+            continue
+        if notice.kind == GPU_FAULT:
+            losses.append(Loss(notice.detected_at, GPU_FAULT, notice.id))
+            continue
+        if notice.kind not in interrupting:
+            continue
+        run_end = ends[notice.run] if notice.run < len(ends) else now
+        if notice.deadline is not None:
+            if notice.deadline > now:
+                pending += 1
+                continue
+            if notice.cleared_at is not None and notice.cleared_at < notice.deadline - DEADLINE_SLACK:
+                continue  # withdrawn before it took the host
+            due = notice.deadline
+        else:
+            if notice.cleared_at is not None or (notice.run == len(runs) - 1 and runs[-1].stopped is None):
+                continue  # no deadline: it happened only if the agent went down with it active
+            due = run_end
+        if _covered(notice, due, emergency):
+            announced.append(notice.id)
+        elif any(r.run == notice.run and r.time <= due for r in reports):
+            losses.append(Loss(due, UNCOVERED_NOTICE, notice.id))
+        else:
+            announced.append(notice.id)  # no training client was reporting: nothing to lose, nothing to flush
+
+    for i in range(1, len(runs)):
+        if runs[i].previous_clean is not False:
+            continue
+        explained = any(
+            not n.drill
+            and n.run == i - 1
+            and (n.kind == GPU_FAULT or n.kind in interrupting)
+            and (n.cleared_at is None or n.cleared_at >= ends[i - 1])
+            for n in notices.values()
+        )
+        if not explained:
+            losses.append(Loss(ends[i - 1], UNCLEAN_RESTART))
+
+    losses = _coalesce(sorted(losses, key=lambda loss: loss.time), config.coalesce_s)
+    causes = {cause: sum(1 for loss in losses if loss.cause == cause) for cause in LOSS_CAUSES}
+    lost = _mtbp(len(losses), exposure, config, use_prior=True)
+    announced_m = _mtbp(len(announced), exposure, config, use_prior=False, minimum=1)
+    current, current_source = _current_interval(periodic, save.value_s, losses, runs, config)
+    goodput = _goodput(runs, ends, checkpoints, losses, now)
+    return Observations(
+        save=save,
+        emergency_save=emergency_save,
+        lost=lost,
+        announced=announced_m,
+        losses=tuple(losses),
+        causes=causes,
+        announced_ids=tuple(announced),
+        runs=len(runs),
+        exposure_s=exposure,
+        current_interval_s=current,
+        current_source=current_source,
+        goodput=goodput,
+        drills_ignored=drills,
+        pending_notices=pending,
+        checkpoints=tuple(checkpoints),
+    )
+
+
+def _covered(notice: _Notice, due: datetime, emergency: Sequence[Checkpoint]) -> bool:
+    for checkpoint in emergency:
+        if checkpoint.finished_at > due + DEADLINE_SLACK:
+            continue
+        if checkpoint.notice_id == notice.id:
+            return True
+        if checkpoint.notice_id is None and checkpoint.finished_at >= notice.detected_at:
+            return True
+    return False
+
+
+def _coalesce(losses: Sequence[Loss], window_s: float) -> list[Loss]:
+    kept: list[Loss] = []
+    for loss in losses:
+        if kept and (loss.time - kept[-1].time).total_seconds() <= window_s:
+            continue
+        kept.append(loss)
+    return kept
+
+
+def _mtbp(
+    events: int, exposure: float, config: AdvisorConfig, use_prior: bool, minimum: int | None = None
+) -> Mtbp:
+    """M as the posterior mean time of a Gamma(w + n, w·M₀ + T) rate; without a prior, T/n once n is enough."""
+    level = config.credible_level
+    prior = config.prior_mtbp_s if use_prior and config.prior_weight > 0 else None
+    weight = config.prior_weight if prior is not None else 0.0
+    needed = config.min_losses if minimum is None else minimum
+    if prior is not None:
+        shape = weight + events
+        rate_scale = weight * prior + exposure
+        low, high = rate_interval(shape, rate_scale, level)
+        source = "prior" if events == 0 and exposure <= 0 else "prior+history"
+        return Mtbp(
+            value_s=rate_scale / shape,
+            source=source,
+            events=events,
+            exposure_s=exposure,
+            effective_observations=shape,
+            range_s=(1.0 / high, 1.0 / low if low > 0 else math.inf),
+            lower_bound_s=None,
+            prior_s=prior,
+            prior_weight=weight,
+        )
+    low, high = rate_interval(events, exposure, level) if exposure > 0 else (0.0, math.inf)
+    if events >= max(1, needed) and exposure > 0:
+        return Mtbp(
+            value_s=exposure / events,
+            source="history",
+            events=events,
+            exposure_s=exposure,
+            effective_observations=float(events),
+            range_s=(1.0 / high, 1.0 / low if low > 0 else math.inf),
+            lower_bound_s=None,
+        )
+    # Too few events: say only what the uptime rules out (the range's low end for M).
+    bound = 1.0 / high if exposure > 0 and math.isfinite(high) else None
+    return Mtbp(None, None, events, exposure, float(events), None, bound)
+
+
+def _current_interval(
+    periodic: Sequence[Checkpoint],
+    save_s: float | None,
+    losses: Sequence[Loss],
+    runs: Sequence[_Run],
+    config: AdvisorConfig,
+) -> tuple[float | None, str | None]:
+    """The interval the jobs use now: configured, else the median gap between periodic checkpoints less δ."""
+    if config.current_interval_s is not None:
+        return config.current_interval_s, "config"
+    if save_s is None:
+        return None, None
+    breaks = sorted([loss.time for loss in losses] + [run.start for run in runs])
+    by_job: dict[str, list[datetime]] = {}
+    for checkpoint in periodic[-max(config.report_window, 2) :]:
+        by_job.setdefault(checkpoint.job, []).append(checkpoint.finished_at)
+    gaps: list[float] = []
+    for times in by_job.values():
+        for a, b in itertools.pairwise(times):
+            if any(a < t <= b for t in breaks):
+                continue  # a restart in between: not a periodic gap
+            gaps.append((b - a).total_seconds())
+    if len(gaps) < 2:
+        return None, None
+    interval = median(gaps) - save_s
+    return (interval, "reports") if interval > 0 else (None, None)
+
+
+def _goodput(
+    runs: Sequence[_Run],
+    ends: Sequence[datetime],
+    checkpoints: Sequence[Checkpoint],
+    losses: Sequence[Loss],
+    now: datetime,
+) -> Goodput | None:
+    if not checkpoints:
+        return None
+    start = checkpoints[0].finished_at - timedelta(seconds=checkpoints[0].duration_s)
+    end = max(now, ends[-1]) if runs else now
+    wall = (end - start).total_seconds()
+    if wall <= 0:
+        return None
+    # Downtime after an unclean stop is restart time; after a clean stop nobody was training here.
+    restart = 0.0
+    clean_gaps = 0.0
+    for i in range(1, len(runs)):
+        gap_start, gap_end = max(ends[i - 1], start), runs[i].start
+        if gap_end <= gap_start:
+            continue
+        seconds = (gap_end - gap_start).total_seconds()
+        if runs[i].previous_clean is False:
+            restart += seconds
+        else:
+            clean_gaps += seconds
+    wall -= clean_gaps
+    stall = sum(c.duration_s for c in checkpoints)
+    lost = 0.0
+    finished = [c.finished_at for c in checkpoints]
+    for loss in losses:
+        if loss.time < start:
+            continue
+        before = [t for t in finished if t <= loss.time]
+        lost += (loss.time - (before[-1] if before else start)).total_seconds()
+    productive = max(0.0, wall - stall - lost - restart)
+    return Goodput(wall_s=wall, productive_s=productive, checkpoint_s=stall, lost_s=lost, restart_s=restart)
