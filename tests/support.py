@@ -136,6 +136,19 @@ async def _timeout(seconds: float) -> AsyncIterator[None]:  # Python 3.10 stand-
         handle.cancel()
 
 
+async def eventually(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Wait, bounded, for a condition that no event announces (a peer's hang-up seen by the agent)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    for _ in range(1_000_000):
+        if predicate():
+            return
+        if loop.time() > end:
+            break
+        await asyncio.sleep(0.01)
+    raise TimeoutError(f"{what} not reached within {timeout}s")
+
+
 async def http_json(
     socket_path: Path | str, method: str, path: str, body: Any = None, raw: bytes | None = None
 ) -> tuple[int, Any]:

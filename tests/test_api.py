@@ -11,7 +11,7 @@ from pathlib import Path
 from structlog.testing import capture_logs
 
 from agent.notice import Kind, Observation
-from tests.support import SSEClient, http_json, running_agent
+from tests.support import SSEClient, eventually, http_json, running_agent
 
 
 async def raw_exchange(path: Path, data: bytes, read: bool = True) -> bytes:
@@ -216,10 +216,7 @@ async def test_client_that_disconnects_mid_stream_is_removed(base: Path) -> None
             await client.next()
             await client.close()
             agent.drill(Kind.TERMINATION, 60, None, "after", {})
-            for _ in range(200):
-                if len(agent.hub) == 0:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: len(agent.hub) == 0, what="subscriber removed")
     assert 0 == len(agent.hub)
     assert "client_disconnected" in [e["event"] for e in logs]
 
@@ -229,11 +226,12 @@ async def test_client_that_never_reads_is_dropped_and_others_still_get_every_not
         stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stuck.connect(str(agent.config.socket))
-        stuck.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        # A small reader limit: once it holds a few KiB it stops reading from the socket.
+        stuck_reader, stuck_writer = await asyncio.open_unix_connection(sock=stuck, limit=1024)
+        stuck_writer.write(b"GET /v1/events HTTP/1.1\r\nHost: x\r\n\r\n")
+        await stuck_reader.readuntil(b"event: snapshot")  # subscribed; from here on it never reads again
         healthy = await SSEClient.connect(agent.config.socket)
         await healthy.next()
-        while len(agent.hub) < 2:
-            await asyncio.sleep(0.01)
         big = {"blob": "x" * 16384}
         with capture_logs() as logs:
             for i in range(400):
@@ -242,7 +240,7 @@ async def test_client_that_never_reads_is_dropped_and_others_still_get_every_not
                 )
                 event = await healthy.next()
                 assert f"n{i}" == event["notice"]["reason"]
-        stuck.close()
+        stuck_writer.close()
         await healthy.close()
     assert 1 == agent.hub.kicked_total
     assert ["subscriber_disconnected_slow"] == [

@@ -66,7 +66,7 @@ def test_an_explicit_file_that_is_missing_is_an_error(tmp_path: Path) -> None:
 
 
 def test_bad_environment_value_names_the_environment() -> None:
-    with pytest.raises(ConfigError, match="environment: key 'api.queue_size'"):
+    with pytest.raises(ConfigError, match=r"environment: key 'api\.queue_size'"):
         load_config(env={"PREEMPTD_API__QUEUE_SIZE": "many"})
 
 
