@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -56,6 +57,8 @@ class Scenario:
         self.path = path
         self.values: dict[str, str] = {}
         self._version = 0
+        # The fake remembers which event ids it delivered until the session token changes.
+        self.session = uuid.uuid4().hex
         self.write(values or {})
 
     def write(self, values: Mapping[str, object]) -> None:
@@ -82,7 +85,7 @@ class Scenario:
     def _flush(self) -> None:
         self._version += 1
         tmp = self.path.with_name(f".{self.path.name}.{self._version}")
-        body = "".join(f"{key}={value}\n" for key, value in self.values.items())
+        body = f"session={self.session}\n" + "".join(f"{key}={value}\n" for key, value in self.values.items())
         tmp.write_text(f"# version {self._version}\n{body}")
         os.replace(tmp, self.path)
 
@@ -96,18 +99,28 @@ def _text(value: object) -> str:
 
 
 @pytest.fixture(scope="session")
-def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fake ``libnvidia-ml.so.1``, compiled once per test session."""
-    return build_fake_nvml(tmp_path_factory.mktemp("fake-nvml"))
+def fake_nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The fake ``libnvidia-ml.so.1``, compiled once per test session.
+
+    ``$FAKE_NVML_SCENARIO`` is set once for the whole session (and each test rewrites that one file):
+    changing the environment while a thread of an earlier test may still be inside the fake (``getenv``)
+    would be a data race in C."""
+    directory = tmp_path_factory.mktemp("fake-nvml")
+    library = build_fake_nvml(directory)
+    previous = os.environ.get(SCENARIO_ENV)
+    os.environ[SCENARIO_ENV] = str(directory / "scenario.txt")
+    yield library
+    if previous is None:
+        os.environ.pop(SCENARIO_ENV, None)
+    else:
+        os.environ[SCENARIO_ENV] = previous
 
 
 @pytest.fixture
-def scenario(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Scenario]:
+def scenario(fake_nvml_lib: Path) -> Iterator[Scenario]:
     """A fresh scenario (one GPU, all healthy) that the fake driver reads for this test.
 
-    At teardown every hang is released, so a thread stuck in a hung fake call returns and ends."""
-    path = tmp_path / "scenario.txt"
-    sc = Scenario(path)
-    monkeypatch.setenv(SCENARIO_ENV, str(path))
+    At teardown the scenario is reset to a healthy one, so a thread stuck in a hung fake call returns."""
+    sc = Scenario(Path(os.environ[SCENARIO_ENV]))
     yield sc
-    sc.write({k: v for k, v in sc.values.items() if ".hang." not in f".{k}" and not k.startswith("hang.")})
+    sc.write({})

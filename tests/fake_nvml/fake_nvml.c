@@ -146,7 +146,27 @@ static char *trim(char *s) {
     return s;
 }
 
+/* Copy the value of key into out; returns 1 if present. Caller holds g_lock. */
+static int lookup_locked(const char *key, char *out, size_t size) {
+    for (int i = g_count - 1; i >= 0; i--) {
+        if (strcmp(g_entries[i].key, key) == 0) {
+            snprintf(out, size, "%s", g_entries[i].value);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static char g_session[128];
+
+/* Remember when each event id was first seen; a new "session" value (one per test) forgets them all. */
 static void note_events_locked(void) {
+    char session[128] = "";
+    lookup_locked("session", session, sizeof session);
+    if (strcmp(session, g_session) != 0) {
+        snprintf(g_session, sizeof g_session, "%s", session);
+        g_nevents = 0;
+    }
     for (int i = 0; i < g_count; i++) {
         if (strncmp(g_entries[i].key, "event.", 6) != 0) continue;
         const char *id = g_entries[i].key + 6;
@@ -198,17 +218,6 @@ static void refresh_locked(void) {
     g_seen = st;
     g_loaded = 1;
     note_events_locked();
-}
-
-/* Copy the value of key into out; returns 1 if present. Caller holds g_lock. */
-static int lookup_locked(const char *key, char *out, size_t size) {
-    for (int i = g_count - 1; i >= 0; i--) {
-        if (strcmp(g_entries[i].key, key) == 0) {
-            snprintf(out, size, "%s", g_entries[i].value);
-            return 1;
-        }
-    }
-    return 0;
 }
 
 /* The value for GPU `gpu` (or the global default); returns 1 if present. */
@@ -501,8 +510,8 @@ nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvml
         values[i].timestamp = 0;
         values[i].latencyUsec = 0;
         values[i].value.ullVal = 0;
-        if (values[i].fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION &&
-            get_str(gpu, "recovery_action", text, sizeof text) && text[0]) {
+        if (!get_str(gpu, "recovery_action", text, sizeof text) || text[0] == 0) snprintf(text, sizeof text, "0");
+        if (values[i].fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION && strcmp(text, "unsupported") != 0) {
             values[i].valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
             values[i].nvmlReturn = NVML_SUCCESS;
             values[i].value.uiVal = (unsigned)strtoul(text, NULL, 0);
