@@ -1,0 +1,210 @@
+"""PyTorch helpers: state-dict writers for the checkpoint store, and cross-rank agreement on the job's own
+``torch.distributed`` process group, so every rank checkpoints at the same step when any host gets a notice.
+
+Only this module (and the Lightning and Hugging Face callbacks) imports torch; ``agent.client`` stays
+standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agent.client.reporting import CheckpointSchedule
+from agent.client.store import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    CheckpointWarning,
+    Verify,
+    Writer,
+)
+from agent.client.watcher import WatcherBase
+
+STATE_FILE = "state.pt"
+SAFETENSORS_FILE = "model.safetensors"
+
+
+def torch_writer(obj: Any, filename: str = STATE_FILE) -> Writer:
+    """A store writer that ``torch.save``s ``obj`` (a state dict, or a dict of them) into one file."""
+
+    def write(directory: Path) -> None:
+        with open(directory / filename, "wb") as handle:
+            torch.save(obj, handle)
+
+    return write
+
+
+def load_torch(
+    checkpoint: Checkpoint, filename: str = STATE_FILE, map_location: Any = "cpu", weights_only: bool = True
+) -> Any:
+    """Load what :func:`torch_writer` saved (``weights_only`` by default: tensors, numbers, strings)."""
+    return torch.load(checkpoint.file(filename), map_location=map_location, weights_only=weights_only)
+
+
+def safetensors_writer(
+    tensors: Mapping[str, torch.Tensor],
+    filename: str = SAFETENSORS_FILE,
+    metadata: Mapping[str, str] | None = None,
+) -> Writer:
+    """A store writer for a flat name → tensor mapping in the safetensors format (needs ``safetensors``)."""
+    from safetensors.torch import save_file
+
+    def write(directory: Path) -> None:
+        contiguous = {name: t.detach().contiguous() for name, t in tensors.items()}
+        save_file(contiguous, str(directory / filename), metadata=dict(metadata or {}))
+
+    return write
+
+
+def load_safetensors(
+    checkpoint: Checkpoint, filename: str = SAFETENSORS_FILE, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint.file(filename)), device=device)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What all ranks agreed to do after a step.
+
+    ``emergency``: some rank has an unacknowledged trigger (a notice or a signal) — save now and, usually,
+    stop. ``periodic``: some rank's schedule says a periodic checkpoint is due. ``deadline`` is the earliest
+    deadline any rank knows of. ``notice_id`` is this rank's own trigger's notice, if it has one.
+    """
+
+    checkpoint: bool = False
+    emergency: bool = False
+    periodic: bool = False
+    deadline: datetime | None = None
+    notice_id: str | None = None
+
+    def time_left(self, now: datetime | None = None) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.0, (self.deadline - (now or datetime.now(timezone.utc))).total_seconds())
+
+
+NOTHING = Decision()
+
+
+class Coordinator:
+    """Agrees across ranks, every ``every`` steps, whether to checkpoint now.
+
+    Call :meth:`check` after every step on every rank (it is a collective on the steps where
+    ``step % every == 0``, a no-op otherwise), then :meth:`done` once the checkpoint it asked for is durable.
+    One ``all_reduce`` (MAX) of three numbers carries the notice flag, the periodic flag and the earliest
+    deadline, on the job's own process group (``group``; the default group when None). Without an initialised
+    process group the decision is the local one. Keep ``every`` times the step time well inside a notice window.
+    """
+
+    def __init__(
+        self,
+        watcher: WatcherBase | None = None,
+        schedule: CheckpointSchedule | None = None,
+        *,
+        every: int = 1,
+        group: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        self.watcher = watcher
+        self.schedule = schedule
+        self.every = every
+        self.group = group
+        self._device = device
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _reduce_device(self) -> torch.device:
+        if self._device is None:
+            backend = dist.get_backend(self.group)
+            if backend == "nccl" and torch.cuda.is_available():
+                self._device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                self._device = torch.device("cpu")
+        return self._device
+
+    def check(self, step: int) -> Decision:
+        if step % self.every:
+            return NOTHING
+        trigger = self.watcher.trigger if self.watcher is not None else None
+        local_emergency = trigger is not None
+        local_periodic = self.schedule.due() if self.schedule is not None else False
+        deadlines = [d for d in (trigger.deadline if trigger else None,) if d is not None]
+        if self.watcher is not None and self.watcher.deadline is not None:
+            deadlines.append(self.watcher.deadline)
+        local_deadline = min(d.timestamp() for d in deadlines) if deadlines else math.inf
+        emergency, periodic, deadline_ts = local_emergency, local_periodic, local_deadline
+        if self.distributed:
+            flags = torch.tensor(
+                [float(local_emergency), float(local_periodic), -local_deadline],
+                dtype=torch.float64,
+                device=self._reduce_device(),
+            )
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            values = flags.tolist()
+            emergency, periodic, deadline_ts = values[0] > 0, values[1] > 0, -values[2]
+        if not (emergency or periodic):
+            return NOTHING
+        deadline = datetime.fromtimestamp(deadline_ts, timezone.utc) if math.isfinite(deadline_ts) else None
+        return Decision(
+            checkpoint=True,
+            emergency=emergency,
+            periodic=periodic and not emergency,
+            deadline=deadline,
+            notice_id=trigger.notice_id if trigger is not None else None,
+        )
+
+    def done(self, decision: Decision) -> None:
+        """The checkpoint ``decision`` asked for is durable: acknowledge triggers, restart the interval."""
+        if decision.emergency and self.watcher is not None:
+            self.watcher.acknowledge()
+        if decision.checkpoint and self.schedule is not None:
+            self.schedule.mark()
+
+
+def agree_latest(store: CheckpointStore, group: Any = None, verify: Verify = "checksum") -> Checkpoint | None:
+    """The newest step that every rank has a valid checkpoint of (each rank reads its own ``store``), so all
+    ranks resume from the same step. Without a process group it is ``store.latest()``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return store.latest(verify)
+    local = store.steps()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    common = set(local)
+    for steps in gathered:
+        common &= set(steps or ())
+    device = Coordinator(group=group)._reduce_device()
+    for step in sorted(common, reverse=True):
+        checkpoint: Checkpoint | None
+        try:
+            checkpoint = store.get(step, verify)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=2)
+            checkpoint = None
+        ok = torch.tensor([1.0 if checkpoint is not None else 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+        if ok.item() > 0:
+            return checkpoint
+    return None
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size: from the process group, else ``RANK``/``WORLD_SIZE``."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
