@@ -1,0 +1,90 @@
+"""``preemptd advise --plot``: expected waste against the checkpoint interval, with the optimum and the current
+interval marked. matplotlib is an optional extra (``preemptd[plot]``), imported only here and only when asked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agent.advisor import math as cm
+from agent.advisor.advice import Inputs, advised_interval, waste_at
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed."""
+
+
+def _unit(seconds: float) -> tuple[float, str]:
+    if seconds < 120:
+        return 1.0, "s"
+    if seconds < 10 * 3600:
+        return 60.0, "min"
+    return 3600.0, "h"
+
+
+def plot_waste(path: Path, inputs: Inputs, title: str | None = None, points: int = 400) -> Path:
+    """Write a PNG of waste (percent of wall time) against τ and return its path."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotUnavailable(
+            "--plot needs matplotlib, which is not installed: pip install 'preemptd[plot]'"
+        ) from exc
+    matplotlib.use("Agg", force=True)  # no display: render to a file only
+    import matplotlib.pyplot as plt
+
+    best = advised_interval(inputs)
+    scale, unit = _unit(best)
+    high = max(best * 4.0, (inputs.current_s or 0.0) * 1.3)
+    low = best / 10.0
+    taus = [low + (high - low) * i / (points - 1) for i in range(points)]
+    wastes = [100.0 * waste_at(inputs, t) for t in taus]
+    figure, axes = plt.subplots(figsize=(8, 4.8), dpi=100)
+    try:
+        axes.plot([t / scale for t in taus], wastes, color="tab:blue", label="expected waste (exact model)")
+        first = [
+            100.0 * cm.waste_first_order(t, inputs.save_s, inputs.mtbp_lost_s, inputs.restart_s) for t in taus
+        ]
+        axes.plot(
+            [t / scale for t in taus],
+            first,
+            color="tab:gray",
+            linestyle="--",
+            linewidth=1,
+            label="first order",
+        )
+        best_waste = 100.0 * waste_at(inputs, best)
+        axes.axvline(best / scale, color="tab:green", linestyle=":", linewidth=1)
+        axes.plot(
+            [best / scale],
+            [best_waste],
+            "o",
+            color="tab:green",
+            label=f"optimum {best / scale:.1f} {unit}: {best_waste:.1f} %",
+        )
+        if inputs.current_s:
+            current_waste = 100.0 * waste_at(inputs, inputs.current_s)
+            axes.axvline(inputs.current_s / scale, color="tab:red", linestyle=":", linewidth=1)
+            axes.plot(
+                [inputs.current_s / scale],
+                [current_waste],
+                "s",
+                color="tab:red",
+                label=f"current {inputs.current_s / scale:.1f} {unit}: {current_waste:.1f} %",
+            )
+        top = max([*wastes[len(wastes) // 2 :], best_waste * 3.0])
+        axes.set_ylim(0.0, min(100.0, top))
+        axes.set_xlim(0.0, high / scale)
+        axes.set_xlabel(f"compute between checkpoints τ ({unit})")
+        axes.set_ylabel("wasted wall time (%)")
+        axes.set_title(
+            title
+            or f"δ = {inputs.save_s / 60:.1f} min, M = {inputs.mtbp_lost_s / 3600:.2f} h, R = {inputs.restart_s / 60:.1f} min"
+        )
+        axes.grid(True, alpha=0.3)
+        axes.legend(loc="upper right")
+        figure.tight_layout()
+        figure.savefig(path, format="png")
+    finally:
+        plt.close(figure)
+    return path
