@@ -255,6 +255,11 @@ class AgentProcess:
                 await self.proc.wait()
                 raise
         if self._notify is not None:
+            while True:  # keep what arrived unread (STOPPING=1, the last STATUS=)
+                try:
+                    self.notifications.append(self._notify.recv(65536).decode())
+                except BlockingIOError:
+                    break
             self._notify.close()
             self._notify = None
         assert self.proc.returncode is not None
