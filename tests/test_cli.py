@@ -1,0 +1,138 @@
+"""The preemptd command against a real agent: status, watch, drill, version, demo."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from agent.cli import format_event, format_status
+from agent.notice import Kind
+from tests.support import REPO, eventually, running_agent
+
+
+async def cli(*args: str, socket: Path | None = None, timeout: float = 30.0) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+    env["PYTHONPATH"] = str(REPO)
+    if socket is not None:
+        env["PREEMPTD_SOCKET"] = str(socket)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "agent",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_version_prints_the_version() -> None:
+    from agent import __version__
+
+    code, out, _ = await cli("version")
+    assert (0, f"preemptd {__version__}") == (code, out.split(" (")[0])
+
+
+async def test_status_json_is_the_raw_document_and_exit_status_follows_overall(base: Path) -> None:
+    async with running_agent(base) as agent:
+        code_ok, out_ok, _ = await cli("status", "--json", socket=agent.config.socket)
+        agent.drill(Kind.TERMINATION, 60, None, "drill", {})
+        code_bad, out_bad, _ = await cli("status", socket=agent.config.socket)
+    assert (0, "ok") == (code_ok, json.loads(out_ok)["overall"])
+    assert 1 == code_bad
+    assert "overall: CRITICAL" in out_bad
+    assert "termination" in out_bad
+
+
+async def test_status_without_an_agent_says_so(base: Path) -> None:
+    code, _, err = await cli("status", socket=base / "nobody.sock")
+    assert 69 == code
+    assert "Is the agent running?" in err
+
+
+async def test_drill_then_watch_json_streams_snapshot_and_notice(base: Path) -> None:
+    async with running_agent(base) as agent:
+        watch = asyncio.ensure_future(cli("watch", "--json", "--count", "2", socket=agent.config.socket))
+        await eventually(lambda: len(agent.hub) == 1, timeout=20, what="watch subscribed")
+        code, out, _ = await cli("drill", "--in", "90s", "--kind", "maintenance", socket=agent.config.socket)
+        watch_code, watch_out, _ = await watch
+    events = [json.loads(line) for line in watch_out.splitlines()]
+    assert (0, 0) == (code, watch_code)
+    assert ["snapshot", "notice"] == [e["type"] for e in events]
+    assert ("maintenance", True) == (events[1]["notice"]["kind"], events[1]["notice"]["drill"])
+    assert out.startswith("drill drill-")
+
+
+async def test_drill_with_a_bad_duration_is_a_usage_error() -> None:
+    code, _, err = await cli("drill", "--in", "soon")
+    assert 2 == code
+    assert "expected a duration" in err
+
+
+async def test_run_with_a_broken_config_file_names_the_file_and_key(base: Path) -> None:
+    bad = base / "config.toml"
+    bad.write_text("[api]\nqueue_size = 'big'\n")
+    code, _, err = await cli("run", "--config", str(bad), "--socket", str(base / "a.sock"))
+    assert 2 == code
+    assert f"{bad}: key 'api.queue_size': expected an integer" in err
+
+
+async def test_print_config_shows_the_effective_configuration(base: Path) -> None:
+    code, out, _ = await cli("run", "--print-config", "--cloud", "none", "--set", "api.heartbeat_s=3")
+    doc = json.loads(out)
+    assert (0, "none", 3.0) == (code, doc["cloud"], doc["api"]["heartbeat_s"])
+
+
+@pytest.mark.slow
+async def test_demo_shows_a_termination_notice_and_its_clear(base: Path) -> None:
+    code, out, err = await cli(
+        "demo", "--after", "0.2s", "--lead", "1s", "--socket", str(base / "demo.sock"), timeout=60
+    )
+    assert 0 == code, err
+    assert "NOTICE" in out and "termination" in out and "CLEARED" in out
+
+
+def test_format_event_shows_kind_deadline_and_countdown() -> None:
+    now = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
+    deadline = (now + timedelta(seconds=90)).isoformat().replace("+00:00", "Z")
+    doc = {
+        "type": "notice",
+        "notice": {
+            "id": "aws-1",
+            "kind": "termination",
+            "severity": "critical",
+            "source": "aws",
+            "reason": "spot",
+            "deadline": deadline,
+        },
+    }
+    line = format_event(doc, now)
+    assert "NOTICE" in line and "termination" in line and "1m30s left" in line and "[aws-1]" in line
+
+
+def test_format_status_lists_notices_and_sources() -> None:
+    doc = {
+        "agent": {
+            "version": "1",
+            "socket": "/s",
+            "cloud": "aws",
+            "instance": {"instance_id": "i-1"},
+            "uptime_s": 5,
+        },
+        "overall": "warning",
+        "notices": [],
+        "sources": {"aws": {"state": "degraded", "last_error": "timeout", "detail": {}}},
+        "subscribers": {"connected": 2},
+        "state": {"ok": True},
+    }
+    text = format_status(doc)
+    assert "overall: WARNING" in text and "instance i-1" in text and "last error: timeout" in text
