@@ -27,7 +27,7 @@ from agent.errors import ConfigError
 from agent.paths import client_socket_path
 
 # Modules that add verbs: each has register(subparsers) and sets a `func` default on its parser.
-_EXTENSIONS: list[str] = ["agent.advisor.cli"]
+_EXTENSIONS: list[str] = ["agent.advisor.cli", "agent.simulate.cli"]
 
 EXIT_OK = 0
 EXIT_USAGE = 2

@@ -1,0 +1,122 @@
+"""``preemptd simulate <cloud>``: serve a simulated metadata service on loopback, optionally playing a
+scenario, until interrupted. Point the agent (or any cloud SDK) at the printed URL."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from agent.simulate import SIMULATORS, SimulatorError, simulator_for
+
+ENDPOINT_HINTS = {
+    "aws": "PREEMPTD_CLOUD=aws PREEMPTD_AWS__ENDPOINT={url}",
+    "gcp": "PREEMPTD_CLOUD=gcp PREEMPTD_GCP__ENDPOINT={url}   (Google's clients: GCE_METADATA_HOST={hostport})",
+    "azure": "PREEMPTD_CLOUD=azure PREEMPTD_AZURE__ENDPOINT={url}",
+    "alibaba": "PREEMPTD_CLOUD=alibaba PREEMPTD_ALIBABA__ENDPOINT={url}",
+    "tencent": "PREEMPTD_CLOUD=tencent PREEMPTD_TENCENT__ENDPOINT={url}",
+}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="serve a simulated cloud metadata service (aws, gcp, azure, alibaba, tencent) on 127.0.0.1",
+        description="Serve a cloud's metadata protocol on loopback, play scenarios and inject faults through "
+        "the /_sim/ control API (see `curl URL/_sim/scenarios`).",
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_simulate)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("cloud", choices=sorted(SIMULATORS))
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port (default: any free port, printed)")
+    p.add_argument("--scenario", help="scenario to play (see --list-scenarios)")
+    p.add_argument("--after", type=float, default=5.0, help="seconds before the scenario's first step")
+    p.add_argument("--list-scenarios", action="store_true", help="list the cloud's scenarios and exit")
+    p.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
+    p.add_argument("--imdsv1", action="store_true", help="aws: also answer requests without a token")
+    p.add_argument("--empty-maintenance", choices=("[]", "404"), help="aws: answer for no scheduled events")
+    p.add_argument("--vm-name", help="azure: this VM's name (default gpu-trainer-0)")
+    p.add_argument("--not-before-format", choices=("rfc1123", "iso"), help="azure: NotBefore layout")
+    p.add_argument("--no-upcoming", action="store_true", help="gcp: no upcoming-maintenance endpoint (404)")
+    p.add_argument("--hardened", action="store_true", help="alibaba: require a metadata token")
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"host": args.host, "port": args.port}
+    cloud = args.cloud
+    if cloud == "aws":
+        options["imdsv1"] = args.imdsv1
+        if args.empty_maintenance:
+            options["empty_maintenance"] = args.empty_maintenance
+    elif cloud == "azure":
+        if args.vm_name:
+            options["vm_name"] = args.vm_name
+        if args.not_before_format:
+            options["not_before_format"] = args.not_before_format
+    elif cloud == "gcp":
+        options["offer_upcoming"] = not args.no_upcoming
+    elif cloud == "alibaba":
+        options["hardened"] = args.hardened
+    return options
+
+
+async def serve(args: argparse.Namespace) -> int:
+    sim = simulator_for(args.cloud, **_options(args))
+    if args.scenario and args.scenario not in sim.scenarios:
+        raise SimulatorError(
+            f"unknown scenario {args.scenario!r}; {args.cloud} has: {', '.join(sim.scenarios)}"
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    port = await sim.start()
+    try:
+        url = sim.url
+        print(f"preemptd simulate {args.cloud}: listening on {url}", flush=True)
+        hint = ENDPOINT_HINTS[args.cloud].format(url=url, hostport=f"{args.host}:{port}")
+        print(f"  run the agent against it:  {hint} preemptd run", flush=True)
+        print(f"  control: curl {url}/_sim/state ; curl -X POST {url}/_sim/event -d '{{...}}'", flush=True)
+        if args.port_file:
+            args.port_file.write_text(f"{port}\n")
+        if args.scenario:
+            sim.play(args.scenario, args.after)
+            print(f"  playing {args.scenario!r}: {sim.scenarios[args.scenario].description}", flush=True)
+        await stop.wait()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await sim.stop()
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.list_scenarios:
+        scenarios = SIMULATORS[args.cloud].scenarios
+        print(json.dumps({name: s.description for name, s in sorted(scenarios.items())}, indent=2))
+        return 0
+    try:
+        return asyncio.run(serve(args))
+    except SimulatorError as exc:
+        print(f"preemptd simulate: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(
+            f"preemptd simulate: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agent.simulate", description=__doc__)
+    add_arguments(parser)
+    return cmd_simulate(parser.parse_args(argv))
