@@ -248,7 +248,7 @@ class GpuConfig:
     poll_interval_s: float = 5.0
     # An NVML call that has not returned after this long is itself a gpu_fault ("NVML call hung").
     call_timeout_s: float = 10.0
-    event_wait_ms: int = 1000
+    event_wait_ms: int = 500
     # Hysteresis: a non-fatal condition is raised after raise_after bad readings in a row (fatal ones at
     # once) and cleared after clear_after good ones.
     raise_after: int = 2
@@ -282,6 +282,8 @@ class HostConfig:
     checkpoint_headroom: float = 1.1
     state_dir_min_free_bytes: int = 256 * 1024 * 1024
     state_dir_min_free_percent: float = 1.0
+    # A psutil read (statvfs on a dead network mount) that takes longer than this is a finding.
+    call_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)

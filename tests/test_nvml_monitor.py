@@ -55,14 +55,18 @@ async def monitor(library: Path | None, **overrides: Any) -> AsyncIterator[tuple
             await asyncio.wait_for(task, 5.0)
 
 
+def gpu_status(source: NvmlSource, uuid: str) -> dict[str, Any]:
+    found = [g for g in source.status()["gpus"] if g["uuid"] == uuid]
+    assert len(found) == 1, source.status()["gpus"]
+    return dict(found[0])
+
+
 async def wait_polled(source: NvmlSource, sink: RecordingSink, rounds: int = 1) -> None:
     """Wait until the monitor has published ``rounds`` more times after every GPU's checks were read."""
     await sink.wait_for(
         lambda: (
             bool(source.status()["gpus"])
-            and all(
-                state != "pending" for g in source.status()["gpus"].values() for state in g["checks"].values()
-            )
+            and all(state != "pending" for g in source.status()["gpus"] for state in g["checks"].values())
         ),
         what="the first full poll",
     )
@@ -105,8 +109,8 @@ async def test_status_lists_each_gpu_by_uuid_with_index_name_and_bus_id(
     async with monitor(fake_nvml_lib) as (source, sink):
         await wait_polled(source, sink)
         status = source.status()
-    assert sorted(status["gpus"]) == [GPU0, GPU1]
-    second = status["gpus"][GPU1]
+        second = gpu_status(source, GPU1)
+    assert [g["uuid"] for g in status["gpus"]] == [GPU0, GPU1]
     assert (second["index"], second["name"], second["pci_bus_id"]) == (1, "NVIDIA A100", "00000000:2B:00.0")
     assert set(second["checks"].values()) == {"ok"}
     assert status["driver_version"] == "999.99.99-fake"
@@ -119,7 +123,7 @@ async def test_compute_pids_are_known_per_gpu(fake_nvml_lib: Path, scenario: Sce
     async with monitor(fake_nvml_lib) as (source, sink):
         await wait_polled(source, sink)
         assert source.compute_pids() == {GPU0: [17, 4242], GPU1: []}
-        assert source.status()["gpus"][GPU0]["compute_pids"] == [17, 4242]
+        assert gpu_status(source, GPU0)["compute_pids"] == [17, 4242]
 
 
 # --- XIDs and driver events ------------------------------------------------------------------------------
@@ -153,9 +157,9 @@ async def test_informational_xid_raises_no_notice_but_shows_in_status(
     async with monitor(fake_nvml_lib) as (source, sink):
         await wait_polled(source, sink)
         scenario.update({"event.a": "0,xid,13"})
-        await sink.wait_for(lambda: source.status()["gpus"][GPU0]["last_xid"] is not None, what="the XID")
+        await sink.wait_for(lambda: gpu_status(source, GPU0)["last_xid"] is not None, what="the XID")
         await wait_polled(source, sink)
-    assert source.status()["gpus"][GPU0]["last_xid"]["class"] == "info"
+    assert gpu_status(source, GPU0)["last_xid"]["class"] == "info"
     assert sink.active() == {}
 
 
@@ -200,8 +204,8 @@ async def test_events_are_registered_with_the_mask_the_device_supports(
     scenario.update({"device_count": 2, "gpu.1.supported_events": "0x8"})
     async with monitor(fake_nvml_lib) as (source, sink):
         await sink.wait_for(lambda: source.status()["events"] == "waiting", what="event registration")
-        gpus = source.status()["gpus"]
-    assert (gpus[GPU0]["events"], gpus[GPU1]["events"]) == ("registered", "registered")
+        events = (gpu_status(source, GPU0)["events"], gpu_status(source, GPU1)["events"])
+    assert events == ("registered", "registered")
 
 
 async def test_hung_event_wait_is_a_gpu_fault_and_clears_when_it_returns(
@@ -276,7 +280,7 @@ async def test_each_check_raises_its_notice_and_clears(
         scenario.update(settings)
         notice = await sink.wait_active(key)
         assert notice.kind == kind
-        assert source.status()["gpus"][GPU0]["checks"][condition] == "finding"
+        assert gpu_status(source, GPU0)["checks"][condition] == "finding"
         scenario.unset(*settings)
         await sink.wait_cleared(key)
 
@@ -303,12 +307,10 @@ async def test_not_supported_disables_one_check_for_one_gpu(fake_nvml_lib: Path,
     scenario.update({"device_count": 2, "gpu.1.not_supported": "nvmlDeviceGetRemappedRows"})
     async with monitor(fake_nvml_lib) as (source, sink):
         await wait_polled(source, sink)
-        gpus = source.status()["gpus"]
-        assert gpus[GPU1]["checks"]["remapped_rows"] == "not_supported"
-        assert gpus[GPU0]["checks"]["remapped_rows"] == "ok"
-        assert {c: s for c, s in gpus[GPU1]["checks"].items() if c != "remapped_rows"} == dict.fromkeys(
-            gpus[GPU1]["checks"].keys() - {"remapped_rows"}, "ok"
-        )
+        first, second = gpu_status(source, GPU0), gpu_status(source, GPU1)
+        assert second["checks"]["remapped_rows"] == "not_supported"
+        assert first["checks"]["remapped_rows"] == "ok"
+        assert {c for c, state in second["checks"].items() if state != "ok"} == {"remapped_rows"}
         # A later pending remap on the disabled GPU is not read any more; on the other it is.
         scenario.update({"remap_pending": 1})
         await sink.wait_active(f"{GPU0}/remapped_rows")
@@ -323,7 +325,7 @@ async def test_a_failing_check_degrades_the_source_without_a_notice(
     scenario.update({"error.nvmlDeviceGetPowerUsage": 4})
     async with monitor(fake_nvml_lib) as (source, sink):
         await sink.wait_for(lambda: sink.health == "degraded", what="a degraded source")
-        assert source.status()["gpus"][GPU0]["checks"]["power"] == "error"
+        assert gpu_status(source, GPU0)["checks"]["power"] == "error"
     assert sink.active() == {}
     assert "Insufficient Permissions (4)" in sink.errors[-1]
 
@@ -368,7 +370,7 @@ async def test_hung_call_is_a_gpu_fault_and_the_other_gpus_carry_on(
         assert notice.reason == (
             f"NVML call hung: nvmlDeviceGetPowerUsage on GPU 0 ({GPU0}) did not return within 0.5 s"
         )
-        assert source.status()["gpus"][GPU0]["hung_call"] == "nvmlDeviceGetPowerUsage"
+        assert gpu_status(source, GPU0)["hung_call"] == "nvmlDeviceGetPowerUsage"
         scenario.update({"gpu.1.remap_pending": 1})
         await sink.wait_active(f"{GPU1}/remapped_rows")
         scenario.unset("gpu.0.hang.nvmlDeviceGetPowerUsage")

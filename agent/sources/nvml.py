@@ -401,9 +401,10 @@ class NvmlSource(Source):
         return {uuid: list(gpu.pids) for uuid, gpu in self._gpus.items()}
 
     def status(self) -> Mapping[str, Any]:
-        gpus = {}
-        for uuid, gpu in self._gpus.items():
-            gpus[uuid] = {
+        """Under ``sources.nvml`` in ``/v1/status``; ``gpus`` (one entry per GPU, by index, each with its UUID)
+        is also collected into the top-level ``gpus`` list by the agent."""
+        gpus = [
+            {
                 **gpu.ident.to_json(),
                 "checks": {check: state.value for check, state in gpu.checks.items()},
                 "errors": dict(gpu.errors),
@@ -414,6 +415,8 @@ class NvmlSource(Source):
                 "last_xid": gpu.last_xid,
                 "single_bit_ecc_events": gpu.sbe_events,
             }
+            for gpu in sorted(self._gpus.values(), key=lambda g: g.ident.index)
+        ]
         return {
             "state": self._state,
             "why": self._why,
@@ -427,6 +430,8 @@ class NvmlSource(Source):
     async def run(self, sink: Sink) -> None:
         self._sink = sink
         self._stop.clear()
+        # A restart after a crash starts from a fresh enumeration; active findings are kept.
+        self._gpus, self._by_pci, self._system = {}, {}, {}
         self._events_done = asyncio.Event()
         loop = asyncio.get_running_loop()
         startup_worker = _Worker("preemptd-nvml-start")
@@ -553,7 +558,7 @@ class NvmlSource(Source):
         worker = _Worker("preemptd-nvml-stop")
         try:
             future = worker.submit(_nvml_shutdown)
-            await asyncio.wait({future}, timeout=2.0)
+            await asyncio.wait({future}, timeout=0.5)
         finally:
             worker.close()
 
