@@ -1,0 +1,122 @@
+"""The threaded and asyncio watchers against a real agent on a temporary Unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+from agent.client import Backoff, Notice, Watcher
+from agent.client.aio import AsyncWatcher
+from tests.support import http_json, running_agent
+
+
+async def drill(socket_path: Path, in_s: float = 30.0, kind: str = "termination") -> str:
+    status, body = await http_json(socket_path, "POST", "/v1/drills", {"kind": kind, "in_s": in_s})
+    assert status == 201, body
+    return str(body["notice"]["id"])
+
+
+async def test_drill_notice_reaches_the_watcher_with_its_deadline(base: Path) -> None:
+    async with running_agent(base, components=[]):
+        with Watcher(base / "a.sock") as watcher:
+            assert await asyncio.to_thread(watcher.wait_connected, 10)
+            notice_id = await drill(base / "a.sock", in_s=30)
+            trigger = await asyncio.to_thread(watcher.wait, 10)
+            left = watcher.time_left()
+    assert trigger is not None and left is not None
+    assert (notice_id, "termination", True) == (trigger.notice_id, trigger.notice.kind, 25 < left <= 30)
+
+
+async def test_watcher_started_before_the_agent_delivers_the_next_notice(base: Path) -> None:
+    with Watcher(base / "a.sock", backoff=Backoff(0.02, 0.2)) as watcher:
+        assert not watcher.connected
+        async with running_agent(base, components=[]):
+            assert await asyncio.to_thread(watcher.wait_connected, 10)
+            notice_id = await drill(base / "a.sock")
+            trigger = await asyncio.to_thread(watcher.wait, 10)
+    assert trigger is not None
+    assert notice_id == trigger.notice_id
+
+
+async def test_watcher_reconnects_after_an_agent_restart(base: Path) -> None:
+    with Watcher(base / "a.sock", backoff=Backoff(0.02, 0.2)) as watcher:
+        async with running_agent(base, components=[]):
+            assert await asyncio.to_thread(watcher.wait_connected, 10)
+        async with running_agent(base, components=[]):
+            notice_id = await drill(base / "a.sock")
+            trigger = await asyncio.to_thread(watcher.wait, 10)
+    assert trigger is not None
+    assert (notice_id, 2) == (trigger.notice_id, watcher.connects)
+
+
+async def test_cleared_drill_calls_on_cleared_and_leaves_no_notice(base: Path) -> None:
+    cleared: asyncio.Queue[Notice] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    async with running_agent(base, components=[]):
+        watcher = Watcher(base / "a.sock", on_cleared=lambda n: loop.call_soon_threadsafe(cleared.put_nowait, n))
+        with watcher:
+            assert await asyncio.to_thread(watcher.wait_connected, 10)
+            notice_id = await drill(base / "a.sock")
+            assert await asyncio.to_thread(watcher.wait, 10) is not None
+            status, _ = await http_json(base / "a.sock", "DELETE", f"/v1/drills/{notice_id}")
+            gone = await asyncio.wait_for(cleared.get(), 10)
+            assert (200, notice_id, None, False) == (status, gone.id, watcher.notice, watcher.should_checkpoint())
+
+
+async def test_acknowledge_ends_should_checkpoint_for_that_notice(base: Path) -> None:
+    async with running_agent(base, components=[]):
+        with Watcher(base / "a.sock") as watcher:
+            assert await asyncio.to_thread(watcher.wait_connected, 10)
+            await drill(base / "a.sock")
+            assert await asyncio.to_thread(watcher.wait, 10) is not None
+            watcher.acknowledge()
+            assert (False, True) == (watcher.should_checkpoint(), watcher.notice is not None)
+
+
+def test_signal_raises_the_same_trigger_as_a_notice(base: Path) -> None:
+    with Watcher(base / "a.sock", signals=[signal.SIGUSR1]) as watcher:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        trigger = watcher.wait(10)
+        assert trigger is not None
+        assert (True, "signal", signal.SIGUSR1) == (watcher.should_checkpoint(), trigger.reason, trigger.signum)
+
+
+def test_stop_restores_the_previous_signal_handler(base: Path) -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    with Watcher(base / "a.sock", signals=[signal.SIGUSR1]):
+        pass
+    assert before == signal.getsignal(signal.SIGUSR1)
+
+
+def test_wait_times_out_without_a_trigger(base: Path) -> None:
+    with Watcher(base / "a.sock") as watcher:
+        assert watcher.wait(0.05) is None
+
+
+async def test_async_watcher_receives_a_drill(base: Path) -> None:
+    async with running_agent(base, components=[]), AsyncWatcher(base / "a.sock") as watcher:
+        assert await watcher.wait_connected(10)
+        notice_id = await drill(base / "a.sock")
+        trigger = await watcher.wait(10)
+    assert trigger is not None
+    assert notice_id == trigger.notice_id
+
+
+async def test_async_watcher_started_before_the_agent_connects_later(base: Path) -> None:
+    async with AsyncWatcher(base / "a.sock", backoff=Backoff(0.02, 0.2)) as watcher:
+        async with running_agent(base, components=[]):
+            assert await watcher.wait_connected(10)
+            notice_id = await drill(base / "a.sock")
+            trigger = await watcher.wait(10)
+    assert trigger is not None
+    assert notice_id == trigger.notice_id
+
+
+async def test_async_watcher_turns_a_signal_into_a_trigger(base: Path) -> None:
+    async with AsyncWatcher(base / "a.sock", signals=[signal.SIGUSR1]) as watcher:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        trigger = await watcher.wait(10)
+    assert trigger is not None
+    assert ("signal", signal.SIGUSR1) == (trigger.reason, trigger.signum)
