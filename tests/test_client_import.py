@@ -8,7 +8,16 @@ import sys
 
 from tests.support import REPO
 
-HEAVY = ("aiohttp", "pynvml", "structlog", "torch", "prometheus_client", "psutil", "lightning", "transformers")
+HEAVY = (
+    "aiohttp",
+    "pynvml",
+    "structlog",
+    "torch",
+    "prometheus_client",
+    "psutil",
+    "lightning",
+    "transformers",
+)
 
 
 def test_importing_agent_client_pulls_in_no_heavy_dependency() -> None:

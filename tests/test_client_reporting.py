@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from agent.client import CheckpointSchedule, CheckpointStore, Reporter, advised_interval, client_info
@@ -50,7 +51,9 @@ async def test_store_reports_started_and_finished_with_size_and_notice(base: Pat
     assert [("started", 12, None, True, "drill-1"), ("finished", 12, 1000, True, "drill-1")] == [
         (r.phase, r.step, r.bytes, r.emergency, r.notice_id) for r in reports
     ]
-    assert ("trainer", 3, 8, True) == tuple(reports[1].client[k] for k in ("name", "rank", "world_size", "participant"))
+    assert ("trainer", 3, 8, True) == tuple(
+        reports[1].client[k] for k in ("name", "rank", "world_size", "participant")
+    )
 
 
 async def test_failed_save_is_reported_as_failed(base: Path) -> None:
@@ -63,10 +66,8 @@ async def test_failed_save_is_reported_as_failed(base: Path) -> None:
         agent.on_report(reports.append)
         reporter = Reporter(base / "a.sock")
         store = CheckpointStore(base / "ckpt", reporter=reporter)
-        try:
+        with pytest.raises(OSError, match="no space left"):
             await asyncio.to_thread(store.save, 1, broken)
-        except OSError:
-            pass
         assert await asyncio.to_thread(reporter.flush, 10)
     assert ["started", "failed"] == [r.phase for r in reports]
 
@@ -113,5 +114,11 @@ def test_schedule_is_due_after_the_interval() -> None:
 
 
 def test_advised_interval_rejects_non_positive_and_non_numbers() -> None:
-    docs: list[dict[str, Any] | None] = [None, {}, {"interval_s": 0}, {"interval_s": "60"}, {"interval_s": True}]
+    docs: list[dict[str, Any] | None] = [
+        None,
+        {},
+        {"interval_s": 0},
+        {"interval_s": "60"},
+        {"interval_s": True},
+    ]
     assert [None] * 5 == [advised_interval(d) for d in docs]

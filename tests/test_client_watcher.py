@@ -55,14 +55,21 @@ async def test_cleared_drill_calls_on_cleared_and_leaves_no_notice(base: Path) -
     cleared: asyncio.Queue[Notice] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     async with running_agent(base, components=[]):
-        watcher = Watcher(base / "a.sock", on_cleared=lambda n: loop.call_soon_threadsafe(cleared.put_nowait, n))
+        watcher = Watcher(
+            base / "a.sock", on_cleared=lambda n: loop.call_soon_threadsafe(cleared.put_nowait, n)
+        )
         with watcher:
             assert await asyncio.to_thread(watcher.wait_connected, 10)
             notice_id = await drill(base / "a.sock")
             assert await asyncio.to_thread(watcher.wait, 10) is not None
             status, _ = await http_json(base / "a.sock", "DELETE", f"/v1/drills/{notice_id}")
             gone = await asyncio.wait_for(cleared.get(), 10)
-            assert (200, notice_id, None, False) == (status, gone.id, watcher.notice, watcher.should_checkpoint())
+            assert (200, notice_id, None, False) == (
+                status,
+                gone.id,
+                watcher.notice,
+                watcher.should_checkpoint(),
+            )
 
 
 async def test_acknowledge_ends_should_checkpoint_for_that_notice(base: Path) -> None:
@@ -80,7 +87,11 @@ def test_signal_raises_the_same_trigger_as_a_notice(base: Path) -> None:
         os.kill(os.getpid(), signal.SIGUSR1)
         trigger = watcher.wait(10)
         assert trigger is not None
-        assert (True, "signal", signal.SIGUSR1) == (watcher.should_checkpoint(), trigger.reason, trigger.signum)
+        assert (True, "signal", signal.SIGUSR1) == (
+            watcher.should_checkpoint(),
+            trigger.reason,
+            trigger.signum,
+        )
 
 
 def test_stop_restores_the_previous_signal_handler(base: Path) -> None:
@@ -105,11 +116,11 @@ async def test_async_watcher_receives_a_drill(base: Path) -> None:
 
 
 async def test_async_watcher_started_before_the_agent_connects_later(base: Path) -> None:
-    async with AsyncWatcher(base / "a.sock", backoff=Backoff(0.02, 0.2)) as watcher:
-        async with running_agent(base, components=[]):
-            assert await watcher.wait_connected(10)
-            notice_id = await drill(base / "a.sock")
-            trigger = await watcher.wait(10)
+    watcher = AsyncWatcher(base / "a.sock", backoff=Backoff(0.02, 0.2))
+    async with watcher, running_agent(base, components=[]):  # the watcher starts first
+        assert await watcher.wait_connected(10)
+        notice_id = await drill(base / "a.sock")
+        trigger = await watcher.wait(10)
     assert trigger is not None
     assert notice_id == trigger.notice_id
 
