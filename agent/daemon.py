@@ -62,6 +62,10 @@ def build_components(config: Config) -> list[Component]:
     from agent.actions import ActionsComponent
 
     components: list[Component] = [ActionsComponent(config)]
+    if config.advisor.enabled:
+        from agent.advisor.component import AdvisorComponent
+
+        components.append(AdvisorComponent())
     return components
 
 

@@ -434,7 +434,7 @@ def _covered(notice: _Notice, due: datetime, emergency: Sequence[Checkpoint]) ->
 def _coalesce(losses: Sequence[Loss], window_s: float) -> list[Loss]:
     kept: list[Loss] = []
     for loss in losses:
-        if kept and (loss.time - kept[-1].time).total_seconds() <= window_s:
+        if kept and window_s > 0 and (loss.time - kept[-1].time).total_seconds() <= window_s:
             continue
         kept.append(loss)
     return kept

@@ -1,0 +1,328 @@
+"""The advisor as an agent component: ``GET /v1/advice``, the ``advice`` and ``goodput`` status sections and
+their metrics, fed by the history log at start-up and by live events and reports afterwards.
+
+The estimate is recomputed in a worker thread (the history can hold tens of thousands of records), when the
+records changed and someone asks, and at least every ``REFRESH_S`` so that uptime keeps counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections import deque
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from agent.advisor.advice import CONFIDENCE_LEVELS, advise
+from agent.advisor.estimate import Observations, observe
+from agent.config import AdvisorConfig, Config
+from agent.notice import Event, EventType, format_time
+from agent.reports import Report
+
+if TYPE_CHECKING:
+    from agent.daemon import Agent
+
+REFRESH_S = 60.0
+# An answer older than this is recomputed even without new records: notices reach their deadlines.
+MAX_AGE_S = 5.0
+MAX_RECORDS = 200_000
+_NOTICE_KEYS = ("id", "kind", "drill", "detected_at", "deadline", "cleared_at")
+_REPORT_KEYS = ("kind", "phase", "received_at", "step", "duration_s", "emergency", "notice_id", "peer_pid")
+_CLIENT_KEYS = ("job", "name", "host")
+
+
+def compact(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The part of a history record the advisor reads (memory: the history may be large)."""
+    kind = record.get("type")
+    out: dict[str, Any] = {"time": record.get("time"), "type": kind}
+    if kind == "agent_start":
+        out["previous_clean"] = record.get("previous_clean")
+    elif kind in ("notice", "update", "cleared"):
+        doc = record.get("notice")
+        if not isinstance(doc, Mapping):
+            return None
+        out["notice"] = {k: doc.get(k) for k in _NOTICE_KEYS}
+    elif kind == "report":
+        doc = record.get("report")
+        if not isinstance(doc, Mapping):
+            return None
+        report = {k: doc.get(k) for k in _REPORT_KEYS}
+        client = doc.get("client")
+        if isinstance(client, Mapping):
+            report["client"] = {k: client[k] for k in _CLIENT_KEYS if k in client}
+        out["report"] = report
+    return out
+
+
+def _read_prefix(path: Path, size: int) -> list[dict[str, Any]]:
+    """Records in the first ``size`` bytes of a history file (what was there when the component was set up)."""
+    records: list[dict[str, Any]] = []
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(size)
+    except OSError:
+        return records
+    for raw in data.splitlines():
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue  # a torn line from a crash
+        if isinstance(record, dict) and (small := compact(record)) is not None:
+            records.append(small)
+    return records
+
+
+class AdvisorComponent:
+    name = "advisor"
+
+    def __init__(self, config: AdvisorConfig | None = None) -> None:
+        self._config = config
+        self._agent: Agent | None = None
+        self._records: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDS)
+        self._version = 0
+        self._computed_version = -1
+        self._computed_at: datetime | None = None
+        self._observations: Observations | None = None
+        self._advice: dict[str, Any] | None = None
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        self._snapshot: list[tuple[Path, int]] = []
+        self._pending: list[str] = []
+        self._task: asyncio.Task[Any] | None = None
+        self._record_task: asyncio.Task[Any] | None = None
+
+    @property
+    def config(self) -> AdvisorConfig:
+        if self._config is not None:
+            return self._config
+        return self._agent.config.advisor if self._agent is not None else AdvisorConfig()
+
+    # ----- component contract -----
+
+    def setup(self, agent: Agent) -> None:
+        self._agent = agent
+        agent.add_route("GET", "/v1/advice", self.handle_advice)
+        agent.add_status_section("advice", self.status_advice)
+        agent.add_status_section("goodput", self.status_goodput)
+        agent.add_metrics_collector(AdvisorCollector(self))
+        agent.on_event(self._on_event)
+        agent.on_report(self._on_report)
+        # What the history holds now is read at start() in a thread; what comes later arrives through the
+        # listeners. Remember the sizes so nothing is read twice.
+        history = agent.history.path
+        rotated = history.with_name(history.name + ".1")
+        for path in (rotated, history):
+            with contextlib.suppress(OSError):
+                self._snapshot.append((path, os.stat(path).st_size))
+        pending = getattr(agent, "_history_pending", [])  # recorded, not yet written (this run's agent_start)
+        self._pending = [line for line in pending if isinstance(line, str)]
+
+    async def start(self) -> None:
+        agent = self._require_agent()
+        loaded: list[dict[str, Any]] = []
+        for path, size in self._snapshot:
+            loaded.extend(await asyncio.to_thread(_read_prefix, path, size))
+        for line in self._pending:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and (small := compact(record)) is not None:
+                    loaded.append(small)
+        live = list(self._records)
+        self._records.clear()
+        self._records.extend(loaded)
+        self._records.extend(live)
+        self._pending = []
+        self._version += 1
+        agent.log.info("advisor_loaded", records=len(loaded))
+        self._task = agent.tasks.spawn("advisor-refresh", self._refresh_loop())
+        if self.config.record_interval_s > 0:
+            self._record_task = agent.tasks.spawn("advisor-record", self._record_loop())
+
+    async def stop(self) -> None:
+        agent = self._require_agent()
+        for task in (self._record_task, self._task):
+            if task is not None:
+                await agent.tasks.cancel(task, timeout=1.0)
+        self._task = self._record_task = None
+
+    async def reload(self, config: Config) -> None:
+        if self._config is not None:
+            self._config = config.advisor
+        self._version += 1
+        self._changed.set()
+
+    def _require_agent(self) -> Agent:
+        if self._agent is None:
+            raise RuntimeError("the advisor component was not set up")
+        return self._agent
+
+    # ----- inputs -----
+
+    def _add(self, record: dict[str, Any]) -> None:
+        small = compact(record)
+        if small is not None:
+            self._records.append(small)
+            self._version += 1
+            self._changed.set()
+
+    def _on_event(self, event: Event) -> None:
+        if event.type in (EventType.NOTICE, EventType.UPDATE, EventType.CLEARED) and event.notice is not None:
+            self._add(
+                {
+                    "time": format_time(event.time),
+                    "type": event.type.value,
+                    "notice": event.notice.to_json(event.time),
+                }
+            )
+
+    def _on_report(self, report: Report) -> None:
+        self._add({"time": format_time(report.received_at), "type": "report", "report": report.to_json()})
+
+    # ----- computing -----
+
+    async def refresh(self, force: bool = False) -> dict[str, Any]:
+        """The current advice, recomputed in a thread when the records changed (or when ``force``)."""
+        agent = self._require_agent()
+        async with self._lock:
+            now = agent.now()
+            stale = self._computed_at is None or (now - self._computed_at).total_seconds() > MAX_AGE_S
+            if force or stale or self._advice is None or self._computed_version != self._version:
+                version = self._version
+                records = list(self._records)
+                config = self.config
+                obs, doc = await asyncio.to_thread(self._compute, records, now, config)
+                self._observations, self._advice = obs, doc
+                self._computed_version, self._computed_at = version, now
+            assert self._advice is not None
+            return self._advice
+
+    @staticmethod
+    def _compute(
+        records: list[dict[str, Any]], now: datetime, config: AdvisorConfig
+    ) -> tuple[Observations, dict[str, Any]]:
+        obs = observe(records, now, config)
+        return obs, advise(obs, config, now)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            self._changed.clear()
+            try:
+                await self.refresh(force=True)
+            except Exception as exc:  # a bug in the estimate must not stop the refreshes
+                self._require_agent().log.error("advisor_failed", error=repr(exc), exc_info=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=REFRESH_S)
+            await asyncio.sleep(1.0)  # coalesce a burst of reports into one recomputation
+
+    async def _record_loop(self) -> None:
+        agent = self._require_agent()
+        while True:
+            await asyncio.sleep(self.config.record_interval_s)
+            doc = await self.refresh()
+            record = {
+                "type": "advice",
+                "interval_s": doc.get("interval_s"),
+                "confidence": doc.get("confidence"),
+                "save_time_s": doc["save_time"]["value_s"],
+                "mtbp_s": doc["mtbp"]["unannounced"]["value_s"],
+            }
+            # An agent method when the core offers one; it also marks this run as alive in the history.
+            append = getattr(agent, "record", None) or agent._record
+            append(record)
+            self._add({"time": format_time(agent.now()), **record})
+
+    # ----- outputs -----
+
+    async def handle_advice(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.refresh())
+
+    def status_advice(self) -> dict[str, Any] | None:
+        doc = self._advice
+        if doc is None:
+            return None
+        return {
+            "interval_s": doc.get("interval_s"),
+            "confidence": doc.get("confidence"),
+            "save_time_s": doc["save_time"]["value_s"],
+            "mtbp_unannounced_s": doc["mtbp"]["unannounced"]["value_s"],
+            "mtbp_announced_s": doc["mtbp"]["announced"]["value_s"],
+            "expected_waste": doc.get("expected_waste"),
+            "reason": doc.get("reason"),
+            "computed_at": doc.get("computed_at"),
+        }
+
+    def status_goodput(self) -> dict[str, Any] | None:
+        obs = self._observations
+        if obs is None or obs.goodput is None:
+            return None
+        return obs.goodput.to_json()
+
+
+class AdvisorCollector:
+    """Prometheus metrics of the advice and the goodput, from the last computation."""
+
+    def __init__(self, component: AdvisorComponent) -> None:
+        self.component = component
+
+    def collect(self) -> list[Metric]:
+        doc = self.component._advice
+        obs = self.component._observations
+        interval = GaugeMetricFamily(
+            "preemptd_advice_interval_seconds",
+            "Advised compute time between checkpoints (NaN: no advice yet)",
+        )
+        save = GaugeMetricFamily(
+            "preemptd_advice_save_time_seconds", "Checkpoint save time δ", labels=["kind"]
+        )
+        mtbp = GaugeMetricFamily(
+            "preemptd_advice_mtbp_seconds", "Mean time between interruptions M", labels=["kind"]
+        )
+        confidence = GaugeMetricFamily(
+            "preemptd_advice_confidence", "Advice confidence: 0 none, 1 low, 2 medium, 3 high"
+        )
+        waste = GaugeMetricFamily(
+            "preemptd_advice_expected_waste_ratio", "Expected share of wall time wasted", labels=["interval"]
+        )
+        losses = GaugeMetricFamily(
+            "preemptd_advice_interruptions", "Interruptions seen in the history", labels=["cause"]
+        )
+        goodput = GaugeMetricFamily(
+            "preemptd_goodput_ratio", "Productive share of the time since training began"
+        )
+        goodput_seconds = GaugeMetricFamily(
+            "preemptd_goodput_seconds", "Where the time since training began went", labels=["category"]
+        )
+        nan = float("nan")
+        if doc is not None:
+            interval.add_metric([], _num(doc.get("interval_s"), nan))
+            save.add_metric(["periodic"], _num(doc["save_time"]["value_s"], nan))
+            save.add_metric(["emergency"], _num(doc["emergency_save_time"]["value_s"], nan))
+            mtbp.add_metric(["unannounced"], _num(doc["mtbp"]["unannounced"]["value_s"], nan))
+            mtbp.add_metric(["announced"], _num(doc["mtbp"]["announced"]["value_s"], nan))
+            confidence.add_metric([], float(CONFIDENCE_LEVELS.index(doc.get("confidence", "none"))))
+            expected = doc.get("expected_waste") or {}
+            for name in ("advised", "current"):
+                if expected.get(name) is not None:
+                    waste.add_metric([name], float(expected[name]))
+            for cause, count in doc["losses"].items():
+                if cause != "total":
+                    losses.add_metric([cause], float(count))
+            losses.add_metric(["announced"], float(doc["announced_interruptions"]))
+        if obs is not None and obs.goodput is not None:
+            ratio = obs.goodput.ratio
+            goodput.add_metric([], ratio if ratio is not None else nan)
+            for category in ("productive", "checkpoint", "lost", "restart"):
+                goodput_seconds.add_metric([category], getattr(obs.goodput, f"{category}_s"))
+        return [interval, save, mtbp, confidence, waste, losses, goodput, goodput_seconds]
+
+
+def _num(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
