@@ -13,7 +13,16 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from agent.notice import utcnow
-from agent.simulate.base import Scenario, Simulator, SimulatorError, in_s, listing, rfc3339_seconds, scenario
+from agent.simulate.base import (
+    Scenario,
+    Simulator,
+    SimulatorError,
+    in_s,
+    listing,
+    raw,
+    rfc3339_seconds,
+    scenario,
+)
 
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
@@ -47,7 +56,7 @@ def _xhtml(status: int, reason: str) -> str:
 
 
 def _error(status: int, reason: str) -> web.Response:
-    return web.Response(status=status, text=_xhtml(status, reason), content_type="text/html")
+    return raw(_xhtml(status, reason), "text/html", status)
 
 
 class AwsSimulator(Simulator):
@@ -219,16 +228,15 @@ class AwsSimulator(Simulator):
             return _error(403, "Forbidden")
         if "X-Forwarded-For" in request.headers:
             return _error(403, "Forbidden")
-        raw = request.headers.get(TOKEN_TTL_HEADER, "")
         try:
-            ttl = int(raw)
+            ttl = int(request.headers.get(TOKEN_TTL_HEADER, ""))
         except ValueError:
             return _error(400, "Bad Request")
         if not 1 <= ttl <= MAX_TTL:
             return _error(400, "Bad Request")
         token = secrets.token_urlsafe(42)
         self.tokens[token] = time.monotonic() + ttl
-        return web.Response(text=token, content_type="text/plain", headers={TOKEN_TTL_HEADER: str(ttl)})
+        return raw(token, "text/plain", headers={TOKEN_TTL_HEADER: str(ttl)})
 
     def _authorised(self, request: web.Request) -> web.Response | None:
         token = request.headers.get(TOKEN_HEADER)
@@ -245,7 +253,7 @@ class AwsSimulator(Simulator):
 
     async def _h_root(self, request: web.Request) -> web.Response:
         denied = self._authorised(request)
-        return denied or web.Response(text="\n".join(VERSIONS), content_type="text/plain")
+        return denied or raw("\n".join(VERSIONS), "text/plain")
 
     async def _h_version(self, request: web.Request) -> web.Response:
         denied = self._authorised(request)
@@ -253,7 +261,7 @@ class AwsSimulator(Simulator):
             return denied
         if not self._version_ok(request):
             return _error(404, "Not Found")
-        return web.Response(text="dynamic\nmeta-data\nuser-data", content_type="text/plain")
+        return raw("dynamic\nmeta-data\nuser-data", "text/plain")
 
     async def _h_not_allowed(self, request: web.Request) -> web.Response:
         if request.method in ("GET", "HEAD"):
@@ -293,11 +301,11 @@ class AwsSimulator(Simulator):
         leaves = self._leaves()
         key = tail.rstrip("/")
         if key in leaves and not tail.endswith("/"):
-            return web.Response(text=leaves[key], content_type="text/plain")
+            return raw(leaves[key], "text/plain")
         children = listing(list(leaves), key + "/" if key else "")
         if children is None:
             return _error(404, "Not Found")
-        return web.Response(text="\n".join(children), content_type="text/plain")
+        return raw("\n".join(children), "text/plain")
 
     async def _h_document(self, request: web.Request) -> web.Response:
 
@@ -315,4 +323,4 @@ class AwsSimulator(Simulator):
             "region": self.identity["placement/region"],
             "version": "2017-09-30",
         }
-        return web.Response(text=json.dumps(doc, indent=2), content_type="text/plain")
+        return raw(json.dumps(doc, indent=2), "text/plain")

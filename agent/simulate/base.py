@@ -406,6 +406,15 @@ class Simulator:
         return web.json_response({"reset": True})
 
 
+def raw(
+    text: str | bytes, content_type: str, status: int = 200, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    """A response whose Content-Type is exactly ``content_type`` (aiohttp would append a charset, which the
+    clouds do not send)."""
+    body = text.encode() if isinstance(text, str) else text
+    return web.Response(status=status, body=body, headers={**(headers or {}), "Content-Type": content_type})
+
+
 def scenario(name: str, description: str, *steps: tuple[float, Mapping[str, Any]]) -> tuple[str, Scenario]:
     return name, Scenario(name, description, tuple(Step(at, dict(event)) for at, event in steps))
 

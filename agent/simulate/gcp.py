@@ -13,7 +13,16 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from agent.notice import utcnow
-from agent.simulate.base import Scenario, Simulator, SimulatorError, in_s, listing, rfc3339_seconds, scenario
+from agent.simulate.base import (
+    Scenario,
+    Simulator,
+    SimulatorError,
+    in_s,
+    listing,
+    raw,
+    rfc3339_seconds,
+    scenario,
+)
 
 BASE = "/computeMetadata/v1/"
 MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")
@@ -32,7 +41,7 @@ def _camel(name: str) -> str:
 
 
 def _forbidden(text: str) -> web.Response:
-    return web.Response(status=403, text=text, content_type="text/html")
+    return raw(text, "text/html", 403)
 
 
 class GcpSimulator(Simulator):
@@ -215,19 +224,19 @@ class GcpSimulator(Simulator):
         router.add_route("*", "/{tail:.*}", self._h_other)
 
     async def _h_root(self, request: web.Request) -> web.Response:
-        return web.Response(text="computeMetadata/\n", content_type=_TEXT)
+        return raw("computeMetadata/\n", _TEXT)
 
     async def _h_versions(self, request: web.Request) -> web.Response:
         denied = self._check(request)
-        return denied or web.Response(text="v1/\n", content_type=_TEXT)
+        return denied or raw("v1/\n", _TEXT)
 
     async def _h_other(self, request: web.Request) -> web.Response:
         denied = self._check(request)
         if denied:
             return denied
         if request.method not in ("GET", "HEAD"):
-            return web.Response(status=405, text="Method not allowed\n", content_type="text/html")
-        return web.Response(status=404, text="Not Found\n", content_type="text/html")
+            return raw("Method not allowed\n", "text/html", 405)
+        return raw("Not Found\n", "text/html", 404)
 
     @staticmethod
     def _check(request: web.Request) -> web.Response | None:
@@ -248,21 +257,21 @@ class GcpSimulator(Simulator):
         recursive = query.get("recursive", "").lower() == "true"
         alt = query.get("alt")
         if alt not in (None, "json", "text"):
-            return web.Response(status=400, text=f"Invalid alt parameter: {alt}\n", content_type="text/html")
+            return raw(f"Invalid alt parameter: {alt}\n", "text/html", 400)
         found = self.resolve(path, recursive, alt)
         if found is None:
-            return web.Response(status=404, text="Not Found\n", content_type="text/html")
+            return raw("Not Found\n", "text/html", 404)
         if query.get("wait_for_change", "").lower() == "true":
             try:
                 timeout = min(MAX_TIMEOUT_SEC, int(query.get("timeout_sec", DEFAULT_TIMEOUT_SEC)))
             except ValueError:
-                return web.Response(status=400, text="Invalid timeout_sec\n", content_type="text/html")
+                return raw("Invalid timeout_sec\n", "text/html", 400)
             last_etag = query.get("last_etag")
             current = etag_of(found[0])
             if last_etag is None or last_etag == current:
                 found = await self._wait_change(path, recursive, alt, current, max(0, timeout)) or found
         body, content_type = found
-        return web.Response(body=body, content_type=content_type, headers={"ETag": etag_of(body)})
+        return raw(body, content_type, headers={"ETag": etag_of(body)})
 
     async def _wait_change(
         self, path: str, recursive: bool, alt: str | None, etag: str, timeout: float

@@ -12,7 +12,16 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from agent.notice import utcnow
-from agent.simulate.base import Scenario, Simulator, SimulatorError, in_s, listing, rfc3339_seconds, scenario
+from agent.simulate.base import (
+    Scenario,
+    Simulator,
+    SimulatorError,
+    in_s,
+    listing,
+    raw,
+    rfc3339_seconds,
+    scenario,
+)
 
 _NOT_FOUND = (
     "<html>\r\n<head><title>404 Not Found</title></head>\r\n<body>\r\n"
@@ -74,11 +83,11 @@ class SpotTimeSimulator(Simulator):
         tail = request.match_info.get("tail", "")
         key = tail.rstrip("/")
         if key in leaves and not tail.endswith("/"):
-            return web.Response(text=leaves[key], content_type="text/plain")
+            return raw(leaves[key], "text/plain")
         children = listing(list(leaves), key + "/" if key else "")
         if children is None:
             return self.not_found()
-        return web.Response(text="\n".join(children), content_type="text/plain")
+        return raw("\n".join(children), "text/plain")
 
 
 class AlibabaSimulator(SpotTimeSimulator):
@@ -129,23 +138,23 @@ class AlibabaSimulator(SpotTimeSimulator):
 
     async def _h_token(self, request: web.Request) -> web.Response:
         if "X-Forwarded-For" in request.headers:
-            return web.Response(status=403, text="403 Forbidden\n")
+            return raw("403 Forbidden\n", "text/plain", 403)
         try:
             ttl = int(request.headers.get("X-aliyun-ecs-metadata-token-ttl-seconds", ""))
         except ValueError:
-            return web.Response(status=400, text="400 Bad Request\n")
+            return raw("400 Bad Request\n", "text/plain", 400)
         if not 1 <= ttl <= 21600:
-            return web.Response(status=400, text="400 Bad Request\n")
+            return raw("400 Bad Request\n", "text/plain", 400)
         token = secrets.token_urlsafe(32)
         self.tokens[token] = time.monotonic() + ttl
-        return web.Response(text=token, content_type="text/plain")
+        return raw(token, "text/plain")
 
     def authorise(self, request: web.Request) -> web.Response | None:
         token = request.headers.get("X-aliyun-ecs-metadata-token")
         if token is None and not self.hardened:
             return None
         if token is None or self.tokens.get(token, 0.0) <= time.monotonic():
-            return web.Response(status=401, text="401 Unauthorized\n")
+            return raw("401 Unauthorized\n", "text/plain", 401)
         return None
 
 
