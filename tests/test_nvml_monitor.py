@@ -84,7 +84,7 @@ async def test_missing_library_disables_the_monitor_with_the_path(tmp_path: Path
     assert sink.disabled is not None
     assert str(missing) in sink.disabled
     assert "gpu.library_path" in sink.disabled
-    assert source.status()["state"] == "disabled"
+    assert source.status()["monitor"] == "disabled"
 
 
 async def test_driver_not_loaded_disables_the_monitor(fake_nvml_lib: Path, scenario: Scenario) -> None:

@@ -418,7 +418,8 @@ class NvmlSource(Source):
             for gpu in sorted(self._gpus.values(), key=lambda g: g.ident.index)
         ]
         return {
-            "state": self._state,
+            # Not "state": the agent merges these keys with the source's health (state, since, detail...).
+            "monitor": self._state,
             "why": self._why,
             "driver_version": self._driver_version,
             "library": str(self.config.library_path or DEFAULT_LIBRARY),
