@@ -183,3 +183,21 @@ async def test_advise_verb_asks_the_running_agent(base: Path) -> None:
         code = await asyncio.to_thread(run, args, out, io.StringIO())
     doc = json.loads(out.getvalue())
     assert (code, doc["mode"], doc["interval_s"] is not None) == (0, "live", True)
+
+
+async def test_advisor_marks_the_history_periodically(base: Path) -> None:
+    """The periodic ``advice`` record bounds how much uptime an unclean stop can hide."""
+    async with running_agent(base, settings={"advisor.record_interval_s": 0.05}) as agent:
+        component: Any = next(c for c in agent.components if c.name == "advisor")
+        seen = asyncio.Event()
+        original = component._add
+
+        def spy(record: dict[str, Any]) -> None:
+            original(record)
+            if record.get("type") == "advice":
+                seen.set()
+
+        component._add = spy
+        await asyncio.wait_for(seen.wait(), timeout=5.0)
+    lines = (base / "state" / "history.jsonl").read_text().splitlines()
+    assert any(json.loads(line)["type"] == "advice" for line in lines)
