@@ -170,15 +170,25 @@ class AgentProcess:
     """``python -m agent run`` as a child process, with a NOTIFY_SOCKET we listen on for READY=1."""
 
     def __init__(
-        self, base: Path, extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None
+        self,
+        base: Path,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        wrapper: Sequence[str] = (),
+        notify_socket: str | None = None,
     ) -> None:
+        """``wrapper`` is put before the agent's command line (``systemd-socket-activate -l …``); its
+        stderr is then a pipe that :meth:`wrapper_line` reads. ``notify_socket`` is the ``NOTIFY_SOCKET``
+        value to listen on, ``@name`` for an abstract socket; by default a file in ``base``."""
         self.base = base
         self.socket_path = base / "a.sock"
         self.state_dir = base / "state"
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
+        self.wrapper = list(wrapper)
         self.proc: asyncio.subprocess.Process | None = None
         self.notify_path = base / "notify.sock"
+        self.notify_socket = notify_socket or str(self.notify_path)
         self.notifications: list[str] = []
         self._notify: socket.socket | None = None
         self.log_path = base / "agent.log"
@@ -187,33 +197,37 @@ class AgentProcess:
         with contextlib.suppress(FileNotFoundError):
             self.notify_path.unlink()
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._notify.bind(str(self.notify_path))
+        abstract = self.notify_socket.startswith("@")
+        self._notify.bind("\0" + self.notify_socket[1:] if abstract else self.notify_socket)
         self._notify.setblocking(False)
         env = {
             k: v
             for k, v in os.environ.items()
             if not k.startswith(("PREEMPTD_", "NOTIFY_SOCKET", "LISTEN_", "JOURNAL_STREAM"))
         }
-        env.update({"NOTIFY_SOCKET": str(self.notify_path), "PYTHONPATH": str(REPO)})
+        env.update({"NOTIFY_SOCKET": self.notify_socket, "PYTHONPATH": str(REPO)})
         env.update(self.env)
         args = [
-            sys.executable, "-m", "agent", "run",
+            *self.wrapper, sys.executable, "-m", "agent", "run",
             "--socket", str(self.socket_path), "--state-dir", str(self.state_dir),
             "--cloud", "none", "--log-format", "json", *self.extra_args,
         ]  # fmt: skip
         log = self.log_path.open("ab")
+        stderr = asyncio.subprocess.PIPE if self.wrapper else asyncio.subprocess.STDOUT
         self.proc = await asyncio.create_subprocess_exec(
-            *args, env=env, stdout=log, stderr=asyncio.subprocess.STDOUT, cwd=str(REPO)
+            *args, env=env, stdout=log, stderr=stderr, cwd=str(REPO)
         )
         log.close()
         if wait_ready:
             await self.wait_notification("READY=1", timeout)
 
-    async def wait_notification(self, needle: str, timeout: float = 20.0) -> str:
+    async def wait_notification(self, needle: str, timeout: float = 20.0, after: int = 0) -> str:
+        """The first notification with the line ``needle``, among those after the first ``after`` ones
+        (``after=len(proc.notifications)`` waits for a new one)."""
         assert self._notify is not None
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        for message in self.notifications:
+        for message in self.notifications[after:]:
             if needle in message.split("\n"):
                 return message
         while True:
@@ -230,6 +244,18 @@ class AgentProcess:
             self.notifications.append(message)
             if needle in message.split("\n"):
                 return message
+
+    async def wrapper_line(self, needle: str, timeout: float = 20.0) -> str:
+        """The first line the wrapper writes to stderr that contains ``needle``."""
+        assert self.proc is not None and self.proc.stderr is not None
+        stderr = self.proc.stderr
+        async with asyncio.timeout(timeout) if sys.version_info >= (3, 11) else _timeout(timeout):
+            while True:
+                line = (await stderr.readline()).decode(errors="replace")
+                if not line:
+                    raise AssertionError(f"the wrapper closed stderr before {needle!r}:\n{self.logs_text()}")
+                if needle in line:
+                    return line
 
     def logs_text(self) -> str:
         try:
