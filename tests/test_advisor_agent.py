@@ -186,18 +186,19 @@ async def test_advise_verb_asks_the_running_agent(base: Path) -> None:
 
 
 async def test_advisor_marks_the_history_periodically(base: Path) -> None:
-    """The periodic ``advice`` record bounds how much uptime an unclean stop can hide."""
+    """The advisor hands a periodic ``advice`` record to the agent's history (it bounds how much uptime an
+    unclean stop can hide)."""
     async with running_agent(base, settings={"advisor.record_interval_s": 0.05}) as agent:
-        component: Any = next(c for c in agent.components if c.name == "advisor")
+        recorded: list[dict[str, Any]] = []
         seen = asyncio.Event()
-        original = component._add
+        original = agent._record
 
         def spy(record: dict[str, Any]) -> None:
             original(record)
             if record.get("type") == "advice":
+                recorded.append(record)
                 seen.set()
 
-        component._add = spy
+        agent._record = spy  # type: ignore[method-assign]
         await asyncio.wait_for(seen.wait(), timeout=5.0)
-    lines = (base / "state" / "history.jsonl").read_text().splitlines()
-    assert any(json.loads(line)["type"] == "advice" for line in lines)
+    assert {"interval_s", "confidence", "save_time_s", "mtbp_s"} <= set(recorded[0])
