@@ -151,6 +151,8 @@ class Simulator:
         self.requests = 0
         self.faults: list[Fault] = []
         self.published: deque[dict[str, Any]] = deque(maxlen=200)
+        self.publications = 0
+        self._published_signal = asyncio.Event()
         self._rng = random.Random(seed)
         self._runner: web.AppRunner | None = None
         self._scenario_task: asyncio.Task[None] | None = None
@@ -230,8 +232,20 @@ class Simulator:
             self.apply(event)
         record = {"type": event["type"], "published_at": format_time(utcnow()), "published_unix": time.time()}
         self.published.append(record)
+        self.publications += 1
         self.changed()
+        signal, self._published_signal = self._published_signal, asyncio.Event()
+        signal.set()
         return record
+
+    async def wait_publications(self, count: int, timeout: float = 10.0) -> None:
+        """Wait until ``count`` events have been published in all (scenarios publish in the background)."""
+
+        async def reached() -> None:
+            while self.publications < count:
+                await self._published_signal.wait()
+
+        await asyncio.wait_for(reached(), timeout)
 
     def inject(self, fault: Mapping[str, Any]) -> Fault:
         parsed = parse_fault(fault, time.monotonic())

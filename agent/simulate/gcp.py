@@ -91,6 +91,8 @@ class GcpSimulator(Simulator):
         self.on_host_maintenance = on_host_maintenance
         self._change = asyncio.Event()
         self._stopping = False
+        self.waiting = 0  # hanging GETs now blocked on a change
+        self._waiting_signal = asyncio.Event()
         super().__init__(host, port, seed)
         self.reset_state()
 
@@ -279,6 +281,32 @@ class GcpSimulator(Simulator):
         """Block until the value's ETag differs from ``etag`` or ``timeout`` passes; the value then."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
+        self.waiting += 1
+        signal, self._waiting_signal = self._waiting_signal, asyncio.Event()
+        signal.set()
+        try:
+            return await self._wait_loop(path, recursive, alt, etag, loop, end)
+        finally:
+            self.waiting -= 1
+
+    async def wait_for_waiters(self, count: int, timeout: float = 10.0) -> None:
+        """Wait until ``count`` hanging GETs are blocked on a change (for tests and benchmarks)."""
+
+        async def reached() -> None:
+            while self.waiting < count:
+                await self._waiting_signal.wait()
+
+        await asyncio.wait_for(reached(), timeout)
+
+    async def _wait_loop(
+        self,
+        path: str,
+        recursive: bool,
+        alt: str | None,
+        etag: str,
+        loop: asyncio.AbstractEventLoop,
+        end: float,
+    ) -> tuple[bytes, str] | None:
         while not self._stopping:
             change = self._change
             found = self.resolve(path, recursive, alt)
