@@ -20,7 +20,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -74,16 +74,16 @@ class Checkpoint:
         return self.path / name
 
     @classmethod
-    def load(cls, directory: Path) -> Checkpoint:
+    def load(cls, directory: Path, manifest: str = MANIFEST) -> Checkpoint:
         """Read the manifest of ``directory``; CheckpointError when it is missing or malformed."""
         try:
-            doc = json.loads((directory / MANIFEST).read_text())
+            doc = json.loads((directory / manifest).read_text())
         except FileNotFoundError as exc:
-            raise CheckpointError(f"{directory}: no {MANIFEST} (incomplete checkpoint)") from exc
+            raise CheckpointError(f"{directory}: no {manifest} (incomplete checkpoint)") from exc
         except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{directory / MANIFEST}: unreadable: {exc}") from exc
+            raise CheckpointError(f"{directory / manifest}: unreadable: {exc}") from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise CheckpointError(f"{directory / MANIFEST}: not a {FORMAT} manifest")
+            raise CheckpointError(f"{directory / manifest}: not a {FORMAT} manifest")
         try:
             files = tuple(
                 FileEntry(str(f["path"]), int(f["bytes"]), f.get("crc32")) for f in doc.get("files", [])
@@ -100,7 +100,7 @@ class Checkpoint:
                 metadata=doc.get("metadata") or {},
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{directory / MANIFEST}: malformed: {exc!r}") from exc
+            raise CheckpointError(f"{directory / manifest}: malformed: {exc!r}") from exc
 
     def verify(self, level: Verify = "checksum", workers: int | None = None) -> None:
         """Check every file's presence and size (and CRC for ``checksum``); CheckpointError when one fails."""
@@ -180,29 +180,16 @@ class CheckpointStore:
         try:
             tmp.mkdir()
             writer(tmp)
-            files = self._seal(tmp)
-            total = sum(f.bytes for f in files)
-            now = datetime.now(timezone.utc)
-            manifest = {
-                "format": FORMAT,
-                "version": FORMAT_VERSION,
-                "step": step,
-                "time": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-                "bytes": total,
-                "emergency": emergency,
-                "notice_id": notice_id,
-                "duration_s": None,
-                "files": [
-                    {"path": f.path, "bytes": f.bytes, **({"crc32": f.crc32} if f.crc32 is not None else {})}
-                    for f in files
-                ],
-                "checksum": "crc32" if self.checksum else None,
-                "host": socket.gethostname(),
-                "metadata": dict(metadata or {}),
-            }
-            manifest["duration_s"] = round(time.monotonic() - started, 6)
-            _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-            _fsync_dir(tmp)
+            sealed = seal(
+                tmp,
+                step,
+                checksum=self.checksum,
+                hash_workers=self.hash_workers,
+                emergency=emergency,
+                notice_id=notice_id,
+                metadata=metadata,
+                started=started,
+            )
             final = self.root / f"step-{step:012d}"
             self._replace(tmp, final)
             _fsync_dir(self.root)
@@ -211,51 +198,19 @@ class CheckpointStore:
             self._report("failed", step, emergency=emergency, notice_id=notice_id)
             raise
         duration = time.monotonic() - started
-        checkpoint = Checkpoint(
-            step=step,
-            path=final,
-            time=now,
-            bytes=total,
-            files=tuple(files),
-            emergency=emergency,
-            notice_id=notice_id,
-            duration_s=duration,
-            metadata=dict(metadata or {}),
-        )
+        checkpoint = replace(sealed, path=final, duration_s=duration)
         self.last_save = checkpoint
         self._report(
             "finished",
             step,
             duration_s=duration,
-            size=total,
+            size=checkpoint.bytes,
             emergency=emergency,
             notice_id=notice_id,
             path=final,
         )
         self.prune()
         return checkpoint
-
-    def _seal(self, directory: Path) -> list[FileEntry]:
-        """fsync every file the writer left, checksumming them at the same time on the thread pool."""
-        paths = sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
-        if not paths:
-            raise CheckpointError(f"the writer put no files into {directory}")
-        with ThreadPoolExecutor(max_workers=self.hash_workers + 1) as pool:
-            pending: list[tuple[Path, int, Future[None], Callable[[], int] | None]] = []
-            for path in paths:
-                size = path.stat().st_size
-                synced = pool.submit(_fsync_file, path)
-                crc = _file_crc(pool, path, size) if self.checksum else None
-                pending.append((path, size, synced, crc))
-            entries = []
-            for path, size, synced, crc in pending:
-                synced.result()
-                entries.append(
-                    FileEntry(path.relative_to(directory).as_posix(), size, crc() if crc else None)
-                )
-        for sub in sorted({p.parent for p in paths if p.parent != directory}, key=lambda p: -len(p.parts)):
-            _fsync_dir(sub)
-        return entries
 
     def _replace(self, tmp: Path, final: Path) -> None:
         if final.exists():
@@ -331,6 +286,75 @@ class CheckpointStore:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+
+
+def seal(
+    directory: Path,
+    step: int,
+    *,
+    manifest: str = MANIFEST,
+    checksum: bool = True,
+    hash_workers: int | None = None,
+    emergency: bool = False,
+    notice_id: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    started: float | None = None,
+) -> Checkpoint:
+    """Make a directory of finished files durable and describe it: fsync every file (checksumming them at the
+    same time on a thread pool), write the manifest last, fsync the directories. Used by the store before its
+    rename, and by callbacks whose framework writes checkpoint directories itself."""
+    paths = sorted(
+        p for p in directory.rglob("*") if p.is_file() and not p.is_symlink() and p.name != manifest
+    )
+    if not paths:
+        raise CheckpointError(f"the writer put no files into {directory}")
+    workers = hash_workers or _hash_workers()
+    with ThreadPoolExecutor(max_workers=workers + 1) as pool:
+        pending: list[tuple[Path, int, Future[None], Callable[[], int] | None]] = []
+        for path in paths:
+            size = path.stat().st_size
+            synced = pool.submit(_fsync_file, path)
+            crc = _file_crc(pool, path, size) if checksum else None
+            pending.append((path, size, synced, crc))
+        files = []
+        for path, size, synced, crc in pending:
+            synced.result()
+            files.append(FileEntry(path.relative_to(directory).as_posix(), size, crc() if crc else None))
+    for sub in sorted({p.parent for p in paths if p.parent != directory}, key=lambda p: -len(p.parts)):
+        _fsync_dir(sub)
+    now = datetime.now(timezone.utc)
+    total = sum(f.bytes for f in files)
+    duration = round(time.monotonic() - started, 6) if started is not None else None
+    doc = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "time": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "bytes": total,
+        "emergency": emergency,
+        "notice_id": notice_id,
+        "duration_s": duration,
+        "files": [
+            {"path": f.path, "bytes": f.bytes, **({"crc32": f.crc32} if f.crc32 is not None else {})}
+            for f in files
+        ],
+        "checksum": "crc32" if checksum else None,
+        "host": socket.gethostname(),
+        "metadata": dict(metadata or {}),
+    }
+    _write_durably(directory / manifest, json.dumps(doc, indent=1).encode())
+    _fsync_dir(directory)
+    return Checkpoint(
+        step=step,
+        path=directory,
+        time=now,
+        bytes=total,
+        files=tuple(files),
+        emergency=emergency,
+        notice_id=notice_id,
+        duration_s=duration,
+        metadata=dict(metadata or {}),
+    )
 
 
 def _hash_workers() -> int:

@@ -1,0 +1,121 @@
+"""PyTorch Lightning integration: a callback that saves a durable checkpoint through the store when the host
+gets a notice (or the process a signal) and stops training, plus periodic checkpoints at the advised interval.
+
+    callback = PreemptdCallback("/ckpt")
+    trainer = Trainer(callbacks=[callback], ...)
+    trainer.fit(model, ckpt_path=callback.resume_path())
+
+All ranks agree through the strategy's own ``reduce_boolean_decision`` (the job's process group). Global rank
+zero writes the checkpoint (``trainer.save_checkpoint``, the usual case for single-device and DDP training);
+sharded strategies that write on every rank are not supported by this callback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from agent.client.events import TriggerPolicy
+from agent.client.reporting import CheckpointSchedule
+from agent.client.store import Checkpoint, CheckpointStore
+from agent.client.watcher import Watcher, WatcherBase
+
+CHECKPOINT_FILE = "lightning.ckpt"
+
+
+class PreemptdCallback(Callback):
+    """Emergency (and optionally periodic) checkpoints into a :class:`CheckpointStore` at ``dirpath``.
+
+    ``every``: check (and agree across ranks) every this many optimizer steps. ``interval_s``: a fixed
+    periodic interval used until the agent advises one; None turns periodic checkpoints off.
+    ``stop_on_notice``: stop training after the emergency checkpoint (``trainer.should_stop``).
+    ``watcher``: share an existing watcher; otherwise one is started in ``setup`` and stopped in ``teardown``.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | Path,
+        *,
+        keep: int = 3,
+        every: int = 1,
+        interval_s: float | None = None,
+        stop_on_notice: bool = True,
+        socket_path: str | Path | None = None,
+        watcher: WatcherBase | None = None,
+        policy: TriggerPolicy | None = None,
+        filename: str = CHECKPOINT_FILE,
+    ) -> None:
+        super().__init__()
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        self.store = CheckpointStore(dirpath, keep, socket_path=socket_path)
+        self.every = every
+        self.stop_on_notice = stop_on_notice
+        self.socket_path = socket_path
+        self.policy = policy
+        self.filename = filename
+        self.schedule = CheckpointSchedule(interval_s, socket_path) if interval_s is not None else None
+        self.watcher = watcher
+        self._own_watcher = watcher is None
+        self.saved: list[Checkpoint] = []
+        self.preempted = False
+
+    def resume_path(self) -> str | None:
+        """The newest valid checkpoint file in the store, for ``trainer.fit(ckpt_path=...)``; None if none."""
+        latest = self.store.latest()
+        return str(latest.file(self.filename)) if latest is not None else None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.watcher is None:
+            self.watcher = Watcher(self.socket_path, policy=self.policy).start()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._own_watcher and isinstance(self.watcher, Watcher):
+            self.watcher.stop()
+            self.watcher = None
+        if self.store.reporter is not None:
+            self.store.reporter.flush()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step % self.every or self.watcher is None:
+            return
+        trigger = self.watcher.trigger
+        emergency = trainer.strategy.reduce_boolean_decision(trigger is not None, all=False)
+        periodic = False
+        if self.schedule is not None:
+            periodic = trainer.strategy.reduce_boolean_decision(self.schedule.due(), all=False)
+        if not (emergency or periodic):
+            return
+        notice_id = trigger.notice_id if trigger is not None else None
+        self._save(trainer, step, emergency, notice_id)
+        if emergency:
+            self.watcher.acknowledge()
+            if self.stop_on_notice:
+                self.preempted = True
+                trainer.should_stop = True
+        if self.schedule is not None:
+            self.schedule.mark()
+
+    def _save(self, trainer: Trainer, step: int, emergency: bool, notice_id: str | None) -> None:
+        if not trainer.is_global_zero:
+            # Other ranks take part in the save's collectives; the strategy writes nothing for them.
+            trainer.save_checkpoint(self.store.root / f".rank-{trainer.global_rank}-{self.filename}")
+            return
+
+        def write(directory: Path) -> None:
+            trainer.save_checkpoint(directory / self.filename)
+
+        self.saved.append(
+            self.store.save(
+                step,
+                write,
+                emergency=emergency,
+                notice_id=notice_id,
+                metadata={"epoch": trainer.current_epoch},
+            )
+        )

@@ -1,0 +1,97 @@
+"""The Lightning callback with a real agent: a drill gives a checkpoint that Lightning resumes from."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from agent.client.lightning import PreemptdCallback
+from tests.support import http_json, running_agent
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    # Lightning's advice for real training, irrelevant to a 16-sample CPU model:
+    pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
+    pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended"),
+    # Lightning 2.6 builds a pytree LeafSpec, deprecated by newer torch (not our code):
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"),
+]
+
+
+class Tiny(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def loader() -> DataLoader[Any]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 4, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=4)
+
+
+def trainer(max_steps: int, *callbacks: Callback) -> Trainer:
+    return Trainer(
+        max_steps=max_steps, callbacks=list(callbacks), accelerator="cpu", devices=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+
+
+class PauseAt(Callback):
+    """At step ``step``, tells the test and holds training until the watcher has a trigger: the drill
+    arrives at a known step without sleeping."""
+
+    def __init__(self, step: int, preemptd: PreemptdCallback, reached: Any) -> None:
+        self.step, self.preemptd, self.reached = step, preemptd, reached
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step and self.preemptd.watcher is not None:
+            self.reached()
+            assert self.preemptd.watcher.wait(30) is not None
+
+
+class Record(Callback):
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.start_step = trainer.global_step
+        self.start_weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+async def test_drill_checkpoint_is_resumed_by_lightning(base: Path) -> None:
+    sock = base / "a.sock"
+    first = Tiny()
+    loop = asyncio.get_running_loop()
+    reached = asyncio.Event()
+    async with running_agent(base, components=[]):
+        preemptd = PreemptdCallback(base / "ckpt", socket_path=sock)
+        pause = PauseAt(3, preemptd, lambda: loop.call_soon_threadsafe(reached.set))
+        fit = asyncio.ensure_future(asyncio.to_thread(trainer(100, pause, preemptd).fit, first, loader()))
+        await asyncio.wait_for(reached.wait(), 60)
+        status, _ = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 30})
+        await asyncio.wait_for(fit, 60)
+
+    [saved] = preemptd.saved
+    assert (201, True, 3, True) == (status, preemptd.preempted, saved.step, saved.emergency)
+
+    resumed = PreemptdCallback(base / "ckpt", socket_path=base / "none.sock")
+    record = Record()
+    second = trainer(6, record, resumed)
+    await asyncio.to_thread(second.fit, Tiny(), loader(), ckpt_path=resumed.resume_path())
+    same = all(torch.equal(v, first.state_dict()[k]) for k, v in record.start_weights.items())
+    assert (3, True, 6) == (record.start_step, same, second.global_step)
