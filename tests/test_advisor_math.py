@@ -224,3 +224,19 @@ def test_mixed_optimum_is_the_numerical_maximum_of_the_mixed_efficiency() -> Non
 def test_formulas_reject_nonpositive_inputs(delta: float, mtbp: float) -> None:
     with pytest.raises(ValueError, match="positive"):
         cm.young(delta, mtbp)
+
+
+def test_waste_of_an_absurdly_long_interval_is_total_not_an_overflow() -> None:
+    assert cm.waste(30 * 86400.0, 240.0, 3600.0) == 1.0
+
+
+def test_mixed_optimum_is_the_shortest_near_best_interval_when_the_efficiency_is_flat() -> None:
+    """Announced interruptions every 12 min, losses every 1000 h: beyond ~6 h the efficiency is flat to 1e-10;
+    the advice is the shortest interval within FLAT_TOLERANCE of the best efficiency."""
+    args = (60.0, 1000 * HOUR, 0.2 * HOUR)
+    tau = cm.optimal_interval_mixed(*args, emergency_delta=10.0)
+    best = max(cm.efficiency_mixed(t, *args, emergency_delta=10.0) for t in (1e4, 3e4, 1e5, 1e6))
+    assert (
+        best - cm.efficiency_mixed(tau, *args, emergency_delta=10.0) <= cm.FLAT_TOLERANCE * 1.001,
+        best - cm.efficiency_mixed(0.99 * tau, *args, emergency_delta=10.0) > cm.FLAT_TOLERANCE,
+    ) == (True, True)

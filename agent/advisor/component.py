@@ -30,9 +30,9 @@ from agent.reports import Report
 if TYPE_CHECKING:
     from agent.daemon import Agent
 
-REFRESH_S = 60.0
+REFRESH_S = 120.0
 # An answer older than this is recomputed even without new records: notices reach their deadlines.
-MAX_AGE_S = 5.0
+MAX_AGE_S = 30.0
 MAX_RECORDS = 200_000
 _NOTICE_KEYS = ("id", "kind", "drill", "detected_at", "deadline", "cleared_at")
 _REPORT_KEYS = ("kind", "phase", "received_at", "step", "duration_s", "emergency", "notice_id", "peer_pid")

@@ -9,6 +9,7 @@ interruptions whose flush finished are counted apart: they cost a flush and a re
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -351,6 +352,10 @@ def observe(records: Iterable[Any], now: datetime, config: AdvisorConfig) -> Obs
     save = _save_time(periodic, config.report_window, config.save_time_s, max(1, config.min_reports))
     emergency_save = _save_time(emergency, config.report_window, None, 1)
 
+    first_report_in_run: dict[int, datetime] = {}
+    for r in reports:
+        if r.run not in first_report_in_run or r.time < first_report_in_run[r.run]:
+            first_report_in_run[r.run] = r.time
     losses: list[Loss] = []
     announced: list[str] = []
     drills = pending = 0
@@ -375,9 +380,10 @@ def observe(records: Iterable[Any], now: datetime, config: AdvisorConfig) -> Obs
             if notice.cleared_at is not None or (notice.run == len(runs) - 1 and runs[-1].stopped is None):
                 continue  # no deadline: it happened only if the agent went down with it active
             due = run_end
+        first_report = first_report_in_run.get(notice.run)
         if _covered(notice, due, emergency):
             announced.append(notice.id)
-        elif any(r.run == notice.run and r.time <= due for r in reports):
+        elif first_report is not None and first_report <= due:
             losses.append(Loss(due, UNCOVERED_NOTICE, notice.id))
         else:
             announced.append(notice.id)  # no training client was reporting: nothing to lose, nothing to flush
@@ -537,11 +543,11 @@ def _goodput(
     wall -= clean_gaps
     stall = sum(c.duration_s for c in checkpoints)
     lost = 0.0
-    finished = [c.finished_at for c in checkpoints]
+    finished = sorted(c.finished_at for c in checkpoints)
     for loss in losses:
         if loss.time < start:
             continue
-        before = [t for t in finished if t <= loss.time]
-        lost += (loss.time - (before[-1] if before else start)).total_seconds()
+        index = bisect.bisect_right(finished, loss.time)
+        lost += (loss.time - (finished[index - 1] if index else start)).total_seconds()
     productive = max(0.0, wall - stall - lost - restart)
     return Goodput(wall_s=wall, productive_s=productive, checkpoint_s=stall, lost_s=lost, restart_s=restart)

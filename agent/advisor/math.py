@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 INV_E = math.exp(-1.0)
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+# Efficiencies closer than this are treated as equal when choosing an interval (it moves a well-defined
+# optimum by about 0.005 %).
+FLAT_TOLERANCE = 1e-10
 
 
 def _check(delta: float, mtbp: float) -> None:
@@ -115,6 +118,9 @@ def expected_wall_time(
         raise ValueError(f"interval must be a positive number of seconds, got {tau!r}")
     if restart < 0:
         raise ValueError(f"restart time must not be negative, got {restart!r}")
+    exponent = (tau + delta) / mtbp + restart / mtbp
+    if exponent > 700.0:  # the job practically never finishes: avoid an overflow, the answer is infinite
+        return math.inf
     return mtbp * math.exp(restart / mtbp) * math.expm1((tau + delta) / mtbp) * (work / tau)
 
 
@@ -166,6 +172,8 @@ def efficiency_mixed(
         return tau / period
     p_fail = -math.expm1(-lam * period)  # P(X < τ + δ)
     share_a = lam_a / lam
+    if lam * restart > 700.0:
+        return 0.0  # restarts practically never succeed
     mean_time = p_fail / lam + p_fail * (share_a * flush + math.expm1(lam * restart) / lam)
     # E[min(X, τ); X < τ+δ] = E[X; X < τ] + τ·P(τ ≤ X < τ+δ)
     lt = lam * tau
@@ -206,7 +214,6 @@ def optimal_interval_mixed(
     guess = exact_interval(delta, mtbp_lost)
     if mtbp_announced is None or math.isinf(mtbp_announced):
         return guess
-    lo, hi = math.log(guess / 20.0), math.log(guess * 20.0)
 
     def cost(log_tau: float) -> float:
         tau = math.exp(log_tau)
@@ -214,7 +221,30 @@ def optimal_interval_mixed(
             tau, delta, mtbp_lost, mtbp_announced, restart=restart, emergency_delta=emergency_delta
         )
 
-    return math.exp(_golden_min(cost, lo, hi, tol=1e-12))
+    # Announced interruptions move the optimum, possibly far: scan a wide log grid, then refine around the
+    # best point (the efficiency is smooth and has one maximum in practice).
+    centre, steps, width = math.log(guess), 120, math.log(1e4)
+    grid = [centre - width + 2.0 * width * i / steps for i in range(steps + 1)]
+    best = min(range(len(grid)), key=lambda i: cost(grid[i]))
+    lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, steps)]
+    peak = _golden_min(cost, lo, hi, tol=1e-12)
+    # When announced interruptions dominate, the efficiency is flat far to the right of its maximum: advise
+    # the shortest interval within FLAT_TOLERANCE of the best, a well-defined answer that keeps periodic
+    # checkpoints in case a notice fails.
+    target = cost(peak) + FLAT_TOLERANCE
+    left = grid[0]
+    if cost(left) <= target:
+        return math.exp(left)
+    right = peak
+    for _ in range(100):
+        mid = (left + right) / 2.0
+        if cost(mid) <= target:
+            right = mid
+        else:
+            left = mid
+        if right - left < 1e-12:
+            break
+    return math.exp(right)
 
 
 @dataclass(frozen=True)
