@@ -1,0 +1,102 @@
+"""The Hugging Face Trainer callback with a real agent: a drill makes the Trainer save a durable, verified
+checkpoint and stop; the Trainer resumes from it. The model is built from a config: nothing is downloaded."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
+
+from agent.client import CheckpointWarning
+from agent.client.hf import MANIFEST, PreemptdTrainerCallback, last_good_checkpoint
+from agent.client.store import seal
+from tests.support import http_json, running_agent
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8))
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 32, (64, 8), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in rows]
+
+
+def trainer(output: Path, max_steps: int, callbacks: list[TrainerCallback]) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(output), max_steps=max_steps, per_device_train_batch_size=4, save_strategy="no",
+        report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    return Trainer(model=model(), args=args, train_dataset=dataset(), callbacks=callbacks)
+
+
+class PauseAt(TrainerCallback):
+    """At step ``step``, tells the test and holds training until the watcher has the drill."""
+
+    def __init__(self, step: int, preemptd: PreemptdTrainerCallback, reached: Any) -> None:
+        self.step, self.preemptd, self.reached = step, preemptd, reached
+
+    def on_step_end(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if state.global_step == self.step and self.preemptd.watcher is not None:
+            self.reached()
+            assert self.preemptd.watcher.wait(30) is not None
+
+
+class Record(TrainerCallback):
+    def on_train_begin(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self.start_step = state.global_step
+
+
+async def test_drill_makes_the_trainer_save_durably_stop_and_resume(base: Path) -> None:
+    sock = base / "a.sock"
+    loop = asyncio.get_running_loop()
+    reached = asyncio.Event()
+    async with running_agent(base, components=[]):
+        preemptd = PreemptdTrainerCallback(socket_path=sock)
+        pause = PauseAt(3, preemptd, lambda: loop.call_soon_threadsafe(reached.set))
+        first = trainer(base / "out", 100, [pause, preemptd])
+        train = asyncio.ensure_future(asyncio.to_thread(first.train))
+        await asyncio.wait_for(reached.wait(), 60)
+        status, _ = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 30})
+        await asyncio.wait_for(train, 120)
+    [saved] = preemptd.saved
+    assert (201, True, 3, True) == (status, preemptd.preempted, first.state.global_step, saved.emergency)
+
+    resume_from = last_good_checkpoint(base / "out")
+    record = Record()
+    second = trainer(base / "out", 6, [record, PreemptdTrainerCallback(socket_path=base / "none.sock")])
+    await asyncio.to_thread(second.train, resume_from_checkpoint=resume_from)
+    assert (str(base / "out" / "checkpoint-3"), 3, 6) == (
+        resume_from,
+        record.start_step,
+        second.state.global_step,
+    )
+
+
+def test_checkpoint_without_manifest_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    good = tmp_path / "checkpoint-2"
+    good.mkdir()
+    (good / "model.safetensors").write_bytes(b"weights")
+    seal(good, 2, manifest=MANIFEST)
+    (tmp_path / "checkpoint-5").mkdir()
+    with pytest.warns(CheckpointWarning, match="incomplete"):
+        assert str(good) == last_good_checkpoint(tmp_path)
