@@ -57,6 +57,9 @@ class ActionsComponent:
         self.config = cfg
         self._agent: AgentHooks | None = None
         self.tasks = TaskSet("actions")
+        # Grace timers live apart from the actions, so that waiting for the actions (drain) does not wait
+        # out every grace.
+        self.timers = TaskSet("actions-ready")
         self.counts: Counter[tuple[str, str]] = Counter()
         self._notices: dict[str, Notice] = {}
         self._last_ready: dict[str, Any] = {}
@@ -88,7 +91,7 @@ class ActionsComponent:
             cfg.webhooks, tasks=self.tasks, recent=self.webhook_log, count=self._counter("webhook")
         )
         self.ready = ReadyEngine(
-            cfg.ready, publish=self._publish_ready, tasks=self.tasks, history=cfg.history_size
+            cfg.ready, publish=self._publish_ready, tasks=self.timers, history=cfg.history_size
         )
         self.azure = AzureAcknowledger(
             cfg.ready.azure_acknowledge, source=self._azure_source, tasks=self.tasks, recent=self.ack_log
@@ -107,6 +110,7 @@ class ActionsComponent:
         await self.webhooks.start()
 
     async def stop(self) -> None:
+        await self.timers.close(0)
         await self.tasks.close(self.config.stop_timeout_s)
         await self.webhooks.close()
 

@@ -1,0 +1,144 @@
+"""Actions inside the real agent: drills over the Unix socket reach unmodified programs, hooks and ready."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agent.actions import ActionsComponent
+from agent.daemon import build_components
+from agent.errors import ConfigError
+from tests.actions_support import HANDLER, Child
+from tests.support import SSEClient, agent_config, http_json, running_agent
+
+
+def actions_of(agent: object) -> ActionsComponent:
+    [component] = [c for c in agent.components if isinstance(c, ActionsComponent)]  # type: ignore[attr-defined]
+    return component
+
+
+async def test_a_program_that_never_heard_of_preemptd_gets_its_signal_on_a_drill(base: Path) -> None:
+    marker = f"train-{uuid.uuid4().hex}"
+    child = await Child.start(HANDLER, str(base / "got"), marker)
+    settings = {"actions.signals": [{"name": "train", "signal": "SIGUSR1", "cmdline": [marker]}]}
+    try:
+        async with running_agent(base, settings) as agent:
+            status, _ = await http_json(
+                agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60}
+            )
+            assert 201 == status
+            assert 0 == await child.wait()
+            assert "SIGUSR1" == (base / "got").read_text()
+            await actions_of(agent).drain()
+            _, shown = await http_json(agent.config.socket, "GET", "/v1/status")
+            [sent] = shown["actions"]["signals"]
+            assert ("sent", child.pid, "SIGUSR1", "train") == (
+                sent["outcome"],
+                sent["pid"],
+                sent["signal"],
+                sent["rule"],
+            )
+    finally:
+        await child.stop()
+
+
+async def test_a_hanging_hook_does_not_delay_the_notice_to_clients(base: Path) -> None:
+    pid_file = base / "hook.pid"
+    hang = [
+        sys.executable,
+        "-c",
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)",
+    ]
+    settings = {"actions.hooks": [{"name": "hang", "argv": hang, "timeout_s": 300}]}
+    async with running_agent(base, settings) as agent:
+        client = await SSEClient.connect(agent.config.socket)
+        try:
+            await client.next()  # snapshot
+            for _ in range(2):  # the second notice comes while the first hook still hangs
+                status, body = await http_json(
+                    agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60}
+                )
+                assert 201 == status
+                got = await client.until(lambda e: e["type"] == "notice", timeout=5)
+                assert body["notice"]["id"] == got["notice"]["id"]
+            assert 2 <= len(actions_of(agent).tasks)
+        finally:
+            await client.close()
+    # Stopping the agent kills the hanging hook instead of waiting for it.
+    hook_pid = int(pid_file.read_text())
+    assert not psutil.pid_exists(hook_pid) or psutil.Process(hook_pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_ready_follows_the_participants_emergency_checkpoint(base: Path) -> None:
+    client_doc = {"job": "llm", "rank": 0, "participant": True}
+    async with running_agent(base) as agent:
+        sock = agent.config.socket
+        status, _ = await http_json(
+            sock, "POST", "/v1/reports", {"kind": "checkpoint", "phase": "started", "client": client_doc}
+        )
+        assert status < 300
+        events = await SSEClient.connect(sock)
+        try:
+            await events.next()
+            _, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 120})
+            notice_id = body["notice"]["id"]
+            finished = {
+                "kind": "checkpoint",
+                "phase": "finished",
+                "duration_s": 2.5,
+                "emergency": True,
+                "notice_id": notice_id,
+                "client": client_doc,
+            }
+            status, _ = await http_json(sock, "POST", "/v1/reports", finished)
+            assert status < 300
+            ready = await events.until(lambda e: e["type"] == "ready", timeout=5)
+            assert (notice_id, "all_participants", ["llm#0"]) == (
+                ready["data"]["notice_id"],
+                ready["data"]["reason"],
+                ready["data"]["finished"],
+            )
+            _, shown = await http_json(sock, "GET", "/v1/status")
+            tracked = shown["actions"]["ready"]["notices"][notice_id]
+            assert "ready" == tracked["state"]
+            assert 100 < tracked["margin_s"] <= 120
+        finally:
+            await events.close()
+
+
+async def test_metrics_count_actions(base: Path) -> None:
+    settings = {"actions.hooks": [{"argv": ["true"]}]}
+    async with running_agent(base, settings) as agent:
+        await http_json(agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+        await actions_of(agent).drain()
+        _, text = await http_json(agent.config.socket, "GET", "/metrics")
+    assert 'preemptd_actions_total{action="hook",outcome="ok"} 1.0' in text
+
+
+def test_a_bad_actions_config_fails_before_the_agent_starts(base: Path) -> None:
+    config = agent_config(base, {"actions.signals": [{"signal": "SIGNOPE", "cmdline": ["x"]}]})
+    with pytest.raises(
+        ConfigError, match=r"actions.signals\[0\] \(signal\) signal: unknown signal 'SIGNOPE'"
+    ):
+        build_components(config)
+
+
+async def test_dry_run_in_the_agent_signals_nobody(base: Path) -> None:
+    marker = f"train-{uuid.uuid4().hex}"
+    child = await Child.start(HANDLER, str(base / "got"), marker)
+    try:
+        settings = {"actions.dry_run": True, "actions.signals": [{"cmdline": [marker]}]}
+        async with running_agent(base, settings) as agent:
+            await http_json(agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+            await actions_of(agent).drain()
+            _, shown = await http_json(agent.config.socket, "GET", "/v1/status")
+        assert ["dry_run"] == [s["outcome"] for s in shown["actions"]["signals"]]
+        await asyncio.sleep(0)
+        assert child.proc.returncode is None
+    finally:
+        await child.stop()
