@@ -24,7 +24,7 @@ GPU1 = "GPU-fa4e0000-0000-4000-8000-000000000001"
 
 FAST = {
     "gpu.poll_interval_s": 0.05,
-    "gpu.call_timeout_s": 0.5,
+    "gpu.call_timeout_s": 1.0,
     "gpu.event_wait_ms": 50,
     "gpu.raise_after": 2,
     "gpu.clear_after": 2,
@@ -38,7 +38,7 @@ def fast_gpu(library: Path) -> GpuConfig:
     return GpuConfig(
         library_path=library,
         poll_interval_s=0.05,
-        call_timeout_s=0.5,
+        call_timeout_s=1.0,
         event_wait_ms=50,
         raise_after=2,
         clear_after=2,
