@@ -617,7 +617,9 @@ class Agent:
             handler_cancellation=True,
         )
         await self._runner.setup()
-        self._site = web.SockSite(self._runner, sock)
+        # asyncio's create_server calls listen() again with the site's backlog (aiohttp's default: 128),
+        # also on a socket from systemd: pass ours, or clients connecting at once get EAGAIN.
+        self._site = web.SockSite(self._runner, sock, backlog=self.config.api.backlog)
         await self._site.start()
         self.tasks.spawn("state-writer", self._state_writer())
         self.tasks.spawn("expiry", self._expire_loop())
