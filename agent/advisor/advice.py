@@ -15,7 +15,7 @@ from typing import Any
 from agent.advisor import math as cm
 from agent.advisor.estimate import LOSS_CAUSES, Observations
 from agent.config import AdvisorConfig
-from agent.durations import format_duration
+from agent.durations import format_duration as _short_duration
 from agent.notice import format_time
 
 CONFIDENCE_LEVELS = ("none", "low", "medium", "high")
@@ -163,6 +163,13 @@ def _with_m(inputs: Inputs, mtbp: float) -> Inputs:
         inputs.emergency_save_s,
         inputs.current_s,
     )
+
+
+def format_duration(seconds: float) -> str:
+    """Human duration; days past two days (uptime runs into months)."""
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:.1f} d"
+    return _short_duration(seconds)
 
 
 def _round(value: float | None) -> float | None:
