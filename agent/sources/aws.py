@@ -215,6 +215,7 @@ class AwsSource(Source):
         self._token: str | None = None
         self._token_expires = 0.0  # monotonic
         self._imdsv1 = False
+        self._token_lock = asyncio.Lock()
         self._identity: dict[str, str] = {}
         self._polls = 0
 
@@ -265,16 +266,22 @@ class AwsSource(Source):
         self._imdsv1 = True
         self._token = None
 
+    async def _ensure_token(self) -> None:
+        # One fetch at a time: the concurrent reads of a poll that all meet a 401 share one new token.
+        async with self._token_lock:
+            if not self._imdsv1 and (self._token is None or time.monotonic() >= self._token_expires):
+                await self._fetch_token()
+
     async def _get(self, path: str) -> Reply:
         """GET with a fresh token; on 401 the token is dropped and the request retried once."""
         for attempt in (1, 2):
-            if not self._imdsv1 and (self._token is None or time.monotonic() >= self._token_expires):
-                await self._fetch_token()
-            headers = {TOKEN_HEADER: self._token} if self._token else None
-            reply = await self._client.request("GET", path, headers=headers)
+            await self._ensure_token()
+            used = self._token
+            reply = await self._client.request("GET", path, headers={TOKEN_HEADER: used} if used else None)
             if reply.status == 401 and attempt == 1:
-                self._token = None
-                self._imdsv1 = False
+                if self._token == used:
+                    self._token = None
+                    self._imdsv1 = False
                 continue
             return reply
         raise AssertionError("unreachable")
@@ -325,12 +332,11 @@ class AwsSource(Source):
             next_tick = time.monotonic()
             while True:
                 errors: list[CloudError] = []
-                # One token fetch before the concurrent reads, so they do not each race to fetch one.
-                if not self._imdsv1 and (self._token is None or time.monotonic() >= self._token_expires):
-                    try:
-                        await self._fetch_token()
-                    except CloudError as exc:
-                        errors.append(exc)
+                # One token fetch before the concurrent reads, so a token failure is one error, not four.
+                try:
+                    await self._ensure_token()
+                except CloudError as exc:
+                    errors.append(exc)
                 if not errors:
                     results = await asyncio.gather(
                         *(self._poll_part(p, state) for p in parts), return_exceptions=True
