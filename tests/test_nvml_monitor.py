@@ -395,3 +395,17 @@ async def test_hung_initialisation_is_a_gpu_fault(fake_nvml_lib: Path, scenario:
         scenario.unset("hang.nvmlDeviceGetCount_v2")
         await sink.wait_cleared("driver/hung")
         await wait_polled(source, sink)
+
+
+async def test_gpu_lost_before_start_up_is_a_gpu_fault_and_the_others_are_watched(
+    fake_nvml_lib: Path, scenario: Scenario
+) -> None:
+    scenario.update({"device_count": 2, "gpu.1.lost": 1})
+    async with monitor(fake_nvml_lib) as (source, sink):
+        notice = await sink.wait_active("GPU-index-1/lost")
+        assert (notice.kind, notice.detail["index"]) == (Kind.GPU_FAULT, 1)
+        assert "GPU is lost (15) while enumerating" in notice.reason
+        await wait_polled(source, sink)
+        scenario.update({"gpu.0.temp": 99})
+        await sink.wait_active(f"{GPU0}/temperature")
+    assert [g["index"] for g in source.status()["gpus"]] == [0, 1]

@@ -220,6 +220,9 @@ class _PollResult:
 class _Startup:
     driver_version: str
     gpus: list[tuple[GpuIdentity, Any]]
+    # GPUs whose handle or identity could not be read (a GPU that fell off the bus before the agent
+    # started): index -> (what is known of it, the NVML error code).
+    broken: list[tuple[GpuIdentity, int]] = field(default_factory=list)
 
 
 def _address(handle: Any) -> int | None:
@@ -243,14 +246,23 @@ def _start(watch: _CallWatch, library_path: Path | None) -> _Startup:
     watch.run("nvmlInit", pynvml.nvmlInit)
     version = _text(watch.run("nvmlSystemGetDriverVersion", pynvml.nvmlSystemGetDriverVersion))
     count = watch.run("nvmlDeviceGetCount", pynvml.nvmlDeviceGetCount)
-    gpus: list[tuple[GpuIdentity, Any]] = []
+    startup = _Startup(driver_version=version, gpus=[])
     for index in range(count):
-        handle = watch.run("nvmlDeviceGetHandleByIndex", pynvml.nvmlDeviceGetHandleByIndex, index)
-        uuid = _text(watch.run("nvmlDeviceGetUUID", pynvml.nvmlDeviceGetUUID, handle))
-        name = _text(watch.run("nvmlDeviceGetName", pynvml.nvmlDeviceGetName, handle))
-        pci = watch.run("nvmlDeviceGetPciInfo", pynvml.nvmlDeviceGetPciInfo, handle)
-        gpus.append((GpuIdentity(uuid=uuid, index=index, name=name, pci_bus_id=_text(pci.busId)), handle))
-    return _Startup(driver_version=version, gpus=gpus)
+        uuid, name, bus_id = f"GPU-index-{index}", "unknown", ""
+        try:
+            handle = watch.run("nvmlDeviceGetHandleByIndex", pynvml.nvmlDeviceGetHandleByIndex, index)
+            uuid = _text(watch.run("nvmlDeviceGetUUID", pynvml.nvmlDeviceGetUUID, handle))
+            name = _text(watch.run("nvmlDeviceGetName", pynvml.nvmlDeviceGetName, handle))
+            bus_id = _text(watch.run("nvmlDeviceGetPciInfo", pynvml.nvmlDeviceGetPciInfo, handle).busId)
+        except Exception as exc:
+            code = error_code(exc)
+            if code is None:
+                raise
+            ident = GpuIdentity(uuid=uuid, index=index, name=name, pci_bus_id=bus_id)
+            startup.broken.append((ident, code))
+            continue
+        startup.gpus.append((GpuIdentity(uuid=uuid, index=index, name=name, pci_bus_id=bus_id), handle))
+    return startup
 
 
 def _read_clocks(watch: _CallWatch, handle: Any) -> int:
@@ -382,6 +394,7 @@ class NvmlSource(Source):
         self._held = HeldFindings()
         self._system: dict[str, Observation] = {}
         self._gpus: dict[str, _Gpu] = {}
+        self._broken: dict[str, tuple[GpuIdentity, int]] = {}
         self._by_pci: dict[tuple[int, int, int], str] = {}
         self._driver_version: str | None = None
         self._state = "starting"
@@ -417,6 +430,11 @@ class NvmlSource(Source):
             }
             for gpu in sorted(self._gpus.values(), key=lambda g: g.ident.index)
         ]
+        gpus.extend(
+            {**ident.to_json(), "lost": True, "enumeration_error": error_text(code), "checks": {}}
+            for ident, code in self._broken.values()
+        )
+        gpus.sort(key=lambda g: int(g["index"]))
         return {
             # Not "state": the agent merges these keys with the source's health (state, since, detail...).
             "monitor": self._state,
@@ -432,7 +450,7 @@ class NvmlSource(Source):
         self._sink = sink
         self._stop.clear()
         # A restart after a crash starts from a fresh enumeration; active findings are kept.
-        self._gpus, self._by_pci, self._system = {}, {}, {}
+        self._gpus, self._by_pci, self._system, self._broken = {}, {}, {}, {}
         self._events_done = asyncio.Event()
         loop = asyncio.get_running_loop()
         startup_worker = _Worker("preemptd-nvml-start")
@@ -445,9 +463,16 @@ class NvmlSource(Source):
                 return
             started = True
             self._driver_version = startup.driver_version
-            if not startup.gpus:
+            if not startup.gpus and not startup.broken:
                 self._disable(sink, f"NVML (driver {startup.driver_version}) sees no GPU on this host")
                 return
+            for ident, code in startup.broken:
+                # Not polled: without a handle there is nothing to ask. It stays a fault until the agent
+                # restarts (a GPU that fell off the bus needs a reset or a reboot anyway).
+                self._broken[ident.uuid] = (ident, code)
+                log.error("nvml_gpu_unusable", gpu=ident.uuid, index=ident.index, error=error_text(code))
+                reason = f"cannot be used (NVML: {error_text(code)} while enumerating GPUs)"
+                self._hyst.bad(observation(ident, "lost", Finding(XidClass.FATAL, reason)), urgent=True)
             for ident, handle in startup.gpus:
                 self._gpus[ident.uuid] = _Gpu(ident, handle, _Worker(f"preemptd-nvml-gpu{ident.index}"))
                 key = pci_key(ident.pci_bus_id)
@@ -481,6 +506,8 @@ class NvmlSource(Source):
         future = worker.submit(lambda watch: _start(watch, self.config.library_path))
         try:
             return await self._watched(worker, future, self._startup_hung)
+        except ImportError as exc:
+            why = f"the nvidia-ml-py package (module pynvml) is not installed: {exc}"
         except OSError as exc:
             why = (
                 f"cannot load the NVML library {self.config.library_path}: {exc}; "
