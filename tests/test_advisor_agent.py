@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import io
 import json
+import signal
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from agent.advisor import math as cm
 from agent.advisor.cli import register, run
 from agent.daemon import Agent
 from agent.notice import Kind, Observation, format_time, utcnow
-from tests.support import agent_config, http_json, running_agent
+from tests.support import AgentProcess, agent_config, http_json, running_agent
 
 HOUR = 3600.0
 DURATIONS = [230.0, 240.0, 250.0, 240.0, 1800.0]  # one pathological checkpoint
@@ -202,3 +203,18 @@ async def test_advisor_marks_the_history_periodically(base: Path) -> None:
         agent._record = spy  # type: ignore[method-assign]
         await asyncio.wait_for(seen.wait(), timeout=5.0)
     assert {"interval_s", "confidence", "save_time_s", "mtbp_s"} <= set(recorded[0])
+
+
+async def test_restart_after_a_killed_agent_counts_as_an_unclean_loss(base: Path) -> None:
+    """The agent process is killed (no clean stop), started again, and the advisor counts one loss."""
+    proc = AgentProcess(base)
+    await proc.start()
+    await proc.stop(signal.SIGKILL)
+    seen = len(proc.notifications)
+    await proc.start(wait_ready=False)
+    await proc.wait_notification("READY=1", after=seen)
+    try:
+        status, advice = await http_json(proc.socket_path, "GET", "/v1/advice")
+    finally:
+        await proc.stop()
+    assert (status, advice["losses"]["unclean_restart"], advice["losses"]["total"]) == (200, 1, 1)

@@ -116,3 +116,10 @@ def test_live_mode_without_an_agent_explains_the_offline_way(tmp_path: Path) -> 
 def test_advise_is_a_verb_of_preemptd() -> None:
     args = build_parser().parse_args(["advise", "--save-time", "90s", "--mtbp", "1.5h"])
     assert (args.save_time, args.mtbp) == (90.0, 5400.0)
+
+
+def test_preemptd_main_runs_the_advise_verb(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import main
+
+    code = main(["advise", "--save-time", "4m", "--mtbp", "6h", "--json"])
+    assert (code, round(json.loads(capsys.readouterr().out)["formulas"]["young_s"] / MIN, 1)) == (0, 53.7)
