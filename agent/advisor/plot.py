@@ -51,7 +51,7 @@ def plot_waste(path: Path, inputs: Inputs, title: str | None = None, points: int
             color="tab:gray",
             linestyle="--",
             linewidth=1,
-            label="first order",
+            label="first order, work-losing interruptions only",
         )
         best_waste = 100.0 * waste_at(inputs, best)
         axes.axvline(best / scale, color="tab:green", linestyle=":", linewidth=1)
