@@ -106,3 +106,16 @@ async def test_unreadable_kernel_log_is_shown_in_status_and_the_monitor_runs_on(
             await asyncio.wait_for(task, 5.0)
     assert "cannot open" in source.status()["kmsg"]["why"]
     assert sink.health == "ok"
+
+
+async def test_lines_appended_to_a_plain_file_are_read_and_older_ones_are_not(
+    fake_nvml_lib: Path, scenario: Scenario, tmp_path: Path
+) -> None:
+    log = tmp_path / "kern.log"
+    log.write_text("NVRM: Xid (PCI:0000:18:00): 79, an old line from before the agent started\n")
+    async with kmsg_monitor(fake_nvml_lib, log) as (source, sink):
+        await wait_polled(source, sink)
+        with log.open("a") as handle:
+            handle.write("NVRM: Xid (PCI:0000:18:00): 48, An uncorrectable double bit error\n")
+        await sink.wait_active(f"{GPU0}/xid/48")
+    assert f"{GPU0}/xid/79" not in sink.active()

@@ -409,3 +409,18 @@ async def test_gpu_lost_before_start_up_is_a_gpu_fault_and_the_others_are_watche
         scenario.update({"gpu.0.temp": 99})
         await sink.wait_active(f"{GPU0}/temperature")
     assert [g["index"] for g in source.status()["gpus"]] == [0, 1]
+
+
+async def test_a_restarted_monitor_enumerates_again_and_keeps_working(
+    fake_nvml_lib: Path, scenario: Scenario
+) -> None:
+    source = NvmlSource(gpu_config(fake_nvml_lib))
+    sink = RecordingSink("nvml")
+    for _ in range(2):
+        task = asyncio.create_task(source.run(sink))
+        await wait_polled(source, sink)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5.0)
+    assert [g["uuid"] for g in source.status()["gpus"]] == [GPU0]
+    assert source.status()["monitor"] == "stopped"
