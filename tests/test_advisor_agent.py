@@ -17,6 +17,7 @@ import pytest
 from agent.advisor import math as cm
 from agent.advisor.cli import register, run
 from agent.daemon import Agent
+from agent.errors import ConfigError
 from agent.notice import Kind, Observation, format_time, utcnow
 from tests.support import AgentProcess, agent_config, http_json, running_agent
 
@@ -218,3 +219,12 @@ async def test_restart_after_a_killed_agent_counts_as_an_unclean_loss(base: Path
     finally:
         await proc.stop()
     assert (status, advice["losses"]["unclean_restart"], advice["losses"]["total"]) == (200, 1, 1)
+
+
+async def test_unusable_advisor_setting_stops_start_up_naming_the_key(base: Path) -> None:
+    agent = Agent(agent_config(base, {"advisor.credible_level": 90.0}))
+    try:
+        with pytest.raises(ConfigError, match=r"advisor\.credible_level"):
+            await agent.start()
+    finally:
+        await agent.stop()

@@ -22,8 +22,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from agent.advisor.advice import CONFIDENCE_LEVELS, advise
-from agent.advisor.estimate import Observations, observe
+from agent.advisor.estimate import Observations, check_config, observe
 from agent.config import AdvisorConfig, Config
+from agent.errors import ConfigError
 from agent.notice import Event, EventType, format_time
 from agent.reports import Report
 
@@ -109,6 +110,9 @@ class AdvisorComponent:
 
     def setup(self, agent: Agent) -> None:
         self._agent = agent
+        if self._config is None:
+            self._config = agent.config.advisor
+        check_config(self._config)
         agent.add_route("GET", "/v1/advice", self.handle_advice)
         agent.add_status_section("advice", self.status_advice)
         agent.add_status_section("goodput", self.status_goodput)
@@ -154,8 +158,14 @@ class AdvisorComponent:
         self._task = self._record_task = None
 
     async def reload(self, config: Config) -> None:
-        if self._config is not None:
-            self._config = config.advisor
+        try:
+            check_config(config.advisor)
+        except ConfigError as exc:
+            self._require_agent().log.error(
+                "advisor_reload_failed", error=str(exc), effect="keeping the advisor settings"
+            )
+            return
+        self._config = config.advisor
         self._version += 1
         self._changed.set()
 

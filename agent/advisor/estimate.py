@@ -19,7 +19,7 @@ from typing import Any
 
 from agent.advisor.stats import mad_sigma, median, rate_interval
 from agent.config import AdvisorConfig
-from agent.errors import NoticeError
+from agent.errors import ConfigError, NoticeError
 from agent.notice import parse_time
 
 GPU_FAULT = "gpu_fault"
@@ -145,6 +145,33 @@ class Observations:
     drills_ignored: int = 0
     pending_notices: int = 0
     checkpoints: tuple[Checkpoint, ...] = field(default=(), repr=False)
+
+
+def check_config(config: AdvisorConfig) -> None:
+    """Raise ConfigError naming the ``advisor.*`` key whose value the advisor cannot use."""
+    positive_or_none = ("save_time_s", "prior_mtbp_s", "current_interval_s")
+    not_negative = ("prior_weight", "restart_s", "coalesce_s", "record_interval_s")
+    at_least_one = ("min_losses", "min_reports", "report_window")
+    for key in positive_or_none:
+        value = getattr(config, key)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(
+                f"key 'advisor.{key}': expected a positive number of seconds or none, got {value!r}"
+            )
+    for key in not_negative:
+        value = getattr(config, key)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"key 'advisor.{key}': expected a number of at least 0, got {value!r}")
+    for key in at_least_one:
+        if getattr(config, key) < 1:
+            raise ConfigError(
+                f"key 'advisor.{key}': expected an integer of at least 1, got {getattr(config, key)!r}"
+            )
+    if not 0.0 < config.credible_level < 1.0:
+        raise ConfigError(
+            f"key 'advisor.credible_level': expected a probability between 0 and 1 (e.g. 0.9), "
+            f"got {config.credible_level!r}"
+        )
 
 
 def _r(value: float | None, digits: int = 3) -> float | None:
