@@ -319,57 +319,6 @@ class AdvisorConfig:
     record_interval_s: float = 3600.0
 
 
-# --- GPU and host health (agent/sources/nvml.py, agent/sources/host.py) ---------------------------------
-
-XidClassName = Literal["fatal", "degraded", "info"]
-
-
-@dataclass(frozen=True)
-class GpuConfig:
-    """The NVML GPU health monitor (source ``nvml``); see docs/gpu-health.md."""
-
-    enabled: bool = True
-    # None: the system's libnvidia-ml.so.1 (or LD_LIBRARY_PATH); a path loads that library instead.
-    library_path: Path | None = None
-    poll_interval_s: float = 5.0
-    # An NVML call that has not returned after this long is itself a gpu_fault ("NVML call hung").
-    call_timeout_s: float = 10.0
-    event_wait_ms: int = 1000
-    # Hysteresis: a non-fatal condition is raised after raise_after bad readings in a row (fatal ones at
-    # once) and cleared after clear_after good ones.
-    raise_after: int = 2
-    clear_after: int = 3
-    # Consecutive polls with NVML "Unknown Error" before the GPU counts as lost.
-    unknown_after: int = 3
-    # How long a notice for an XID or a driver event (which never "clear" by themselves) stays active.
-    xid_hold_s: float = 600.0
-    # XID number -> "fatal" / "degraded" / "info", on top of the built-in table (agent/sources/gpu_xid.py).
-    xid_classes: dict[int, XidClassName] = field(default_factory=dict)
-    xid_default: XidClassName = "degraded"
-    temperature_shutdown_margin_c: float = 3.0
-    power_tolerance: float = 0.05
-    # Clock event reasons that count as a slowdown: HW slowdown, SW/HW thermal, HW power brake.
-    clock_event_mask: int = 0x8 | 0x20 | 0x40 | 0x80
-    kmsg: bool = True
-    kmsg_path: Path = Path("/dev/kmsg")
-
-
-@dataclass(frozen=True)
-class HostConfig:
-    """The psutil host monitor (source ``host``): memory pressure and checkpoint/state disk space."""
-
-    enabled: bool = True
-    poll_interval_s: float = 10.0
-    raise_after: int = 2
-    clear_after: int = 3
-    memory_available_min_percent: float = 5.0
-    checkpoint_dirs: tuple[Path, ...] = ()
-    # Free space needed on a checkpoint directory, as a multiple of the last checkpoint's size.
-    checkpoint_headroom: float = 1.1
-    state_dir_min_free_bytes: int = 256 * 1024 * 1024
-    state_dir_min_free_percent: float = 1.0
-
-
 @dataclass(frozen=True)
 class Config:
     socket: Path = field(default_factory=default_socket_path)
@@ -395,8 +344,6 @@ class Config:
     tencent: TencentConfig = field(default_factory=TencentConfig)
     detect: DetectConfig = field(default_factory=DetectConfig)
     advisor: AdvisorConfig = field(default_factory=AdvisorConfig)
-    gpu: GpuConfig = field(default_factory=GpuConfig)
-    host: HostConfig = field(default_factory=HostConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     host: HostConfig = field(default_factory=HostConfig)
     config_file: Path | None = None
