@@ -228,3 +228,20 @@ async def test_unusable_advisor_setting_stops_start_up_naming_the_key(base: Path
             await agent.start()
     finally:
         await agent.stop()
+
+
+async def test_notice_without_a_flush_while_training_is_a_loss(base: Path) -> None:
+    clock = [datetime.now(timezone.utc)]
+    agent = Agent(agent_config(base, {"advisor.save_time_s": 240.0}), clock=lambda: clock[0])
+    await agent.start()
+    try:
+        await post_checkpoints(agent, [240.0])
+        deadline = clock[0] + timedelta(seconds=30)
+        agent.inject(
+            "gcp", Observation(key="preempted", kind=Kind.TERMINATION, reason="spot", deadline=deadline)
+        )
+        clock[0] += timedelta(minutes=1)
+        _, advice = await http_json(agent.config.socket, "GET", "/v1/advice")
+    finally:
+        await agent.stop()
+    assert (advice["losses"]["uncovered_notice"], advice["announced_interruptions"]) == (1, 0)
