@@ -236,14 +236,17 @@ class AdvisorComponent:
         agent = self._require_agent()
         while True:
             await asyncio.sleep(self.config.record_interval_s)
-            doc = await self.refresh()
-            record = {
-                "type": "advice",
-                "interval_s": doc.get("interval_s"),
-                "confidence": doc.get("confidence"),
-                "save_time_s": doc["save_time"]["value_s"],
-                "mtbp_s": doc["mtbp"]["unannounced"]["value_s"],
-            }
+            record: dict[str, Any] = {"type": "advice"}
+            try:
+                doc = await self.refresh()
+                record.update(
+                    interval_s=doc.get("interval_s"),
+                    confidence=doc.get("confidence"),
+                    save_time_s=doc["save_time"]["value_s"],
+                    mtbp_s=doc["mtbp"]["unannounced"]["value_s"],
+                )
+            except Exception as exc:  # the mark of uptime matters even when the estimate fails
+                agent.log.error("advisor_failed", error=repr(exc), exc_info=True)
             # An agent method when the core offers one; it also marks this run as alive in the history.
             append = getattr(agent, "record", None) or agent._record
             append(record)
