@@ -179,7 +179,7 @@ class CheckpointStore:
         tmp = self.root / f"{_TMP_PREFIX}{_owner_tag()}-{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir()
-            writer(tmp)
+            written = writer(tmp)
             sealed = seal(
                 tmp,
                 step,
@@ -189,6 +189,7 @@ class CheckpointStore:
                 notice_id=notice_id,
                 metadata=metadata,
                 started=started,
+                presealed=_presealed(written),
             )
             final = self.root / f"step-{step:012d}"
             self._replace(tmp, final)
@@ -299,27 +300,40 @@ def seal(
     notice_id: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     started: float | None = None,
+    presealed: Mapping[str, FileEntry] | None = None,
 ) -> Checkpoint:
     """Make a directory of finished files durable and describe it: fsync every file (checksumming them at the
     same time on a thread pool), write the manifest last, fsync the directories. Used by the store before its
-    rename, and by callbacks whose framework writes checkpoint directories itself."""
+    rename, and by callbacks whose framework writes checkpoint directories itself.
+
+    ``presealed`` maps relative paths to the entries of files already made durable and checksummed while
+    they were written (:class:`DurableFile`); only their sizes are checked here."""
     paths = sorted(
         p for p in directory.rglob("*") if p.is_file() and not p.is_symlink() and p.name != manifest
     )
     if not paths:
         raise CheckpointError(f"the writer put no files into {directory}")
+    done = dict(presealed or {})
     workers = hash_workers or _hash_workers()
     with ThreadPoolExecutor(max_workers=workers + 1) as pool:
-        pending: list[tuple[Path, int, Future[None], Callable[[], int] | None]] = []
+        pending: list[tuple[str, int, Future[None] | None, Callable[[], int | None]]] = []
         for path in paths:
+            name = path.relative_to(directory).as_posix()
             size = path.stat().st_size
-            synced = pool.submit(_fsync_file, path)
-            crc = _file_crc(pool, path, size) if checksum else None
-            pending.append((path, size, synced, crc))
+            entry = done.get(name)
+            if entry is not None:
+                if entry.bytes != size:
+                    raise CheckpointError(f"{path}: {size} bytes on disk, {entry.bytes} written")
+                pending.append((name, size, None, _known(entry.crc32)))
+                continue
+            synced: Future[None] = pool.submit(_fsync_file, path)
+            crc: Callable[[], int | None] = _file_crc(pool, path, size) if checksum else _known(None)
+            pending.append((name, size, synced, crc))
         files = []
-        for path, size, synced, crc in pending:
-            synced.result()
-            files.append(FileEntry(path.relative_to(directory).as_posix(), size, crc() if crc else None))
+        for name, size, sync, checksum_of in pending:
+            if sync is not None:
+                sync.result()
+            files.append(FileEntry(name, size, checksum_of()))
     for sub in sorted({p.parent for p in paths if p.parent != directory}, key=lambda p: -len(p.parts)):
         _fsync_dir(sub)
     now = datetime.now(timezone.utc)
@@ -445,6 +459,130 @@ def _file_crc(pool: ThreadPoolExecutor, path: Path, size: int) -> Callable[[], i
         return crc
 
     return combined
+
+
+def _known(value: int | None) -> Callable[[], int | None]:
+    return lambda: value
+
+
+def _presealed(written: Any) -> dict[str, FileEntry]:
+    """What a writer returned about the files it sealed itself: a mapping of relative path to FileEntry."""
+    if not isinstance(written, Mapping):
+        return {}
+    return {str(k): v for k, v in written.items() if isinstance(v, FileEntry)}
+
+
+class DurableFile:
+    """A write-only binary file that is written back to disk and checksummed *while* it is being written.
+
+    For writers that stream one large file (``torch.save`` into a file object): every ``piece`` bytes, a
+    background thread starts writeback (``fdatasync``) and another computes that piece's CRC from the page
+    cache, so the final fsync and the checksum cost little after the last write. Return
+    ``{name: handle.entry}`` from the writer so the store does not fsync or hash the file again::
+
+        def writer(directory):
+            with DurableFile(directory / "state.pt") as handle:
+                torch.save(state, handle)
+            return {"state.pt": handle.entry}
+    """
+
+    def __init__(
+        self, path: str | Path, *, checksum: bool = True, piece: int | None = None, workers: int | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.checksum = checksum
+        self._piece = piece or HASH_PIECE
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._read_fd = os.open(self.path, os.O_RDONLY)
+        self._hashers = ThreadPoolExecutor(max_workers=workers or _hash_workers(), thread_name_prefix="crc")
+        self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writeback")
+        self._size = 0
+        self._cut = 0
+        self._pieces: list[tuple[Future[int], int]] = []
+        self._sync: Future[None] | None = None
+        self._closed = False
+        self.entry: FileEntry | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        total = len(view)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self._size += total
+        while self._size - self._cut >= self._piece:
+            self._submit(self._cut, self._piece)
+        return total
+
+    def flush(self) -> None:
+        """Nothing is buffered in user space; durability comes with :meth:`close`."""
+
+    def tell(self) -> int:
+        return self._size
+
+    def _submit(self, offset: int, length: int) -> None:
+        if self.checksum:
+            self._pieces.append((self._hashers.submit(_crc_fd_range, self._read_fd, offset, length), length))
+        if self._sync is None or self._sync.done():
+            if self._sync is not None:
+                self._sync.result()
+            self._sync = self._flusher.submit(os.fdatasync, self._fd)
+        self._cut = offset + length
+
+    def close(self) -> FileEntry:
+        """Finish the checksum, fsync the file and return its entry (name, size, CRC)."""
+        if self.entry is not None:
+            return self.entry
+        try:
+            if self._size > self._cut or self._size == 0:
+                self._submit(self._cut, self._size - self._cut)
+            crc = 0
+            for piece, length in self._pieces:
+                crc = crc32_combine(crc, piece.result(), length)
+            if self._sync is not None:
+                self._sync.result()
+            os.fsync(self._fd)
+            self.entry = FileEntry(self.path.name, self._size, crc if self.checksum else None)
+            return self.entry
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._hashers.shutdown(wait=True, cancel_futures=True)
+        self._flusher.shutdown(wait=True)
+        os.close(self._read_fd)
+        os.close(self._fd)
+
+    def __enter__(self) -> DurableFile:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._release()
+
+
+def _crc_fd_range(fd: int, offset: int, length: int) -> int:
+    crc = 0
+    buffer = bytearray(min(_READ_BLOCK, max(length, 1)))
+    view = memoryview(buffer)
+    position, left = offset, length
+    while left > 0:
+        got = os.preadv(fd, [view[: min(left, len(buffer))]], position)
+        if not got:
+            raise CheckpointError(f"file shrank while checksumming at offset {position}")
+        crc = zlib.crc32(view[:got], crc)
+        position += got
+        left -= got
+    return crc
 
 
 # CRC-32 combination (zlib's crc32_combine, which Python does not expose): the CRC of A+B from crc(A),

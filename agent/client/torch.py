@@ -25,6 +25,8 @@ from agent.client.store import (
     CheckpointError,
     CheckpointStore,
     CheckpointWarning,
+    DurableFile,
+    FileEntry,
     Verify,
     Writer,
 )
@@ -34,12 +36,15 @@ STATE_FILE = "state.pt"
 SAFETENSORS_FILE = "model.safetensors"
 
 
-def torch_writer(obj: Any, filename: str = STATE_FILE) -> Writer:
-    """A store writer that ``torch.save``s ``obj`` (a state dict, or a dict of them) into one file."""
+def torch_writer(obj: Any, filename: str = STATE_FILE, checksum: bool = True) -> Writer:
+    """A store writer that ``torch.save``s ``obj`` (a state dict, or a dict of them) into one file, written
+    back and checksummed while it is serialised (:class:`~agent.client.store.DurableFile`)."""
 
-    def write(directory: Path) -> None:
-        with open(directory / filename, "wb") as handle:
-            torch.save(obj, handle)
+    def write(directory: Path) -> dict[str, FileEntry]:
+        with DurableFile(directory / filename, checksum=checksum) as handle:
+            torch.save(obj, handle)  # type: ignore[arg-type]  # a binary file object, as torch.save wants
+        assert handle.entry is not None
+        return {filename: handle.entry}
 
     return write
 
