@@ -424,3 +424,16 @@ async def test_a_restarted_monitor_enumerates_again_and_keeps_working(
             await asyncio.wait_for(task, 5.0)
     assert [g["uuid"] for g in source.status()["gpus"]] == [GPU0]
     assert source.status()["monitor"] == "stopped"
+
+
+async def test_driver_without_the_v3_process_call_turns_off_only_the_process_check(
+    fake_nvml_lib: Path, scenario: Scenario
+) -> None:
+    # pynvml raises NVMLLibraryMismatchError (not an NVMLError) for an unversioned call it cannot find.
+    scenario.update({"error.nvmlDeviceGetComputeRunningProcesses_v3": 13})
+    async with monitor(fake_nvml_lib) as (source, sink):
+        await wait_polled(source, sink)
+        checks = gpu_status(source, GPU0)["checks"]
+    assert {c for c, state in checks.items() if state != "ok"} == {"processes"}
+    assert checks["processes"] == "not_supported"
+    assert sink.health == "ok"

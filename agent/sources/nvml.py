@@ -84,6 +84,10 @@ def _pynvml() -> Any:
 
 def error_code(exc: BaseException) -> int | None:
     """The NVML return code of a pynvml exception, None for anything else."""
+    if type(exc).__name__ == "NVMLLibraryMismatchError":
+        # pynvml's wrapper for an unversioned call whose versioned symbol the driver lacks (an older driver
+        # without nvmlDeviceGetComputeRunningProcesses_v3): the call is not there.
+        return FUNCTION_NOT_FOUND
     value = getattr(exc, "value", None)
     if type(exc).__name__.startswith("NVMLError") and isinstance(value, int):
         return value
@@ -213,6 +217,7 @@ class _Gpu:
 class _PollResult:
     values: dict[str, Any] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
     lost: int | None = None
 
 
@@ -365,7 +370,10 @@ def _poll(watch: _CallWatch, handle: Any, skip: frozenset[str]) -> _PollResult:
         except Exception as exc:
             code = error_code(exc)
             if code is None:
-                raise
+                # Not an NVML error (a binding that does not fit this driver): this check fails, the
+                # others are still read.
+                result.failures[check] = repr(exc)
+                continue
             if code in (GPU_IS_LOST, RESET_REQUIRED):
                 result.lost = code
                 return result
@@ -665,7 +673,10 @@ class NvmlSource(Source):
             gpu.lost = False
             self._hyst.good(lost_key)
         for check in CHECKS:
-            if check in result.errors:
+            if check in result.failures:
+                gpu.checks[check] = CheckState.ERROR
+                gpu.errors[check] = result.failures[check]
+            elif check in result.errors:
                 self._check_failed(gpu, check, result.errors[check])
             elif check in result.values:
                 gpu.errors.pop(check, None)
