@@ -208,6 +208,7 @@ class Agent:
         self._stopping = False
         self._state_loaded = False
         self._listen_sock: socket.socket | None = None
+        self._inflight: asyncio.Task[None] | None = None
 
     # ----- extension points (docs/internals.md) -----
 
@@ -287,6 +288,10 @@ class Agent:
                 listener(event)
             except Exception as exc:  # a listener's bug must not stop the notice reaching others
                 self.log.error("event_listener_failed", listener=repr(listener), error=repr(exc))
+
+    def record(self, record: Mapping[str, Any]) -> None:
+        """Append a record (a dict with ``type``) to the history log; ``time`` is added. Never blocks."""
+        self._record(dict(record))
 
     def _record(self, record: dict[str, Any]) -> None:
         record = {"time": self.now().isoformat(timespec="milliseconds").replace("+00:00", "Z"), **record}
@@ -486,11 +491,20 @@ class Agent:
             save_state(self.config.state_dir, document)
 
     async def _flush(self, clean: bool) -> None:
+        """Write pending history records and the state file. A write already handed to a worker thread
+        always completes, even when the task awaiting it is cancelled (shutdown), and writes never overlap:
+        each flush first waits for the one before it."""
+        if self._inflight is not None:
+            await asyncio.shield(self._inflight)
         if not self.state_ok:
             self._history_pending.clear()
             return
         lines, self._history_pending = self._history_pending, []
         document = self._state_snapshot(clean)
+        self._inflight = asyncio.get_running_loop().create_task(self._write(document, lines), name="state-write")
+        await asyncio.shield(self._inflight)
+
+    async def _write(self, document: dict[str, Any], lines: list[str]) -> None:
         try:
             await asyncio.to_thread(self._flush_sync, document, lines)
         except OSError as exc:
@@ -600,6 +614,8 @@ class Agent:
                 "previous_boot_id": loaded.previous_boot_id,
             }
         )
+        # Written before the components are set up, so what they read from the history includes this start.
+        await self._flush(clean=False)
         if self._own_sources:
             self.sources = {s.name: s for s in build_sources(self.config)}
         if self._build_components:

@@ -96,7 +96,6 @@ class AdvisorComponent:
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._snapshot: list[tuple[Path, int]] = []
-        self._pending: list[str] = []
         self._task: asyncio.Task[Any] | None = None
         self._record_task: asyncio.Task[Any] | None = None
 
@@ -126,24 +125,16 @@ class AdvisorComponent:
         for path in (rotated, history):
             with contextlib.suppress(OSError):
                 self._snapshot.append((path, os.stat(path).st_size))
-        pending = getattr(agent, "_history_pending", [])  # recorded, not yet written (this run's agent_start)
-        self._pending = [line for line in pending if isinstance(line, str)]
 
     async def start(self) -> None:
         agent = self._require_agent()
         loaded: list[dict[str, Any]] = []
         for path, size in self._snapshot:
             loaded.extend(await asyncio.to_thread(_read_prefix, path, size))
-        for line in self._pending:
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict) and (small := compact(record)) is not None:
-                    loaded.append(small)
         live = list(self._records)
         self._records.clear()
         self._records.extend(loaded)
         self._records.extend(live)
-        self._pending = []
         self._version += 1
         agent.log.info("advisor_loaded", records=len(loaded))
         self._task = agent.tasks.spawn("advisor-refresh", self._refresh_loop())
@@ -247,9 +238,7 @@ class AdvisorComponent:
                 )
             except Exception as exc:  # the mark of uptime matters even when the estimate fails
                 agent.log.error("advisor_failed", error=repr(exc), exc_info=True)
-            # An agent method when the core offers one; it also marks this run as alive in the history.
-            append = getattr(agent, "record", None) or agent._record
-            append(record)
+            agent.record(record)  # it also marks this run as alive in the history
             self._add({"time": format_time(agent.now()), **record})
 
     # ----- outputs -----
