@@ -347,11 +347,19 @@ def test_azure_no_events() -> None:
 
 
 @pytest.mark.parametrize(
-    "body", [b"", b"[]", b'{"Events": []}', b'{"DocumentIncarnation": 1, "Events": {}}', b"\x00garbage"]
+    "body", [b"", b"[]", b'{"Foo": 1}', b'{"DocumentIncarnation": 1, "Events": {}}', b"\x00garbage"]
 )
 def test_azure_rejects_malformed(body: bytes) -> None:
     with pytest.raises(ParseError):
         azure.parse_scheduled_events(body, "vm", NOW)
+
+
+@pytest.mark.parametrize(
+    ("body", "incarnation"),
+    [(b'{"DocumentIncarnation": "7", "Events": []}', 7), (b'{"Events": []}', 0)],
+)
+def test_azure_tolerates_mock_incarnations(body: bytes, incarnation: int) -> None:
+    assert azure.parse_scheduled_events(body, "vm", NOW).incarnation == incarnation
 
 
 def test_azure_instance_identity() -> None:

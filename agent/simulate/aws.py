@@ -300,7 +300,7 @@ class AwsSimulator(Simulator):
         tail = request.match_info.get("tail", "")
         leaves = self._leaves()
         key = tail.rstrip("/")
-        if key in leaves and not tail.endswith("/"):
+        if key in leaves:  # a leaf answers with or without a trailing slash (botocore asks with one)
             return raw(leaves[key], "text/plain")
         children = listing(list(leaves), key + "/" if key else "")
         if children is None:

@@ -10,7 +10,7 @@ from datetime import datetime
 from agent.config import AlibabaConfig
 from agent.errors import NoticeError
 from agent.notice import parse_time
-from agent.sources.cloud_http import ParseError, status_error
+from agent.sources.cloud_http import CloudError, ParseError, status_error
 from agent.sources.cloud_spot import TerminationTimeSource
 
 TERMINATION_PATH = "/latest/meta-data/instance/spot/termination-time"
@@ -64,7 +64,8 @@ class AlibabaSource(TerminationTimeSource):
     async def read(self, path: str) -> bytes | None:
         try:
             return await super().read(path)
-        except Exception:
-            # A rejected token (expired early, metadata service restarted) is fetched again next time.
-            self._token = None
+        except CloudError as exc:
+            if exc.status in (401, 403):
+                # A rejected token (expired early, metadata service restarted) is fetched again next time.
+                self._token = None
             raise

@@ -98,14 +98,6 @@ def parse_instance_action(body: bytes) -> Observation:
     )
 
 
-def parse_termination_time(body: bytes) -> datetime:
-    """Legacy ``spot/termination-time``: a bare RFC 3339 time."""
-    try:
-        return parse_time(body.decode("utf-8").strip())
-    except (UnicodeDecodeError, NoticeError) as exc:
-        raise ParseError(f"spot/termination-time: {body[:60]!r} is not a time") from exc
-
-
 def parse_rebalance(body: bytes) -> Observation:
     """``events/recommendations/rebalance``: ``{"noticeTime": "2020-10-27T08:22:00Z"}``."""
     doc = _json(body, "rebalance recommendation")

@@ -94,10 +94,14 @@ def parse_scheduled_events(
         raise ParseError(f"scheduled events: not JSON: {body[:60]!r}") from exc
     if not isinstance(doc, Mapping):
         raise ParseError(f"scheduled events: expected an object, got {doc!r}")
-    incarnation = doc.get("DocumentIncarnation")
+    incarnation = doc.get("DocumentIncarnation", 0)
     events = doc.get("Events")
+    if isinstance(incarnation, str) and incarnation.strip().isdigit():
+        incarnation = int(incarnation)  # some mocks send it as a string
     if not isinstance(incarnation, int) or isinstance(incarnation, bool):
         raise ParseError(f"scheduled events: DocumentIncarnation must be an integer, got {incarnation!r}")
+    if "DocumentIncarnation" not in doc and "Events" not in doc:
+        raise ParseError(f"scheduled events: neither DocumentIncarnation nor Events in {body[:60]!r}")
     if events is None:
         events = []
     if not isinstance(events, list):

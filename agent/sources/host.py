@@ -163,6 +163,7 @@ class HostSource(Source):
         self._wake = asyncio.Event()
         self._readings: dict[str, Any] = {}
         self._stuck: set[str] = set()
+        self._rounds = 0
 
     def on_report(self, report: Report) -> None:
         if report.kind != "checkpoint" or report.bytes is None or report.phase == "failed":
@@ -198,6 +199,7 @@ class HostSource(Source):
         return dirs
 
     async def run(self, sink: Sink) -> None:
+        self._rounds = 0
         while True:
             self._wake.clear()
             await self._check(sink)
@@ -243,7 +245,14 @@ class HostSource(Source):
             self._readings[key] = {"measured": disk.measured, "free_bytes": disk.free}
             last = self._reported.get(directory, self._last_bytes)
             self._apply(key, checkpoint_finding(disk, last, self.config))
-        sink.replace(self._hyst.active().values())
+        self._rounds += 1
+        if self._rounds < self.config.raise_after:
+            # Warm-up: keep notices the agent restored from its state until a condition has had
+            # raise_after readings to be seen again (see NvmlSource._publish).
+            for obs in self._hyst.active().values():
+                sink.observe(obs)
+        else:
+            sink.replace(self._hyst.active().values())
         if errors:
             sink.error(errors[0], errors=errors)
         else:

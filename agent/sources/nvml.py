@@ -403,6 +403,7 @@ class NvmlSource(Source):
         self._system: dict[str, Observation] = {}
         self._gpus: dict[str, _Gpu] = {}
         self._broken: dict[str, tuple[GpuIdentity, int]] = {}
+        self._rounds = 0  # poll rounds since this run started
         self._by_pci: dict[tuple[int, int, int], str] = {}
         self._driver_version: str | None = None
         self._state = "starting"
@@ -459,6 +460,7 @@ class NvmlSource(Source):
         self._stop.clear()
         # A restart after a crash starts from a fresh enumeration; active findings are kept.
         self._gpus, self._by_pci, self._system, self._broken = {}, {}, {}, {}
+        self._rounds = 0
         self._events_done = asyncio.Event()
         loop = asyncio.get_running_loop()
         startup_worker = _Worker("preemptd-nvml-start")
@@ -501,6 +503,7 @@ class NvmlSource(Source):
                 kmsg.start()
             while True:
                 await self._poll_round(sink)
+                self._rounds += 1
                 self._publish()
                 await asyncio.sleep(self.config.poll_interval_s)
         finally:
@@ -881,4 +884,11 @@ class NvmlSource(Source):
         if self._sink is None:
             return
         observations = merge(self._hyst.active(), self._held.active(time.monotonic()), self._system)
+        if self._rounds < self.config.raise_after:
+            # Warm-up after a (re)start: the agent may have restored our notices from its state file, and a
+            # condition that still holds needs raise_after polls to be seen again. Clearing now would send
+            # cleared + a new notice with a new id for one condition; so raise only, clear from then on.
+            for obs in observations:
+                self._sink.observe(obs)
+            return
         self._sink.replace(observations)
