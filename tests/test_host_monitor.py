@@ -15,7 +15,7 @@ import pytest
 
 import agent.sources.host as host_module
 from agent.config import HostConfig
-from agent.notice import EventType, Kind, utcnow
+from agent.notice import EventType, Kind, Observation, utcnow
 from agent.reports import Report
 from agent.sources.host import HostSource
 from tests.fake_nvml.recording import RecordingSink
@@ -106,10 +106,16 @@ async def test_state_directory_disk_nearly_full_is_host_degraded(tmp_path: Path)
 
 
 async def test_a_condition_needs_raise_after_readings_in_a_row(tmp_path: Path) -> None:
-    async with monitor(tmp_path, memory_available_min_percent=100.5, raise_after=3) as (_, sink):
-        await sink.wait_active("memory")
-    assert sink.replaces >= 3
-    assert sink.events("memory") == [EventType.NOTICE]
+    # A long interval: each check after the first is triggered by a report, one at a time.
+    config = {"memory_available_min_percent": 100.5, "raise_after": 3, "poll_interval_s": 60.0}
+    seen = []
+    async with monitor(tmp_path, **config) as (source, sink):
+        for checks in (1, 2, 3):
+            if checks > 1:
+                source.on_report(checkpoint(1, tmp_path / "c"))
+            await sink.wait_for(lambda n=checks: source.status()["checks"] >= n, what=f"check {checks}")
+            seen.append("memory" in sink.active())
+    assert seen == [False, False, True]
 
 
 async def test_a_hung_disk_read_is_flagged_and_the_monitor_carries_on(
@@ -165,3 +171,18 @@ async def test_report_to_the_agent_reaches_a_subscriber_as_host_degraded_then_cl
             assert (status, doc["sources"]["host"]["last_checkpoint_bytes"]) == (200, 1)
         finally:
             await client.close()
+
+
+async def test_a_restored_notice_keeps_its_id_while_the_condition_is_seen_again(tmp_path: Path) -> None:
+    sink = RecordingSink("host")
+    restored = sink.board.observe("host", Observation("memory", Kind.HOST_DEGRADED, "before"), utcnow())
+    assert restored is not None
+    source = HostSource(host_config(memory_available_min_percent=100.5, raise_after=3), tmp_path)
+    task = asyncio.create_task(source.run(sink))
+    try:
+        await sink.wait_for(lambda: sink.replaces >= 2, what="two checks after the warm-up")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5.0)
+    assert (sink.events("memory"), sink.active()["memory"].id) == ([EventType.UPDATE], restored.notice.id)

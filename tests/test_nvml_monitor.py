@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from agent.config import GpuConfig
-from agent.notice import EventType, Kind, Severity
+from agent.notice import EventType, Kind, Observation, Severity, utcnow
 from agent.sources.nvml import NvmlSource
 from tests.fake_nvml.build import Scenario, fake_nvml_lib, scenario
 from tests.fake_nvml.recording import RecordingSink
@@ -437,3 +437,41 @@ async def test_driver_without_the_v3_process_call_turns_off_only_the_process_che
     assert {c for c, state in checks.items() if state != "ok"} == {"processes"}
     assert checks["processes"] == "not_supported"
     assert sink.health == "ok"
+
+
+async def test_a_notice_restored_by_the_agent_keeps_its_id_when_the_condition_still_holds(
+    fake_nvml_lib: Path, scenario: Scenario
+) -> None:
+    # The agent restores its notices from the state file before the sources start; a degraded condition
+    # needs raise_after polls to be seen again, and must not be cleared and re-raised in between.
+    key = f"{GPU0}/temperature"
+    scenario.update({"gpu.0.temp": 88})
+    source = NvmlSource(gpu_config(fake_nvml_lib, raise_after=3))
+    sink = RecordingSink("nvml")
+    restored = sink.board.observe("nvml", Observation(key, Kind.GPU_DEGRADED, "before the restart"), utcnow())
+    assert restored is not None
+    task = asyncio.create_task(source.run(sink))
+    try:
+        await wait_polled(source, sink, rounds=2)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5.0)
+    assert sink.events(key) == [EventType.UPDATE]
+    assert sink.active()[key].id == restored.notice.id
+
+
+async def test_a_restored_notice_whose_condition_is_gone_clears_after_the_warm_up(
+    fake_nvml_lib: Path, scenario: Scenario
+) -> None:
+    key = f"{GPU0}/temperature"
+    sink = RecordingSink("nvml")
+    sink.board.observe("nvml", Observation(key, Kind.GPU_DEGRADED, "before the restart"), utcnow())
+    source = NvmlSource(gpu_config(fake_nvml_lib))
+    task = asyncio.create_task(source.run(sink))
+    try:
+        await sink.wait_cleared(key)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5.0)

@@ -187,6 +187,7 @@ class HostSource(Source):
 
     def status(self) -> Mapping[str, Any]:
         return {
+            "checks": self._rounds,
             "last_checkpoint_bytes": self._last_bytes,
             "checkpoint_dirs": [str(d) for d in self._checkpoint_dirs()],
             "readings": dict(self._readings),
