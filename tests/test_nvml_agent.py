@@ -174,3 +174,30 @@ async def test_agent_without_an_nvidia_library_runs_with_the_monitor_disabled(
     assert state["state"] == "disabled"
     assert "cannot load the NVML library" in state["detail"]["why"]
     assert after["agent"]["pid"] == doc["agent"]["pid"]
+
+
+async def test_a_gpu_notice_keeps_its_id_across_an_agent_restart(
+    base: Path, fake_nvml_lib: Path, scenario: Scenario
+) -> None:
+    key = f"{GPU0}/temperature"
+    scenario.update({"gpu.0.temp": 88})
+    settings = {"host.enabled": False}
+    async with running_agent(base, settings, sources=[NvmlSource(fast_gpu(fake_nvml_lib))]) as agent:
+        doc = await status_until(agent.config.socket, lambda d: bool(d["notices"]), "the notice")
+        before = doc["notices"][0]
+    assert before["key"] == key
+    async with running_agent(base, settings, sources=[NvmlSource(fast_gpu(fake_nvml_lib))]) as agent:
+        client = await SSEClient.connect(agent.config.socket)
+        try:
+            snapshot = await client.next()
+            assert [n["id"] for n in snapshot["notices"]] == [before["id"]]
+            await status_until(
+                agent.config.socket,
+                lambda d: d["sources"]["nvml"]["gpus"][0]["checks"]["temperature"] == "finding",
+                "the condition seen again",
+            )
+            _, doc = await http_json(agent.config.socket, "GET", "/v1/status")
+        finally:
+            await client.close()
+    assert [(n["id"], n["key"]) for n in doc["notices"]] == [(before["id"], key)]
+    assert doc["events"]["published"].get("cleared", 0) == 0
