@@ -99,9 +99,10 @@ async def test_schedule_falls_back_when_advice_has_no_interval_yet(base: Path) -
     assert 600.0 == schedule.interval_s
 
 
-def test_schedule_bounds_the_advised_interval() -> None:
-    schedule = CheckpointSchedule(600.0, "/nonexistent", min_interval_s=60.0, max_interval_s=3600.0)
-    schedule._advised = 5.0
+async def test_schedule_bounds_the_advised_interval(base: Path) -> None:
+    async with running_agent(base, components=[Advice({"interval_s": 5.0})]):
+        schedule = CheckpointSchedule(600.0, base / "a.sock", min_interval_s=60.0, max_interval_s=3600.0)
+        await asyncio.to_thread(schedule.refresh)
     assert 60.0 == schedule.interval_s
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from agent.client import EXIT_PREEMPTED, CheckpointStore
 from agent.reports import Report
-from tests.support import REPO, http_json, running_agent, short_tmp
+from tests.support import REPO, AgentProcess, http_json, running_agent, short_tmp
 
 pytest.importorskip("torch")
 
@@ -146,6 +146,26 @@ async def test_sigterm_takes_the_same_flush_path(base: Path) -> None:
     latest = CheckpointStore(base / "ckpt" / "rank-0", report=False).latest()
     assert latest is not None
     assert (checkpoint["step"], True, None) == (latest.step, latest.emergency, latest.notice_id)
+
+
+async def test_training_started_before_the_agent_still_flushes_on_its_next_notice(base: Path) -> None:
+    agent = AgentProcess(base)
+    run = await ExampleRun.start(
+        "--checkpoint-dir", str(base / "ckpt"), "--steps", "100000", "--step-time", "0.01",
+        "--socket", str(agent.socket_path),
+    )  # fmt: skip
+    await run.until("fresh")
+    await agent.start()  # the agent as its own process: python -m agent run
+    try:
+        await run.until("agent_connected")
+        notice_id = await drill(agent.socket_path)
+        assert EXIT_PREEMPTED == await run.finish()
+    finally:
+        await agent.stop()
+    [checkpoint] = run.of("checkpoint")
+    latest = CheckpointStore(base / "ckpt" / "rank-0", report=False).latest()
+    assert latest is not None
+    assert (checkpoint["step"], notice_id) == (latest.step, latest.notice_id)
 
 
 def _free_port() -> int:
