@@ -402,7 +402,8 @@ class Agent:
                 extra = source.status()
             except Exception as exc:
                 extra = {"status_error": repr(exc)}
-            sources[name] = {**health.to_json(), **extra}
+            # The health fields (state, since, last_error, …) are reserved: a source's extras never hide them.
+            sources[name] = {**extra, **health.to_json()}
             gpus.extend(extra.get("gpus", []) or [])
         doc: dict[str, Any] = {
             "schema": 1,
