@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import grp
 import json
 import math
@@ -217,12 +218,30 @@ async def events(request: web.Request) -> web.StreamResponse:
         )
         if first:
             await response.write(b"".join(first))
+        chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
+        wrote = bool(first)  # the head is on the wire: direct writes may follow it
+
+        def direct(frame: bytes) -> bool:
+            # Only when everything written before has left for the kernel: order and memory bounds stay
+            # those of the queue path, and a client that stops reading still ends up with a full queue.
+            if transport is None or transport.is_closing() or transport.get_write_buffer_size():
+                return False
+            transport.write(_chunk(frame) if chunked else frame)
+            sub.delivered += 1
+            return True
+
         while True:
-            frame = await sub.queue.get()
+            if wrote and sub.queue.empty():
+                sub.direct = direct
+            try:
+                frame = await sub.queue.get()
+            finally:
+                sub.direct = None
             if frame is CLOSE or frame == CLOSE:
                 reason = "agent shutting down"
                 break
             await response.write(frame)
+            wrote = True
             sub.delivered += 1
     except (ConnectionResetError, ConnectionError, asyncio.CancelledError) as exc:
         reason = sub.closed_reason or (
@@ -242,6 +261,12 @@ async def events(request: web.Request) -> web.StreamResponse:
     with contextlib.suppress(ConnectionError):
         await response.write_eof()
     return response
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk(frame: bytes) -> bytes:
+    """``frame`` as one HTTP/1.1 chunk, as aiohttp frames a ``write``; cached, so a fan-out builds it once."""
+    return b"%x\r\n%s\r\n" % (len(frame), frame)
 
 
 async def reports(request: web.Request) -> web.Response:

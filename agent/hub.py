@@ -2,7 +2,9 @@
 
 Each event is encoded once (SSE frame bytes) and put on each subscriber's bounded queue. A subscriber whose
 queue is full has stopped reading: it is disconnected (its ``on_kick`` callback aborts the connection) and
-the others are never delayed. A ring buffer of recent frames lets a reconnecting client resume exactly after
+the others are never delayed. A stream that waits with nothing queued may offer ``direct``: publishing then
+hands it the frame synchronously, which spares a task wake-up per subscriber (the fan-out's main cost), and
+falls back to the queue whenever it declines. A ring buffer of recent frames lets a reconnecting client resume exactly after
 its ``Last-Event-ID``; a client that fell further behind gets a fresh snapshot. Memory is bounded by
 ``ring_size`` plus ``queue_size`` frames per subscriber, and by ``max_subscribers``.
 """
@@ -46,6 +48,9 @@ class Subscriber:
     on_kick: Callable[[str], None] | None = None
     closed_reason: str | None = None
     delivered: int = 0
+    # Set by the stream only while it waits on an empty queue: writes a frame at once, or returns False
+    # (the connection cannot take it now) and the frame is queued as usual.
+    direct: Callable[[bytes], bool] | None = None
 
     def kick(self, reason: str) -> None:
         if self.closed_reason is not None:
@@ -104,6 +109,9 @@ class Hub:
         self.published_total[event_type.value] = self.published_total.get(event_type.value, 0) + 1
         overflowed: list[Subscriber] = []
         for sub in self._subs.values():
+            direct = sub.direct
+            if direct is not None and sub.queue.empty() and direct(frame):
+                continue
             try:
                 sub.queue.put_nowait(frame)
             except asyncio.QueueFull:

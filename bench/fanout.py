@@ -1,0 +1,439 @@
+"""Fan-out latency: from a drill entering the agent to its arrival at N event-stream subscribers, next to a
+raw asyncio Unix-socket broadcast of the same bytes to N connections, measured in the same run.
+
+    python bench/fanout.py                      # N = 1, 10, 100, 1000; 3 repetitions; medians
+    python bench/fanout.py --sizes 100,1000 --repeat 5 --json out.json
+
+Three processes, so that the agent never shares a core's event loop with the clients:
+
+* the agent, ``python -m agent run`` as deployed (default sources, JSON logs to a file), on a temporary socket;
+* the raw server (this file with ``--raw-server``): an asyncio Unix-socket server that, when its control
+  connection sends a line, calls ``transport.write(payload)`` for each connected client — the floor for any
+  asyncio broadcast;
+* this process, the load generator: N subscribers (raw sockets, asyncio protocols, cheap frame detection)
+  plus one control connection.
+
+A round: ``t0`` is taken just before the control connection writes ``POST /v1/drills`` to the agent (or the
+trigger line to the raw server); each subscriber takes ``t1`` when the notice frame is complete in its
+receive buffer. Both are ``time.monotonic_ns()`` in this process (CLOCK_MONOTONIC is system-wide on Linux,
+so stamps from other processes would compare too; here they need not). The agent's number therefore includes
+reading and parsing the HTTP request, the admin check, the notice board, history and log records, encoding
+and the hub; the raw one includes reading the trigger line. The payload of the raw broadcast is the exact
+bytes the agent wrote to each subscriber for the notice (its HTTP chunk: size line, SSE frame, CRLF), so the
+receive side does identical work in both. After each round the drill is cleared (DELETE) and every subscriber
+waits for ``cleared``; rounds are 20 ms apart, since notices are rare and a busy agent is not what is
+measured. Every subscriber must get every notice: a missing one fails the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import resource
+import select
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+ROUNDS = {1: 200, 10: 100, 100: 50, 1000: 20}
+WARMUP = 3
+PAUSE_S = 0.02
+ROUND_TIMEOUT_S = 30.0
+
+
+# ----- the raw broadcast server (a separate process) -----
+
+
+class _RawClient(asyncio.Protocol):
+    def __init__(self, clients: set[asyncio.Transport]) -> None:
+        self.clients = clients
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.clients.add(transport)
+        transport.write(b"+\n\n")  # connected: the load generator counts these frames
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is not None:
+            self.clients.discard(self.transport)
+
+
+async def raw_server(path: str, control_path: str) -> None:
+    clients: set[asyncio.Transport] = set()
+    loop = asyncio.get_running_loop()
+    payload = b""
+
+    async def control(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal payload
+        while True:
+            line = await reader.readline()
+            if not line:
+                return
+            if line.startswith(b"payload "):
+                payload = await reader.readexactly(int(line.split()[1]))
+                writer.write(b"ok\n")
+            elif line == b"go\n":
+                started = time.monotonic_ns()
+                for transport in clients:
+                    transport.write(payload)
+                writer.write(b"ok %d\n" % (time.monotonic_ns() - started))
+            elif line == b"count\n":
+                writer.write(f"{len(clients)}\n".encode())
+
+    server = await loop.create_unix_server(lambda: _RawClient(clients), path, backlog=4096)
+    ctl = await asyncio.start_unix_server(control, control_path)
+    print("ready", flush=True)
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    server.close()
+    ctl.close()
+
+
+# ----- the load generator -----
+
+
+class Fanout:
+    """N subscriber sockets served by one synchronous epoll loop.
+
+    Deliberately not asyncio: on this side only the stamping matters, and a tight ``epoll``/``recv`` loop
+    costs a few microseconds per socket, so the time measured is the sender's, not the load generator's."""
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        self.socks: dict[int, socket.socket] = {}
+        self.buffers: dict[int, bytes] = {}
+        self.notice_frame: bytes | None = None
+
+    def open(self, path: Path, n: int, request: bytes | None, first: bytes) -> None:
+        """Connect n subscribers and wait until each has its first frame (``first`` is the event name, or
+        ``b""`` for the raw server's hello)."""
+        for _ in range(n):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(path))
+            if request:
+                sock.sendall(request)
+            sock.setblocking(False)
+            self.socks[sock.fileno()] = sock
+            self.buffers[sock.fileno()] = b""
+            self.epoll.register(sock.fileno(), select.EPOLLIN)
+        self.wait(first, time.monotonic_ns())
+
+    def close(self) -> None:
+        for fd, sock in self.socks.items():
+            self.epoll.unregister(fd)
+            sock.close()
+        self.socks.clear()
+        self.buffers.clear()
+
+    def wait(self, kind: bytes, t0: int) -> list[int]:
+        """Read until every subscriber has a complete ``kind`` frame; latencies from ``t0`` in ns."""
+        marker = b"event: " + kind + b"\n" if kind else b"+"
+        pending = set(self.socks)
+        latencies: list[int] = []
+        deadline = time.monotonic() + ROUND_TIMEOUT_S
+        socks, buffers = self.socks, self.buffers
+        while pending:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                raise AssertionError(
+                    f"only {len(socks) - len(pending)} of {len(socks)} subscribers got {kind!r}"
+                )
+            for fd, _ in self.epoll.poll(timeout):
+                data = socks[fd].recv(262144)
+                now = time.monotonic_ns()
+                if not data:
+                    raise AssertionError(f"a subscriber's stream was closed while waiting for {kind!r}")
+                buffer = buffers[fd] + data
+                at = buffer.find(marker)
+                end = buffer.find(b"\n\n", at) if at >= 0 else -1
+                if end >= 0 and fd in pending:
+                    pending.discard(fd)
+                    latencies.append(now - t0)
+                    if kind == b"notice" and self.notice_frame is None:
+                        self.notice_frame = buffer[buffer.rfind(b"id: ", 0, at) : end + 2]
+                    buffer = buffer[end + 2 :]
+                buffers[fd] = buffer
+        return latencies
+
+
+class HttpControl:
+    """A keep-alive HTTP/1.1 connection to the agent for the drills (blocking; answers read after the round)."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.file = self.sock.makefile("rb")
+
+    def send(self, method: str, target: str, body: bytes = b"") -> None:
+        head = f"{method} {target} HTTP/1.1\r\nHost: agent\r\nContent-Length: {len(body)}\r\n"
+        if body:
+            head += "Content-Type: application/json\r\n"
+        self.sock.sendall(head.encode() + b"\r\n" + body)
+
+    def response(self) -> tuple[int, Any]:
+        status = int(self.file.readline().split(b" ", 2)[1])
+        length = 0
+        while (line := self.file.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        body = self.file.read(length)
+        return status, json.loads(body) if body else None
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summary(latencies_ns: list[int]) -> dict[str, float]:
+    ms = [v / 1e6 for v in latencies_ns]
+    return {
+        "p50_ms": percentile(ms, 50),
+        "p99_ms": percentile(ms, 99),
+        "max_ms": max(ms),
+        "samples": len(ms),
+    }
+
+
+def bench_size(n: int, rounds: int, procs: Processes) -> dict[str, Any]:
+    fan = Fanout()
+    request = b"GET /v1/events HTTP/1.1\r\nHost: agent\r\nAccept: text/event-stream\r\n\r\n"
+    # --- the agent ---
+    fan.open(procs.agent_sock, n, request, b"snapshot")
+    control = HttpControl(procs.agent_sock)
+    body = json.dumps({"kind": "termination", "in_s": 600, "reason": "fan-out benchmark"}).encode()
+    agent_ns: list[int] = []
+    delivered = 0
+    for i in range(WARMUP + rounds):
+        t0 = time.monotonic_ns()
+        control.send("POST", "/v1/drills", body)
+        latencies = fan.wait(b"notice", t0)
+        status, doc = control.response()
+        assert status == 201, (status, doc)
+        delivered += len(latencies)
+        if i >= WARMUP:
+            agent_ns += latencies
+            if os.environ.get("FANOUT_DEBUG"):
+                print(f"    round {i}: max {max(latencies) / 1e6:.1f} ms", flush=True)
+        control.send("DELETE", f"/v1/drills/{doc['notice']['id']}")
+        fan.wait(b"cleared", time.monotonic_ns())
+        status, doc = control.response()
+        assert status == 200, (status, doc)
+        time.sleep(PAUSE_S)
+    frame = fan.notice_frame
+    assert frame is not None and frame.startswith(b"id: "), frame
+    payload = b"%x\r\n%s\r\n" % (len(frame), frame)  # the chunk the agent wrote to each subscriber
+    control.close()
+    fan.close()
+    # --- the raw broadcast of the same bytes ---
+    raw = HttpControl(procs.raw_ctl)
+    raw.sock.sendall(b"payload %d\n" % len(payload) + payload)
+    assert raw.file.readline() == b"ok\n"
+    fan.open(procs.raw_sock, n, None, b"")
+    raw_ns: list[int] = []
+    write_loop_ns: list[int] = []  # the raw server's loop of N transport.write() calls
+    raw_delivered = 0
+    for i in range(WARMUP + rounds):
+        t0 = time.monotonic_ns()
+        raw.sock.sendall(b"go\n")
+        latencies = fan.wait(b"notice", t0)
+        answer = raw.file.readline().split()
+        assert answer[0] == b"ok", answer
+        raw_delivered += len(latencies)
+        if i >= WARMUP:
+            raw_ns += latencies
+            write_loop_ns.append(int(answer[1]))
+        time.sleep(PAUSE_S)
+    fan.close()
+    raw.close()
+    fan.epoll.close()
+    return {
+        "n": n,
+        "rounds": rounds,
+        "payload_bytes": len(payload),
+        "agent": summary(agent_ns),
+        "raw": summary(raw_ns),
+        "raw_write_loop_ms": statistics.median(write_loop_ns) / 1e6,
+        "delivered": {"agent": delivered, "raw": raw_delivered, "expected": (WARMUP + rounds) * n},
+    }
+
+
+class Processes:
+    """The agent and the raw server as child processes."""
+
+    def __init__(self, base: Path, profile: Path | None) -> None:
+        self.base = base
+        self.agent_sock = base / "a.sock"
+        self.raw_sock = base / "raw.sock"
+        self.raw_ctl = base / "raw-ctl.sock"
+        self.profile = profile
+        self.agent: subprocess.Popen[bytes] | None = None
+        self.raw: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "NOTIFY_", "LISTEN_"))}
+        env["PYTHONPATH"] = str(REPO)
+        notify_path = self.base / "notify.sock"
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(notify_path))
+        notify.settimeout(30)
+        profile = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
+        argv = [
+            sys.executable, *profile, "-m", "agent", "run", "--socket", str(self.agent_sock),
+            "--state-dir", str(self.base / "state"), "--cloud", "none", "--log-format", "json",
+        ]  # fmt: skip
+        with (self.base / "agent.log").open("wb") as log:
+            self.agent = subprocess.Popen(
+                argv, env={**env, "NOTIFY_SOCKET": str(notify_path)}, stdout=log, stderr=log, cwd=REPO
+            )
+        try:
+            while b"READY=1" not in notify.recv(4096).split(b"\n"):
+                pass
+        finally:
+            notify.close()
+        self.raw = subprocess.Popen(
+            [sys.executable, __file__, "--raw-server", str(self.raw_sock), str(self.raw_ctl)],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert self.raw.stdout is not None
+        assert self.raw.stdout.readline() == b"ready\n"
+
+    def stop(self) -> None:
+        for proc in (self.raw, self.agent):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def run_once(sizes: list[int], procs: Processes) -> list[dict[str, Any]]:
+    results = []
+    for n in sizes:
+        result = bench_size(n, ROUNDS.get(n, 20), procs)
+        results.append(result)
+        a, r = result["agent"], result["raw"]
+        print(
+            f"  N={n:>5}  agent p50 {a['p50_ms']:7.3f} p99 {a['p99_ms']:7.3f} max {a['max_ms']:7.3f} ms | "
+            f"raw p50 {r['p50_ms']:7.3f} p99 {r['p99_ms']:7.3f} max {r['max_ms']:7.3f} ms | "
+            f"p99 ratio {a['p99_ms'] / r['p99_ms']:5.2f} | raw write loop {result['raw_write_loop_ms']:.3f} ms",
+            flush=True,
+        )
+    return results
+
+
+def medians(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    out = []
+    for per_size in zip(*runs, strict=True):
+        row: dict[str, Any] = {"n": per_size[0]["n"], "rounds": per_size[0]["rounds"]}
+        for side in ("agent", "raw"):
+            row[side] = {
+                key: statistics.median(r[side][key] for r in per_size)
+                for key in ("p50_ms", "p99_ms", "max_ms")
+            }
+        row["p99_ratio"] = statistics.median(r["agent"]["p99_ms"] / r["raw"]["p99_ms"] for r in per_size)
+        row["p50_ratio"] = statistics.median(r["agent"]["p50_ms"] / r["raw"]["p50_ms"] for r in per_size)
+        row["all_delivered"] = all(
+            r["delivered"]["agent"] == r["delivered"]["expected"] == r["delivered"]["raw"] for r in per_size
+        )
+        row["payload_bytes"] = per_size[0]["payload_bytes"]
+        out.append(row)
+    return out
+
+
+def markdown(rows: list[dict[str, Any]], repeat: int) -> str:
+    lines = [
+        "| N | agent p50 | agent p99 | agent max | raw p50 | raw p99 | raw max | p99 ratio | all delivered |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for row in rows:
+        a, r = row["agent"], row["raw"]
+        lines.append(
+            f"| {row['n']} | {a['p50_ms']:.3f} | {a['p99_ms']:.3f} | {a['max_ms']:.3f} | {r['p50_ms']:.3f} | "
+            f"{r['p99_ms']:.3f} | {r['max_ms']:.3f} | {row['p99_ratio']:.2f}x | "
+            f"{'yes' if row['all_delivered'] else 'NO'} |"
+        )
+    lines.append(f"\nms; medians of {repeat} runs; payload {rows[0]['payload_bytes']} bytes per subscriber.")
+    return "\n".join(lines)
+
+
+def raise_nofile(needed: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < needed:
+        wanted = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        if wanted < needed:
+            sys.exit(f"RLIMIT_NOFILE hard limit {hard} is below the {needed} descriptors needed")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1,10,100,1000", help="subscriber counts (default 1,10,100,1000)")
+    parser.add_argument("--repeat", type=int, default=3, help="whole runs, medians reported (default 3)")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--profile-agent", type=Path, help="run the agent under cProfile, stats to this file")
+    parser.add_argument("--raw-server", nargs=2, metavar=("SOCKET", "CONTROL"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.raw_server:
+        asyncio.run(raw_server(*args.raw_server))
+        return 0
+    sizes = [int(s) for s in args.sizes.split(",")]
+    raise_nofile(2 * max(sizes) + 256)
+    print(
+        f"fan-out benchmark: {platform.python_implementation()} {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
+        flush=True,
+    )
+    runs = []
+    for i in range(args.repeat):
+        base = Path(tempfile.mkdtemp(prefix="pd-bench-", dir="/tmp"))
+        profile = args.profile_agent if i == 0 else None
+        procs = Processes(base, profile)
+        try:
+            procs.start()
+            print(f"run {i + 1}/{args.repeat}", flush=True)
+            runs.append(run_once(sizes, procs))
+        finally:
+            procs.stop()
+            shutil.rmtree(base, ignore_errors=True)
+    rows = medians(runs)
+    print()
+    print(markdown(rows, args.repeat))
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "medians": rows}, indent=2))
+    failed = [row["n"] for row in rows if not row["all_delivered"]]
+    if failed:
+        print(f"NOT every subscriber got every notice at N = {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
