@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import platform
 import queue
@@ -159,7 +160,7 @@ class Subscriber(threading.Thread):
             for message in self.stream:
                 stamp = time.time()
                 self.events.put((stamp, json.loads(message.data)))
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, http.client.HTTPException):
             return  # closed from the benchmark's thread at the end
 
     def next(self, event_type: str, timeout: float = 30.0) -> tuple[float, dict[str, Any]]:
