@@ -29,7 +29,7 @@ def participant_key(report: Report) -> str:
     client = report.client
     if "job" in client and "rank" in client:
         return f"{client['job']}#{client['rank']}"
-    pid = client.get("pid") or report.peer_pid
+    pid = report.peer_pid or client.get("pid")
     name = client.get("name") or "client"
     return f"{name}@{pid}" if pid else str(name)
 
@@ -97,7 +97,9 @@ class ReadyEngine:
     def on_report(self, report: Report) -> None:
         key = participant_key(report)
         if report.client.get("participant") is True:
-            pid = report.client.get("pid") or report.peer_pid
+            # The peer's pid (SO_PEERCRED) is in the agent's PID namespace; the client's own may be a
+            # container's.
+            pid = report.peer_pid or report.client.get("pid")
             self._participants[key] = Participant(key, pid, report.received_at, dict(report.client))
         elif key in self._participants:
             self._participants[key].last_seen = report.received_at

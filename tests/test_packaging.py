@@ -1,0 +1,132 @@
+"""Static checks of packaging/ and the operator guide: scripts parse, manifests and configs load, every
+configuration key is documented. The package builds themselves run in packaging/ci-check.sh."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.config import Config, load_config
+from agent.daemon import build_components
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGING = REPO / "packaging"
+GUIDE = REPO / "docs" / "operator-guide.md"
+
+
+def config_keys(cls: type[Any] = Config, prefix: str = "") -> list[str]:
+    """Every configuration key as it is written in the guide: dotted, or bare inside ``[[arrays]]``."""
+    keys: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        if dataclasses.is_dataclass(hint):
+            keys += config_keys(hint, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        elif args and dataclasses.is_dataclass(args[0]):
+            keys.append(f"{prefix}{f.name}")
+            keys += [f"{f.name}[].{k}" for k in config_keys(args[0])]  # type: ignore[arg-type]
+        elif f.name != "config_file":
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def test_every_configuration_key_is_in_the_operator_guide() -> None:
+    guide = GUIDE.read_text()
+    missing = []
+    for key in config_keys():
+        name = key.split("[].")[-1]
+        spelled = (f"`{name}`", f"`{key}`", f"`[[{key}]]`", f"`[{key}]`")
+        if not any(s in guide for s in spelled):
+            missing.append(key)
+    assert [] == missing
+
+
+def toml_blocks(text: str) -> list[str]:
+    return re.findall(r"```toml\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_the_guides_example_configuration_loads_and_builds(tmp_path: Path) -> None:
+    [example] = toml_blocks(GUIDE.read_text())
+    path = tmp_path / "config.toml"
+    path.write_text(example)
+    config = load_config(path, env={})
+    assert ["torchrun", "lightning-jobs", "faulty-gpu"] == [rule.name for rule in config.actions.signals]
+    assert 1 == len(build_components(config)[0].hooks.hooks)  # type: ignore[attr-defined]
+
+
+def test_the_packaged_default_configuration_loads() -> None:
+    config = load_config(PACKAGING / "config.toml", env={})
+    assert config.actions == Config().actions
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["debian/build.sh", "ci-check.sh", "rpm/build.sh", "debian/postinst", "debian/prerm", "debian/postrm"],
+)
+def test_packaging_scripts_parse_and_are_executable(script: str) -> None:
+    path = PACKAGING / script
+    shell = "sh" if path.parent.name == "debian" and path.suffix == "" else "bash"
+    assert 0 == subprocess.run([shell, "-n", str(path)], check=False).returncode
+    assert os.access(path, os.X_OK)
+
+
+def test_maintainer_scripts_never_fail_without_a_running_systemd() -> None:
+    """In a chroot or an image build, systemctl calls are guarded by /run/systemd/system."""
+    for name in ("postinst", "prerm", "postrm"):
+        text = (PACKAGING / "debian" / name).read_text()
+        for line in text.splitlines():
+            if re.search(r"\b(systemctl|deb-systemd-invoke)\b", line) and not line.lstrip().startswith("#"):
+                assert "|| true" in line, f"{name}: {line.strip()}"
+
+
+def load_yaml(name: str) -> list[dict[str, Any]]:
+    yaml = pytest.importorskip("yaml")
+    return [doc for doc in yaml.safe_load_all((PACKAGING / "kubernetes" / name).read_text()) if doc]
+
+
+def test_the_daemonset_shares_the_socket_directory_and_reaches_the_host() -> None:
+    [ds] = load_yaml("daemonset.yaml")
+    spec = ds["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    [container] = spec["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert ("DaemonSet", True, True) == (ds["kind"], spec["hostNetwork"], spec["hostPID"])
+    assert "/run/preemptd" == volumes[mounts["/run/preemptd"]]["hostPath"]["path"]
+    assert any(t.get("key") == "nvidia.com/gpu" for t in spec["tolerations"])
+    assert {"NVIDIA_VISIBLE_DEVICES": "all"}.items() <= {
+        e["name"]: e["value"] for e in container["env"]
+    }.items()
+    assert "nvidia.com/gpu" not in str(container.get("resources", {}))  # monitors all GPUs, takes none
+
+
+def test_the_kubernetes_configmap_is_a_valid_configuration(tmp_path: Path) -> None:
+    [cm] = load_yaml("configmap.yaml")
+    path = tmp_path / "config.toml"
+    path.write_text(cm["data"]["config.toml"])
+    assert 0o666 == load_config(path, env={}).socket_mode
+
+
+def test_the_kustomization_lists_every_manifest() -> None:
+    [kustomization] = load_yaml("kustomization.yaml")
+    assert {"namespace.yaml", "configmap.yaml", "daemonset.yaml"} == set(kustomization["resources"])
+
+
+def test_the_rpm_spec_parses() -> None:
+    if shutil.which("rpmspec") is None:
+        pytest.skip("rpmspec is not installed (packaging/ci-check.sh installs rpm)")
+    done = subprocess.run(
+        ["rpmspec", "-q", "--qf", "%{NAME} %{VERSION}\n", str(PACKAGING / "rpm" / "preemptd.spec")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (0, "preemptd") == (done.returncode, done.stdout.split()[0] if done.stdout else done.stderr)
