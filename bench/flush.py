@@ -67,7 +67,9 @@ def client_flush(
 
     def post() -> None:
         times["t0"] = time.perf_counter()
-        body = request_json("POST", "/v1/drills", {"kind": "termination", "in_s": 60}, socket_path=socket_path)
+        body = request_json(
+            "POST", "/v1/drills", {"kind": "termination", "in_s": 60}, socket_path=socket_path
+        )
         times["notice_id"] = body["notice"]["id"]
         posted.set()
 
@@ -87,6 +89,7 @@ def client_flush(
     store.save(step, torch_writer(state), emergency=True, notice_id=trigger.notice_id if trigger else None)
     done = time.perf_counter()
     watcher.acknowledge()
+    store.wait_checksums()  # not timed: the checkpoint is durable; its manifest gains CRCs afterwards
     poster.join()
     request_json("DELETE", f"/v1/drills/{times['notice_id']}", socket_path=socket_path)
     for checkpoint in store.steps():
@@ -128,7 +131,9 @@ def main() -> int:
             raise SystemExit(f"the agent did not come up; see {base / 'agent.log'}")
         state = make_state(args.size_gb)
         size = sum(t.numel() * t.element_size() for t in state.values())
-        store = CheckpointStore(data_dir / "store", keep=1, checksum=not args.no_checksum, socket_path=base / "a.sock")
+        store = CheckpointStore(
+            data_dir / "store", keep=1, checksum=not args.no_checksum, socket_path=base / "a.sock"
+        )
         bare: list[float] = []
         client: list[dict[str, float]] = []
         bare_save(state, data_dir / "warmup.pt")  # first touch of the disk and the allocator
@@ -170,8 +175,7 @@ def main() -> int:
                 f"(notice seen after {result['notice_median_ms']} ms, save {result['save_median_s']} s)"
             )
             print(f"ratio: {result['ratio']:.3f} ({result['overhead_pct']:+.1f} %)")
-        if store.reporter is not None:
-            store.reporter.close()
+        store.close()
     finally:
         watcher.stop()
         agent.send_signal(signal.SIGTERM)

@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             emit("done", rank=rank, step=args.steps, digest=digest(model, optimizer))
     finally:
-        if store.reporter is not None:
-            store.reporter.close(timeout=2.0)
+        store.close(timeout=5.0)  # deferred checksums of an emergency save, queued reports
         watcher.stop()
         if dist.is_initialized():
             dist.destroy_process_group()

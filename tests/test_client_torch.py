@@ -92,3 +92,13 @@ def test_agree_latest_without_process_group_is_the_local_latest(tmp_path: Path) 
     latest = agree_latest(s)
     assert latest is not None
     assert 3 == latest.step
+
+
+def test_emergency_torch_save_gets_its_crc_after_returning(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    saved = s.save(1, torch_writer({"w": torch.randn(1000)}), emergency=True)
+    assert s.wait_checksums(10)
+    latest = s.latest()
+    assert latest is not None
+    data = latest.file("state.pt").read_bytes()
+    assert (None, zlib.crc32(data)) == (saved.files[0].crc32, latest.files[0].crc32)

@@ -29,7 +29,9 @@ def store(root: Path, keep: int = 3, checksum: bool = True) -> CheckpointStore:
 
 
 def test_save_commits_a_step_directory_with_a_manifest(tmp_path: Path) -> None:
-    checkpoint = store(tmp_path).save(7, write_files({"a.bin": b"abc", "sub/b.bin": b"de"}), metadata={"lr": 0.1})
+    checkpoint = store(tmp_path).save(
+        7, write_files({"a.bin": b"abc", "sub/b.bin": b"de"}), metadata={"lr": 0.1}
+    )
     manifest = json.loads((tmp_path / "step-000000000007" / "manifest.json").read_text())
     files = {f["path"]: (f["bytes"], f["crc32"]) for f in manifest["files"]}
     assert (7, 5, {"a.bin": (3, zlib.crc32(b"abc")), "sub/b.bin": (2, zlib.crc32(b"de"))}, {"lr": 0.1}) == (
@@ -139,7 +141,9 @@ def test_save_removes_temporary_directories_of_dead_processes(tmp_path: Path) ->
     assert not stale.exists()
 
 
-def test_large_file_checksum_matches_zlib_across_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_file_checksum_matches_zlib_across_pieces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr("agent.client.store.HASH_PIECE", 1000)
     data = os.urandom(4567)
     checkpoint = store(tmp_path).save(1, write_files({"big": data}))
@@ -158,3 +162,18 @@ def test_without_checksums_sizes_are_still_verified(tmp_path: Path) -> None:
     latest = s.latest()
     assert latest is not None
     assert (None, 3) == (latest.files[0].crc32, latest.files[0].bytes)
+
+
+def test_emergency_save_returns_before_its_checksums_and_adds_them_later(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    saved = s.save(3, write_files({"a": b"abc"}), emergency=True)
+    assert s.wait_checksums(10)
+    latest = s.latest()
+    assert latest is not None
+    assert (None, zlib.crc32(b"abc")) == (saved.files[0].crc32, latest.files[0].crc32)
+
+
+def test_emergency_checksums_can_be_taken_before_returning(tmp_path: Path) -> None:
+    s = CheckpointStore(tmp_path, report=False, defer_emergency_checksum=False)
+    saved = s.save(3, write_files({"a": b"abc"}), emergency=True)
+    assert zlib.crc32(b"abc") == saved.files[0].crc32

@@ -75,8 +75,7 @@ class PreemptdCallback(Callback):
         if self._own_watcher and isinstance(self.watcher, Watcher):
             self.watcher.stop()
             self.watcher = None
-        if self.store.reporter is not None:
-            self.store.reporter.flush()
+        self.store.close()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

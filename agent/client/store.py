@@ -14,12 +14,14 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 import uuid
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,6 +40,8 @@ _READ_BLOCK = 8 * 1024 * 1024
 HASH_PIECE = 64 * 1024 * 1024
 
 Writer = Callable[[Path], Any]
+# Whether files written for the save in progress should be checksummed now (see DurableFile).
+_CHECKSUM_NOW: ContextVar[bool] = ContextVar("preemptd_checksum_now", default=True)
 Verify = Literal["checksum", "size", "none"]
 
 
@@ -130,8 +134,11 @@ class Checkpoint:
 class CheckpointStore:
     """Checkpoints under ``root`` as ``step-<N>`` directories; keeps the newest ``keep`` (0 keeps all).
 
-    ``checksum=False`` skips CRCs (sizes are still recorded and checked). ``reporter`` sends save reports to
-    the agent; pass ``report=False`` for none.
+    ``checksum=False`` skips CRCs (sizes are still recorded and checked). With ``defer_emergency_checksum``
+    an emergency save returns as soon as its data is durable and the CRCs are added to its manifest on a
+    background thread (an atomic manifest rewrite; :meth:`wait_checksums` or :meth:`close` waits for them):
+    inside a notice window durability comes first. ``reporter`` sends save reports to the agent; pass
+    ``report=False`` for none.
     """
 
     def __init__(
@@ -144,6 +151,7 @@ class CheckpointStore:
         report: bool = True,
         socket_path: str | Path | None = None,
         hash_workers: int | None = None,
+        defer_emergency_checksum: bool = True,
     ) -> None:
         if keep < 0:
             raise ValueError(f"keep must be 0 (keep all) or more, got {keep}")
@@ -152,7 +160,9 @@ class CheckpointStore:
         self.checksum = checksum
         self.reporter = reporter if reporter is not None or not report else Reporter(socket_path)
         self.hash_workers = hash_workers or _hash_workers()
+        self.defer_emergency_checksum = defer_emergency_checksum
         self.last_save: Checkpoint | None = None
+        self._checksummers: list[threading.Thread] = []
 
     # -- saving -----------------------------------------------------------------------------------------
 
@@ -177,13 +187,19 @@ class CheckpointStore:
         self._report("started", step, emergency=emergency, notice_id=notice_id)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{_TMP_PREFIX}{_owner_tag()}-{uuid.uuid4().hex[:8]}"
+        defer = emergency and self.checksum and self.defer_emergency_checksum
+        checksum_now = self.checksum and not defer
         try:
             tmp.mkdir()
-            written = writer(tmp)
+            token = _CHECKSUM_NOW.set(checksum_now)
+            try:
+                written = writer(tmp)
+            finally:
+                _CHECKSUM_NOW.reset(token)
             sealed = seal(
                 tmp,
                 step,
-                checksum=self.checksum,
+                checksum=checksum_now,
                 hash_workers=self.hash_workers,
                 emergency=emergency,
                 notice_id=notice_id,
@@ -210,8 +226,28 @@ class CheckpointStore:
             notice_id=notice_id,
             path=final,
         )
+        if defer:
+            thread = threading.Thread(
+                target=_add_checksums, args=(final, self.hash_workers), name="preemptd-checksum", daemon=True
+            )
+            thread.start()
+            self._checksummers.append(thread)
         self.prune()
         return checkpoint
+
+    def wait_checksums(self, timeout: float | None = None) -> bool:
+        """Wait for deferred checksums (bounded by ``timeout`` in all); False if some are still running."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for thread in self._checksummers:
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
+        self._checksummers = [t for t in self._checksummers if t.is_alive()]
+        return not self._checksummers
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Before exit: finish deferred checksums and deliver queued reports, each bounded by ``timeout``."""
+        self.wait_checksums(timeout)
+        if self.reporter is not None:
+            self.reporter.close(timeout)
 
     def _replace(self, tmp: Path, final: Path) -> None:
         if final.exists():
@@ -461,6 +497,30 @@ def _file_crc(pool: ThreadPoolExecutor, path: Path, size: int) -> Callable[[], i
     return combined
 
 
+def _add_checksums(directory: Path, workers: int) -> None:
+    """Add the CRCs an emergency save deferred to its manifest (an atomic rewrite). A checkpoint removed or
+    replaced meanwhile is left alone."""
+    path = directory / MANIFEST
+    try:
+        doc = json.loads(path.read_text())
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            sums = {
+                f["path"]: _file_crc(pool, directory / f["path"], int(f["bytes"]))
+                for f in doc["files"]
+                if f.get("crc32") is None
+            }
+            for entry in doc["files"]:
+                if entry["path"] in sums:
+                    entry["crc32"] = sums[entry["path"]]()
+        doc["checksum"] = "crc32"
+        staged = directory / (MANIFEST + ".tmp")
+        _write_durably(staged, json.dumps(doc, indent=1).encode())
+        os.rename(staged, path)
+        _fsync_dir(directory)
+    except (OSError, ValueError, KeyError, CheckpointError):
+        pass
+
+
 def _known(value: int | None) -> Callable[[], int | None]:
     return lambda: value
 
@@ -487,10 +547,16 @@ class DurableFile:
     """
 
     def __init__(
-        self, path: str | Path, *, checksum: bool = True, piece: int | None = None, workers: int | None = None
+        self,
+        path: str | Path,
+        *,
+        checksum: bool | None = None,
+        piece: int | None = None,
+        workers: int | None = None,
     ) -> None:
         self.path = Path(path)
-        self.checksum = checksum
+        # None: as the store's save in progress wants (no CRC now for a deferred emergency save), else yes.
+        self.checksum = checksum if checksum is not None else _CHECKSUM_NOW.get()
         self._piece = piece or HASH_PIECE
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._read_fd = os.open(self.path, os.O_RDONLY)

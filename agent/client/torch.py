@@ -36,7 +36,7 @@ STATE_FILE = "state.pt"
 SAFETENSORS_FILE = "model.safetensors"
 
 
-def torch_writer(obj: Any, filename: str = STATE_FILE, checksum: bool = True) -> Writer:
+def torch_writer(obj: Any, filename: str = STATE_FILE, checksum: bool | None = None) -> Writer:
     """A store writer that ``torch.save``s ``obj`` (a state dict, or a dict of them) into one file, written
     back and checksummed while it is serialised (:class:`~agent.client.store.DurableFile`)."""
 
