@@ -137,7 +137,11 @@ def main() -> int:
         state = make_state(args.size_gb)
         size = sum(t.numel() * t.element_size() for t in state.values())
         store = CheckpointStore(
-            data_dir / "store", keep=1, checksum=not args.no_checksum, socket_path=base / "a.sock"
+            data_dir / "store",
+            keep=1,
+            checksum=not args.no_checksum,
+            defer_emergency_checksum=not args.sync_checksum,
+            socket_path=base / "a.sock",
         )
         bare: list[float] = []
         client: list[dict[str, float]] = []
