@@ -176,6 +176,19 @@ async def test_aws_listing_shows_spot_once_published(
     assert body.split("\n") == ["instance-action", "termination-time"]
 
 
+async def test_aws_leaf_with_trailing_slash(http: aiohttp.ClientSession, aws_sim: AwsSimulator) -> None:
+    """botocore reads the zone as placement/availability-zone/ (with a slash)."""
+    headers = {TOKEN: await token(http, aws_sim)}
+    url = aws_sim.url + "/latest/meta-data/placement/availability-zone/"
+    assert await get(http, url, headers=headers) == (200, "us-east-1a")
+
+
+async def test_aws_identity_document(http: aiohttp.ClientSession, aws_sim: AwsSimulator) -> None:
+    headers = {TOKEN: await token(http, aws_sim)}
+    _, body = await get(http, aws_sim.url + "/latest/dynamic/instance-identity/document", headers=headers)
+    assert json.loads(body)["region"] == "us-east-1"
+
+
 # --- Google Cloud ----------------------------------------------------------------------------------------
 
 

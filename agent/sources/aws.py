@@ -229,10 +229,13 @@ class AwsSource(Source):
             if self.config.imdsv1_fallback:
                 self._use_imdsv1(str(exc))
                 return
+            if not exc.timed_out:
+                raise
             raise CloudError(
                 f"{exc}. Inside a container the IMDSv2 token reply is dropped when the instance's hop limit "
                 "is 1: raise it (aws ec2 modify-instance-metadata-options --http-put-response-hop-limit 2) "
-                "or set aws.imdsv1_fallback = true"
+                "or set aws.imdsv1_fallback = true",
+                timed_out=True,
             ) from exc
         if reply.status != 200:
             if self.config.imdsv1_fallback and reply.status in (403, 404, 405):

@@ -25,10 +25,17 @@ DEFAULT_MAX_BODY_BYTES = 256 * 1024
 class CloudError(PreemptdError):
     """A metadata service answered badly or not at all; the message says which URL and what went wrong."""
 
-    def __init__(self, message: str, status: int | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        retry_after_s: float | None = None,
+        timed_out: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
+        self.timed_out = timed_out
 
 
 class ParseError(CloudError):
@@ -113,7 +120,7 @@ class MetadataClient:
                 body = await self._read_capped(response, url)
                 return Reply(response.status, response.headers, body)
         except asyncio.TimeoutError as exc:
-            raise CloudError(f"{method} {url}: no answer within {limit:g} s") from exc
+            raise CloudError(f"{method} {url}: no answer within {limit:g} s", timed_out=True) from exc
         except aiohttp.ClientError as exc:
             raise CloudError(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
         except OSError as exc:
