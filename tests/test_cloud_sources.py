@@ -11,6 +11,7 @@ import structlog
 
 from agent.notice import parse_time
 from agent.simulate import AwsSimulator, AzureSimulator, GcpSimulator, TencentSimulator, simulator_for
+from agent.sources import aws as aws_source
 from agent.sources.azure import AzureSource
 from tests.cloud_harness import CASES, rig
 
@@ -175,6 +176,18 @@ async def test_aws_imdsv1_fallback_is_explicit_and_logged(base: Path) -> None:
             "imdsv1",
             True,
         )
+
+
+async def test_aws_returns_to_imdsv2_when_tokens_work_again(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aws_source, "IMDSV2_RETRY_S", 0.0)
+    async with AwsSimulator(imdsv1=True) as sim:
+        sim.inject({"type": "5xx", "path": "/latest/api/token"})
+        async with rig("aws", base, sim=sim, settings={"aws.imdsv1_fallback": True}) as r:
+            await r.status_until(lambda d: d["sources"]["aws"].get("mode") == "imdsv1", "the fallback")
+            sim.clear_faults()
+            await r.status_until(lambda d: d["sources"]["aws"].get("mode") == "imdsv2", "IMDSv2 again")
 
 
 # --- Google Cloud ----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from agent.simulate import AwsSimulator, GcpSimulator
+from agent.simulate import AwsSimulator, AzureSimulator, GcpSimulator
 from agent.sources import build_sources
 from agent.sources.aws import AwsSource
 from agent.sources.detect import AZURE_ASSET_TAG, DetectingSource, probe_all
@@ -122,6 +122,20 @@ async def test_detected_cloud_runs_and_identifies(base: Path) -> None:
                 "i-0123456789abcdef0",
                 "aws",
             )
+
+
+async def test_detected_azure_can_be_acknowledged(base: Path) -> None:
+    async with AzureSimulator() as sim:
+        settings = {**QUIET, **unreachable(base), "cloud": "auto", "azure.endpoint": sim.url}
+        settings["detect.dmi_dir"] = str(base / "absent")
+        async with running_agent(base, settings=settings) as agent:
+            assert agent.socket_path is not None
+            sim.trigger({"type": "event", "event_type": "Preempt", "event_id": "P-9"})
+            await status_until(agent.socket_path, lambda d: bool(d["notices"]))
+            source = agent.sources["cloud"]
+            assert isinstance(source, DetectingSource)
+            await source.acknowledge("P-9")
+            assert sim.state()["acknowledged"] == ["P-9"]
 
 
 async def test_nothing_detected_disables_with_advice(base: Path) -> None:

@@ -53,6 +53,7 @@ KEY_LIFECYCLE = "autoscaling/target-lifecycle-state"
 MAINTENANCE_KEY_PREFIX = "events/maintenance/scheduled/"
 
 _SPOT_ACTIONS = ("terminate", "stop", "hibernate")
+IMDSV2_RETRY_S = 300.0
 # Codes that take the instance away from the job (the others are host work that may pass unnoticed).
 _DISRUPTIVE_MAINTENANCE = {"instance-reboot", "system-reboot", "instance-stop", "instance-retirement"}
 _MONTH_NAMES = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
@@ -207,6 +208,7 @@ class AwsSource(Source):
         self._token: str | None = None
         self._token_expires = 0.0  # monotonic
         self._imdsv1 = False
+        self._v2_retry_at = 0.0  # monotonic; when IMDSv1 is in use, when to try IMDSv2 again
         self._token_lock = asyncio.Lock()
         self._identity: dict[str, str] = {}
         self._polls = 0
@@ -238,7 +240,7 @@ class AwsSource(Source):
                 timed_out=True,
             ) from exc
         if reply.status != 200:
-            if self.config.imdsv1_fallback and reply.status in (403, 404, 405):
+            if self.config.imdsv1_fallback:
                 self._use_imdsv1(f"token PUT answered HTTP {reply.status}")
                 return
             raise status_error("PUT", self._client.base_url + TOKEN_PATH, reply)
@@ -260,11 +262,18 @@ class AwsSource(Source):
             log.warning("imdsv1_fallback", source=self.name, reason=why)
         self._imdsv1 = True
         self._token = None
+        self._v2_retry_at = time.monotonic() + IMDSV2_RETRY_S
 
     async def _ensure_token(self) -> None:
         # One fetch at a time: the concurrent reads of a poll that all meet a 401 share one new token.
         async with self._token_lock:
-            if not self._imdsv1 and (self._token is None or time.monotonic() >= self._token_expires):
+            now = time.monotonic()
+            if self._imdsv1:
+                if now >= self._v2_retry_at:  # IMDSv1 is a fallback, not a home: try for a token again
+                    await self._fetch_token()
+                    if self._token is not None:
+                        log.info("imdsv2_restored", source=self.name)
+            elif self._token is None or now >= self._token_expires:
                 await self._fetch_token()
 
     async def _get(self, path: str) -> Reply:

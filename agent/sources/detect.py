@@ -188,6 +188,14 @@ class DetectingSource(Source):
             doc.update(self.inner.status())
         return doc
 
+    async def acknowledge(self, event_id: str) -> None:
+        """Azure's ``StartRequests`` through the detected source (see :meth:`AzureSource.acknowledge`)."""
+        if not isinstance(self.inner, AzureSource):
+            raise CloudError(
+                f"cannot acknowledge {event_id!r}: the detected cloud is {self.detected!r}, not Azure"
+            )
+        await self.inner.acknowledge(event_id)
+
     async def run(self, sink: Sink) -> None:
         timeout_s = self.config.detect.probe_timeout_s
         self.detected = await probe_all(self.config, timeout_s)
