@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from agent.actions import ActionsComponent
-from agent.daemon import build_components
+from agent.daemon import Agent, build_components
 from agent.errors import ConfigError
 from tests.actions_support import HANDLER, Child
 from tests.support import SSEClient, agent_config, http_json, running_agent
@@ -141,4 +141,37 @@ async def test_dry_run_in_the_agent_signals_nobody(base: Path) -> None:
         await asyncio.sleep(0)
         assert child.proc.returncode is None
     finally:
+        await child.stop()
+
+
+async def test_a_reload_applies_new_signal_rules(base: Path) -> None:
+    marker = f"train-{uuid.uuid4().hex}"
+    child = await Child.start(HANDLER, str(base / "got"), marker)
+    settings: dict[str, object] = {}
+    agent = Agent(agent_config(base), reload_config=lambda: agent_config(base, settings))
+    await agent.start()
+    try:
+        settings["actions.signals"] = [{"name": "added", "cmdline": [marker]}]
+        await agent.reload()
+        await http_json(agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+        assert 0 == await child.wait()
+    finally:
+        await agent.stop()
+        await child.stop()
+
+
+async def test_an_invalid_reload_keeps_the_running_actions(base: Path) -> None:
+    marker = f"train-{uuid.uuid4().hex}"
+    child = await Child.start(HANDLER, str(base / "got"), marker)
+    rule = {"name": "kept", "cmdline": [marker]}
+    settings: dict[str, object] = {"actions.signals": [rule]}
+    agent = Agent(agent_config(base, settings), reload_config=lambda: agent_config(base, settings))
+    await agent.start()
+    try:
+        settings["actions.signals"] = [rule, {"signal": "SIGNOPE", "cmdline": ["x"]}]
+        await agent.reload()
+        await http_json(agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+        assert 0 == await child.wait()
+    finally:
+        await agent.stop()
         await child.stop()

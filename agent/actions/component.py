@@ -16,12 +16,13 @@ from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agent.actions.common import Recent, TaskSet
+from agent.actions.common import Recent, TaskSet, log
 from agent.actions.hooks import HookEngine
 from agent.actions.ready import AzureAcknowledger, ReadyEngine
 from agent.actions.signals import CGROUP_ROOTS, SignalEngine, SignalRule, TargetError, call_gpu_pids
 from agent.actions.webhooks import WebhookEngine
-from agent.config import Config
+from agent.config import ActionsConfig, Config
+from agent.errors import ConfigError
 from agent.notice import Event, EventType, Notice
 from agent.reports import Report
 
@@ -63,39 +64,46 @@ class ActionsComponent:
         self.counts: Counter[tuple[str, str]] = Counter()
         self._notices: dict[str, Notice] = {}
         self._last_ready: dict[str, Any] = {}
+        self._retired: list[WebhookEngine] = []
         self.signal_log = Recent(cfg.history_size)
         self.hook_log = Recent(cfg.history_size)
         self.webhook_log = Recent(cfg.history_size)
         self.ack_log = Recent(cfg.history_size)
-        env = dict(os.environ if base_env is None else base_env)
-        env.setdefault("PREEMPTD_SOCKET", str(config.socket))
-        self.signals = SignalEngine(
-            (SignalRule.from_config(rule, i) for i, rule in enumerate(cfg.signals)),
-            dry_run=cfg.dry_run,
-            tasks=self.tasks,
-            recent=self.signal_log,
-            gpu_pids=self._gpu_pids,
-            cgroup_roots=cgroup_roots,
-            count=self._counter("signal"),
-        )
-        self.hooks = HookEngine(
-            cfg.hooks,
-            concurrency=cfg.hook_concurrency,
-            output_max_bytes=cfg.hook_output_max_bytes,
-            tasks=self.tasks,
-            recent=self.hook_log,
-            base_env=env,
-            count=self._counter("hook"),
-        )
-        self.webhooks = WebhookEngine(
-            cfg.webhooks, tasks=self.tasks, recent=self.webhook_log, count=self._counter("webhook")
-        )
+        self._env = dict(os.environ if base_env is None else base_env)
+        self._env.setdefault("PREEMPTD_SOCKET", str(config.socket))
+        self._cgroup_roots = tuple(cgroup_roots)
+        self.signals, self.hooks, self.webhooks = self._engines(cfg)
         self.ready = ReadyEngine(
             cfg.ready, publish=self._publish_ready, tasks=self.timers, history=cfg.history_size
         )
         self.azure = AzureAcknowledger(
             cfg.ready.azure_acknowledge, source=self._azure_source, tasks=self.tasks, recent=self.ack_log
         )
+
+    def _engines(self, cfg: ActionsConfig) -> tuple[SignalEngine, HookEngine, WebhookEngine]:
+        """The engines for ``cfg``; ConfigError (naming the key) if a rule is invalid."""
+        signals = SignalEngine(
+            (SignalRule.from_config(rule, i) for i, rule in enumerate(cfg.signals)),
+            dry_run=cfg.dry_run,
+            tasks=self.tasks,
+            recent=self.signal_log,
+            gpu_pids=self._gpu_pids,
+            cgroup_roots=self._cgroup_roots,
+            count=self._counter("signal"),
+        )
+        hooks = HookEngine(
+            cfg.hooks,
+            concurrency=cfg.hook_concurrency,
+            output_max_bytes=cfg.hook_output_max_bytes,
+            tasks=self.tasks,
+            recent=self.hook_log,
+            base_env=self._env,
+            count=self._counter("hook"),
+        )
+        webhooks = WebhookEngine(
+            cfg.webhooks, tasks=self.tasks, recent=self.webhook_log, count=self._counter("webhook")
+        )
+        return signals, hooks, webhooks
 
     # --- component contract ---------------------------------------------------------------------------
 
@@ -109,10 +117,32 @@ class ActionsComponent:
     async def start(self) -> None:
         await self.webhooks.start()
 
+    async def reload(self, config: Config) -> None:
+        """Apply a re-read configuration (SIGHUP). Actions already running finish under the old one; an
+        invalid actions section is logged and the running actions are kept."""
+        cfg = config.actions
+        try:
+            signals, hooks, webhooks = self._engines(cfg)
+        except ConfigError as exc:
+            log.error("actions_reload_failed", error=str(exc), effect="keeping the running actions")
+            return
+        signals.carry_over(self.signals)  # a notice already signalled is not signalled again
+        await webhooks.start()
+        old_webhooks = self.webhooks
+        self.signals, self.hooks, self.webhooks = signals, hooks, webhooks
+        self.ready.config = cfg.ready
+        self.azure.mode = cfg.ready.azure_acknowledge
+        self.config = cfg
+        self._retired.append(old_webhooks)  # deliveries in flight keep their session until stop
+        log.info(
+            "actions_reloaded", signals=len(cfg.signals), hooks=len(cfg.hooks), webhooks=len(cfg.webhooks)
+        )
+
     async def stop(self) -> None:
         await self.timers.close(0)
         await self.tasks.close(self.config.stop_timeout_s)
-        await self.webhooks.close()
+        for webhooks in (*self._retired, self.webhooks):
+            await webhooks.close()
 
     # --- listeners ------------------------------------------------------------------------------------
 

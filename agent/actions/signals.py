@@ -198,6 +198,13 @@ class SignalEngine:
         self._done: set[tuple[str, int]] = set()
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
 
+    def carry_over(self, previous: SignalEngine) -> None:
+        """Take over what ``previous`` already did (after a reload): notices it signalled are not signalled
+        again, and its pending escalations are still cancelled when their notice clears."""
+        self._done |= previous._done
+        for notice_id, tasks in previous._running.items():
+            self._running.setdefault(notice_id, set()).update(tasks)
+
     def handle(self, event: Event) -> None:
         notice = event.notice
         if notice is None:
