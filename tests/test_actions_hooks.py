@@ -47,7 +47,11 @@ class Harness:
             output_max_bytes=4096,
             tasks=self.tasks,
             recent=self.recent,
-            base_env={"PATH": "/usr/bin:/bin", "PREEMPTD_SOCKET": "/run/preemptd/preemptd.sock"},
+            base_env={
+                "PATH": "/usr/bin:/bin",
+                "PREEMPTD_SOCKET": "/run/preemptd/preemptd.sock",
+                "NOTIFY_SOCKET": "/run/systemd/notify",
+            },
         )
 
     def fire(
@@ -157,6 +161,14 @@ async def test_hooks_run_only_on_their_events_and_kinds(harness: Harness, tmp_pa
     harness.fire(engine, EventType.READY)
     await harness.tasks.drain()
     assert ["ok"] == harness.outcomes()
+
+
+async def test_a_hook_does_not_inherit_the_services_notify_socket(harness: Harness, tmp_path: Path) -> None:
+    out = tmp_path / "seen.json"
+    script = "import json, os, sys; open(sys.argv[1], 'w').write(json.dumps(sorted(os.environ)))"
+    harness.fire(harness.engine(HookConfig(argv=(*py(script), str(out)))))
+    await harness.tasks.drain()
+    assert "NOTIFY_SOCKET" not in json.loads(out.read_text())
 
 
 def test_an_empty_argv_is_a_config_error() -> None:

@@ -22,6 +22,11 @@ from agent.errors import ConfigError
 from agent.notice import Event, Notice, format_time, utcnow
 
 MAX_LOGGED_LINES = 200
+# Meant for the agent's own process only: a hook must not talk to systemd's notify socket or believe it was
+# handed the agent's sockets.
+SERVICE_ONLY = frozenset(
+    {"NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID"}
+)
 KILL_WAIT_S = 5.0
 
 
@@ -46,8 +51,9 @@ def hook_name(hook: HookConfig) -> str:
 def hook_environment(
     base: Mapping[str, str], doc: Mapping[str, Any], notice: Notice | None, extra: Mapping[str, str]
 ) -> dict[str, str]:
-    """The hook's environment: the agent's own, the hook's ``env`` table, then the ``PREEMPTD_*`` facts."""
-    env = dict(base)
+    """The hook's environment: the agent's own (less systemd's hand-over variables), the hook's ``env`` table,
+    then the ``PREEMPTD_*`` facts."""
+    env = {k: v for k, v in base.items() if k not in SERVICE_ONLY}
     env.update(extra)
     env["PREEMPTD_EVENT"] = str(doc.get("type", ""))
     env["PREEMPTD_EVENT_SEQ"] = str(doc.get("seq", ""))

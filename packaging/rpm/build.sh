@@ -12,9 +12,10 @@ python=${PYTHON:-$( [ -x /usr/bin/python3.11 ] && echo /usr/bin/python3.11 || re
 mkdir -p "$top"/{SOURCES,SPECS,BUILD,RPMS,SRPMS}
 src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
-mkdir -p "$src/preemptd-$version/packaging"
+mkdir -p "$src/preemptd-$version/packaging" "$src/preemptd-$version/docs"
 cp -r "$repo/pyproject.toml" "$repo/README.md" "$repo/agent" "$repo/systemd" "$src/preemptd-$version/"
 cp "$repo/packaging/config.toml" "$src/preemptd-$version/packaging/"
+cp "$repo/docs/operator-guide.md" "$repo/docs/kubernetes.md" "$src/preemptd-$version/docs/"
 find "$src" -name __pycache__ -prune -exec rm -rf {} +
 tar -C "$src" -czf "$top/SOURCES/preemptd-$version.tar.gz" "preemptd-$version"
 nodeps=()
