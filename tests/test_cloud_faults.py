@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.cloud_harness import CASES, Rig, rig
+from tests.support import http_json
 
 pytestmark = pytest.mark.timeout(40)
 
@@ -65,3 +66,16 @@ async def test_fault_degrades_then_recovers_without_losing_a_notice(
             True,
             ["notice", "update", "cleared"],
         )
+
+
+async def test_source_errors_reach_the_metrics(base: Path) -> None:
+    async with rig("aws", base) as r:
+        r.sim.inject({"type": "5xx", "status": 500})
+        await r.status_until(lambda d: health(d, "aws")["state"] == "degraded", "the source degraded")
+        _, text = await http_json(r.socket, "GET", "/metrics")
+        r.sim.clear_faults()
+        lines = [line for line in text.splitlines() if line.startswith("preemptd_source_")]
+        assert (
+            any(line.startswith('preemptd_source_errors_total{source="aws"}') for line in lines),
+            any('source="aws"' in line and 'state="degraded"' in line for line in lines),
+        ) == (True, True)
