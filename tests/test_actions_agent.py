@@ -175,3 +175,18 @@ async def test_an_invalid_reload_keeps_the_running_actions(base: Path) -> None:
     finally:
         await agent.stop()
         await child.stop()
+
+
+async def test_on_ready_hooks_run_when_the_notice_becomes_ready(base: Path) -> None:
+    out = base / "ready.env"
+    script = f"import os; open({str(out)!r}, 'w').write(os.environ['PREEMPTD_EVENT'] + ' ' + os.environ['PREEMPTD_NOTICE_ID'])"
+    settings = {
+        "actions.ready.without_participants": "immediately",
+        "actions.hooks": [{"name": "on-ready", "argv": [sys.executable, "-c", script], "on": ["ready"]}],
+    }
+    async with running_agent(base, settings) as agent:
+        _, body = await http_json(
+            agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60}
+        )
+        await actions_of(agent).drain()
+    assert f"ready {body['notice']['id']}" == out.read_text()
