@@ -10,8 +10,8 @@ Three processes, so that the agent never shares a core's event loop with the cli
 * the raw server (this file with ``--raw-server``): an asyncio Unix-socket server that, when its control
   connection sends a line, calls ``transport.write(payload)`` for each connected client — the floor for any
   asyncio broadcast;
-* this process, the load generator: N subscribers (raw sockets, asyncio protocols, cheap frame detection)
-  plus one control connection.
+* this process, the load generator: N subscribers on raw sockets read by one synchronous ``epoll`` loop (a
+  few microseconds per socket, so that the time measured is the sender's), plus one control connection.
 
 A round: ``t0`` is taken just before the control connection writes ``POST /v1/drills`` to the agent (or the
 trigger line to the raw server); each subscriber takes ``t1`` when the notice frame is complete in its
@@ -23,6 +23,10 @@ bytes the agent wrote to each subscriber for the notice (its HTTP chunk: size li
 receive side does identical work in both. After each round the drill is cleared (DELETE) and every subscriber
 waits for ``cleared``; rounds are 20 ms apart, since notices are rare and a busy agent is not what is
 measured. Every subscriber must get every notice: a missing one fails the run.
+
+``--sender-side`` adds a measurement of the sending side alone, in one process with nobody reading during the
+round: from ``agent.drill()`` until the frame is written to all N connections, next to the loop of N
+``transport.write()`` calls. ``--agent-tree`` runs the agent from another source tree, to compare commits.
 """
 
 from __future__ import annotations
@@ -284,8 +288,9 @@ def bench_size(n: int, rounds: int, procs: Processes) -> dict[str, Any]:
 class Processes:
     """The agent and the raw server as child processes."""
 
-    def __init__(self, base: Path, profile: Path | None) -> None:
+    def __init__(self, base: Path, profile: Path | None, agent_tree: Path = REPO) -> None:
         self.base = base
+        self.agent_tree = agent_tree
         self.agent_sock = base / "a.sock"
         self.raw_sock = base / "raw.sock"
         self.raw_ctl = base / "raw-ctl.sock"
@@ -305,10 +310,9 @@ class Processes:
             sys.executable, *profile, "-m", "agent", "run", "--socket", str(self.agent_sock),
             "--state-dir", str(self.base / "state"), "--cloud", "none", "--log-format", "json",
         ]  # fmt: skip
+        agent_env = {**env, "NOTIFY_SOCKET": str(notify_path), "PYTHONPATH": str(self.agent_tree)}
         with (self.base / "agent.log").open("wb") as log:
-            self.agent = subprocess.Popen(
-                argv, env={**env, "NOTIFY_SOCKET": str(notify_path)}, stdout=log, stderr=log, cwd=REPO
-            )
+            self.agent = subprocess.Popen(argv, env=agent_env, stdout=log, stderr=log, cwd=self.agent_tree)
         try:
             while b"READY=1" not in notify.recv(4096).split(b"\n"):
                 pass
@@ -383,6 +387,127 @@ def markdown(rows: list[dict[str, Any]], repeat: int) -> str:
     return "\n".join(lines)
 
 
+# ----- the sender side alone (in one process, no reader competing for the CPU) -----
+
+
+async def sender_side(n: int, rounds: int) -> dict[str, list[float]]:
+    """Time from ``agent.drill()`` until the frame is written to all n connections, next to a loop of n
+    ``transport.write()`` calls, in this process; the subscribers' sockets are read only between rounds."""
+    from agent.config import load_config
+    from agent.daemon import Agent
+    from agent.notice import Kind
+
+    base = Path(tempfile.mkdtemp(prefix="pd-send-", dir="/tmp"))
+    settings = {"socket": str(base / "a.sock"), "state_dir": str(base / "state"), "cloud": "none"}
+    agent = Agent(load_config(path=None, env={}, overrides=settings))
+    await agent.start()
+    loop = asyncio.get_running_loop()
+    socks: list[socket.socket] = []
+
+    async def until(kind: bytes) -> None:  # every socket has a complete frame of this kind
+        for sock in socks:
+            data = b""
+            while kind not in data or not data.endswith(b"\n\n\r\n"):
+                data += await loop.sock_recv(sock, 262144)
+
+    def drain() -> None:
+        for sock in socks:
+            with contextlib.suppress(BlockingIOError):
+                while sock.recv(262144):
+                    pass
+
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, str(agent.config.socket))
+            await loop.sock_sendall(sock, b"GET /v1/events HTTP/1.1\r\nHost: agent\r\n\r\n")
+            socks.append(sock)
+        await until(b"event: snapshot")
+        subs = list(agent.hub.subscribers)
+        agent_ms: list[float] = []
+        for i in range(WARMUP + rounds):
+            target = sum(s.delivered for s in subs) + n
+            t0 = time.perf_counter()
+            notice = agent.drill(Kind.TERMINATION, 600, None, "fan-out benchmark", {})
+            # Spin, yielding to the loop at each turn: the frames still queued are written in those turns.
+            while sum(s.delivered for s in subs) < target:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+            if i >= WARMUP:
+                agent_ms.append((time.perf_counter() - t0) * 1e3)
+            agent.retract(notice.source, notice.key)
+            await until(b"event: cleared")
+            drain()
+            await asyncio.sleep(PAUSE_S)
+        frame = agent.hub._ring[-2][1]  # the last notice frame, as the agent wrote it
+        payload = b"%x\r\n%s\r\n" % (len(frame), frame)
+        for sock in socks:
+            sock.close()
+        socks.clear()
+        transports: list[asyncio.Transport] = []
+
+        class Accept(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                assert isinstance(transport, asyncio.Transport)
+                transports.append(transport)
+                transport.write(b"+\n\n\r\n")
+
+        server = await loop.create_unix_server(Accept, str(base / "raw.sock"), backlog=4096)
+        for _ in range(n):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, str(base / "raw.sock"))
+            socks.append(sock)
+        await until(b"+")
+        raw_ms: list[float] = []
+        for i in range(WARMUP + rounds):
+            t0 = time.perf_counter()
+            for transport in transports:
+                transport.write(payload)
+            if i >= WARMUP:
+                raw_ms.append((time.perf_counter() - t0) * 1e3)
+            await until(b"event: notice")
+            drain()
+            await asyncio.sleep(PAUSE_S)
+        server.close()
+        return {"agent": agent_ms, "raw": raw_ms}
+    finally:
+        for sock in socks:
+            sock.close()
+        await agent.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def run_sender_side(sizes: list[int], agent_tree: Path) -> list[dict[str, Any]]:
+    rows = []
+    for n in sizes:
+        out = subprocess.run(
+            [sys.executable, __file__, "--sender-child", str(n)],
+            env={**os.environ, "PYTHONPATH": str(agent_tree)},
+            cwd=agent_tree,
+            capture_output=True,
+            check=True,
+            timeout=600,
+        )
+        result = json.loads(out.stdout)
+        agent, raw = result["agent"], result["raw"]
+        row = {
+            "n": n,
+            "agent_median_ms": statistics.median(agent),
+            "agent_p99_ms": percentile(agent, 99),
+            "raw_median_ms": statistics.median(raw),
+            "raw_p99_ms": percentile(raw, 99),
+        }
+        rows.append(row)
+        print(
+            f"  N={n:>5}  agent drill()->last write: median {row['agent_median_ms']:.3f} p99 "
+            f"{row['agent_p99_ms']:.3f} ms | raw write loop: median {row['raw_median_ms']:.3f} p99 "
+            f"{row['raw_p99_ms']:.3f} ms | median ratio {row['agent_median_ms'] / row['raw_median_ms']:.2f}",
+            flush=True,
+        )
+    return rows
+
+
 def raise_nofile(needed: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < needed:
@@ -398,10 +523,31 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="whole runs, medians reported (default 3)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--profile-agent", type=Path, help="run the agent under cProfile, stats to this file")
+    parser.add_argument(
+        "--agent-tree",
+        type=Path,
+        default=REPO,
+        help="run the agent package from this source tree (to compare commits: git archive REV agent | tar -x)",
+    )
+    parser.add_argument(
+        "--sender-side",
+        action="store_true",
+        help="also time the sending side alone: in one process, drill() to the last write vs a write loop",
+    )
     parser.add_argument("--raw-server", nargs=2, metavar=("SOCKET", "CONTROL"), help=argparse.SUPPRESS)
+    parser.add_argument("--sender-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_server:
         asyncio.run(raw_server(*args.raw_server))
+        return 0
+    if args.sender_child:
+        from agent.logs import configure_logging
+
+        raise_nofile(2 * args.sender_child + 256)
+        with open(os.devnull, "w") as devnull:
+            configure_logging("json", "info", stream=devnull)
+            result = asyncio.run(sender_side(args.sender_child, ROUNDS.get(args.sender_child, 20)))
+        print(json.dumps(result))
         return 0
     sizes = [int(s) for s in args.sizes.split(",")]
     raise_nofile(2 * max(sizes) + 256)
@@ -410,11 +556,15 @@ def main() -> int:
         f"{os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
         flush=True,
     )
+    sender_rows = None
+    if args.sender_side:
+        print("sender side (one process)", flush=True)
+        sender_rows = run_sender_side(sizes, args.agent_tree.resolve())
     runs = []
     for i in range(args.repeat):
         base = Path(tempfile.mkdtemp(prefix="pd-bench-", dir="/tmp"))
         profile = args.profile_agent if i == 0 else None
-        procs = Processes(base, profile)
+        procs = Processes(base, profile, args.agent_tree.resolve())
         try:
             procs.start()
             print(f"run {i + 1}/{args.repeat}", flush=True)
@@ -422,11 +572,15 @@ def main() -> int:
         finally:
             procs.stop()
             shutil.rmtree(base, ignore_errors=True)
+    if not runs:
+        return 0
     rows = medians(runs)
     print()
     print(markdown(rows, args.repeat))
     if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "medians": rows}, indent=2))
+        args.json.write_text(
+            json.dumps({"runs": runs, "medians": rows, "sender_side": sender_rows}, indent=2)
+        )
     failed = [row["n"] for row in rows if not row["all_delivered"]]
     if failed:
         print(f"NOT every subscriber got every notice at N = {failed}", file=sys.stderr)
