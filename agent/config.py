@@ -231,6 +231,9 @@ class DetectConfig:
 
     dmi_dir: Path = Path("/sys/class/dmi/id")
     probe_timeout_s: float = 1.0
+    # Without a DMI answer, keep probing (with backoff) this long before concluding there is no cloud: the
+    # network may not be up yet at boot.
+    probe_retry_s: float = 60.0
 
 
 # --- GPU and host health (agent/sources/nvml.py, agent/sources/host.py) ---------------------------------

@@ -146,6 +146,7 @@ async def test_nothing_detected_disables_with_advice(base: Path) -> None:
         "cloud": "auto",
         "detect.dmi_dir": str(dmi),
         "detect.probe_timeout_s": 0.2,
+        "detect.probe_retry_s": 0.0,
     }
     async with running_agent(base, settings=settings) as agent:
         assert agent.socket_path is not None

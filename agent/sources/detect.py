@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from agent.sources.alibaba import AlibabaSource
 from agent.sources.aws import TOKEN_PATH, TOKEN_TTL_HEADER, AwsSource
 from agent.sources.azure import AzureSource
 from agent.sources.base import Sink, Source
-from agent.sources.cloud_http import CloudError, MetadataClient
+from agent.sources.cloud_http import Backoff, CloudError, MetadataClient
 from agent.sources.gcp import GcpSource, gcp_endpoint
 from agent.sources.tencent import TencentSource
 
@@ -198,13 +199,18 @@ class DetectingSource(Source):
 
     async def run(self, sink: Sink) -> None:
         timeout_s = self.config.detect.probe_timeout_s
+        give_up = time.monotonic() + self.config.detect.probe_retry_s
+        backoff = Backoff(1.0, 15.0)
         self.detected = await probe_all(self.config, timeout_s)
+        while self.detected is None and time.monotonic() < give_up:
+            await asyncio.sleep(min(backoff.next_delay(), max(0.0, give_up - time.monotonic())))
+            self.detected = await probe_all(self.config, timeout_s)
         if self.detected is None:
             vendor = self.dmi.get("sys_vendor") or "unreadable"
             sink.disable(
-                f"no cloud detected: DMI sys_vendor is {vendor!r} and no metadata service answered within "
-                f'{timeout_s:g} s; set cloud = "aws" (or gcp, azure, alibaba, tencent) to choose one, '
-                'or cloud = "none"'
+                f"no cloud detected: DMI sys_vendor is {vendor!r} and no metadata service answered "
+                f"(probed for {self.config.detect.probe_retry_s:g} s, {timeout_s:g} s per try); "
+                'set cloud = "aws" (or gcp, azure, alibaba, tencent) to choose one, or cloud = "none"'
             )
             return
         log.info("cloud_detected", cloud=self.detected, method="probe")
