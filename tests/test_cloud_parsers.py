@@ -50,6 +50,16 @@ def test_aws_instance_action(body: bytes, action: str, deadline: datetime) -> No
     )
 
 
+def test_aws_hibernate_starts_at_once() -> None:
+    obs = aws.parse_instance_action(b'{"action": "hibernate", "time": "2026-03-01T12:02:00Z"}', NOW)
+    assert obs.deadline == NOW
+
+
+def test_aws_terminate_keeps_the_stated_time() -> None:
+    obs = aws.parse_instance_action(b'{"action": "terminate", "time": "2026-03-01T12:02:00Z"}', NOW)
+    assert obs.deadline == at("2026-03-01T12:02:00")
+
+
 def test_aws_instance_action_key_does_not_depend_on_time() -> None:
     """The popular mock answers now + 2 min on every poll: the key must stay the same."""
     first = aws.parse_instance_action(b'{"action": "terminate", "time": "2026-03-01T12:02:00Z"}')

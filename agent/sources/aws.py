@@ -16,7 +16,7 @@ import structlog
 
 from agent.config import AwsConfig
 from agent.errors import NoticeError
-from agent.notice import Kind, Observation, Severity, parse_time
+from agent.notice import Kind, Observation, Severity, parse_time, utcnow
 from agent.sources.base import Sink, Source
 from agent.sources.cloud_http import (
     Backoff,
@@ -80,8 +80,9 @@ def _time(text: Any, what: str) -> datetime:
         raise ParseError(f"{what}: {exc}") from exc
 
 
-def parse_instance_action(body: bytes) -> Observation:
-    """``spot/instance-action``: ``{"action": "terminate", "time": "2017-09-18T08:22:00Z"}``."""
+def parse_instance_action(body: bytes, now: datetime | None = None) -> Observation:
+    """``spot/instance-action``: ``{"action": "terminate", "time": "2017-09-18T08:22:00Z"}``. Hibernation
+    starts at once whatever ``time`` says, so its deadline is ``now`` when given."""
     doc = _json(body, "spot/instance-action")
     if not isinstance(doc, Mapping):
         raise ParseError(f"spot/instance-action: expected an object, got {doc!r}")
@@ -90,6 +91,8 @@ def parse_instance_action(body: bytes) -> Observation:
         raise ParseError(f"spot/instance-action: unknown action {action!r}")
     action = action.lower()
     deadline = _time(doc.get("time"), "spot/instance-action")
+    if action == "hibernate" and now is not None:
+        deadline = min(deadline, now)
     return Observation(
         key=KEY_SPOT,
         kind=Kind.TERMINATION,
@@ -314,7 +317,7 @@ class AwsSource(Source):
     async def _poll_part(self, part: str, state: LevelState) -> None:
         if part == "spot":
             body = await self._read(INSTANCE_ACTION)
-            state.set(part, [parse_instance_action(body)] if body is not None else [])
+            state.set(part, [parse_instance_action(body, utcnow())] if body is not None else [])
         elif part == "rebalance":
             body = await self._read(REBALANCE)
             state.set(part, [parse_rebalance(body)] if body is not None else [])
