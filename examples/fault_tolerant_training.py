@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer = build(args.width, args.seed)
     trained = nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
     store = CheckpointStore(args.checkpoint_dir / f"rank-{rank}", keep=args.keep, socket_path=args.socket)
-    signals = None if args.no_signals else (15, 10)  # SIGTERM, SIGUSR1
+    signals = None if args.no_signals else (signal.SIGTERM, signal.SIGUSR1)
     watcher = Watcher(args.socket, signals=signals).start()
     schedule = CheckpointSchedule(args.interval_s, args.socket)
     coordinator = Coordinator(watcher, schedule, every=args.every)

@@ -154,6 +154,7 @@ class AsyncWatcher(WatcherBase):
                 StreamError,
                 ValueError,
                 asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
             ) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
             finally:
