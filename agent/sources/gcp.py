@@ -193,15 +193,10 @@ class GcpSource(Source):
         if not self._failing:
             self._sink.ok(endpoint=self.endpoint, watching=sorted(self._etags))
 
-    async def _get(
-        self, path: str, params: Mapping[str, str] | None = None, timeout_s: float | None = None
-    ) -> bytes:
-        reply = await self._client.request("GET", BASE + path, params=params, timeout_s=timeout_s)
+    async def _get(self, path: str) -> bytes:
+        reply = await self._client.request("GET", BASE + path)
         if reply.status != 200:
             raise status_error("GET", self.endpoint + BASE + path, reply)
-        etag = reply.headers.get("ETag")
-        if etag:
-            self._etags[path] = etag
         return reply.body
 
     async def _read_context(self, sink: Sink) -> None:
