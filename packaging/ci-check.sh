@@ -106,14 +106,17 @@ if [ "$mode" = debootstrap ]; then
   echo "ok: purge leaves nothing behind"
 else
   step "unpack into a throwaway root (no maintainer scripts)"
-  mkdir -p "$root" && dpkg-deb -x "$deb" "$root"
+  # The units need the standard targets and /bin/kill to verify: take this machine's.
+  mkdir -p "$root/lib/systemd" "$root/bin" && cp -a /lib/systemd/system "$root/lib/systemd/" && cp /bin/kill "$root/bin/"
+  dpkg-deb -x "$deb" "$root"
   "$root/opt/preemptd/bin/python" -m agent version | grep -q "^preemptd $version " || fail "preemptd version"
   systemd-analyze verify --root="$root" preemptd.socket preemptd.service || fail "systemd-analyze verify"
+  echo "ok: preemptd version runs and the units verify in the unpacked root"
 fi
 
 step "rpm"
 if command -v rpmbuild >/dev/null; then
-  bash packaging/rpm/build.sh "$work/rpm" 2>&1 | grep -v "^WARNING: Location '" | tail -5
+  bash packaging/rpm/build.sh "$work/rpm" >"$work/rpm.log" 2>&1 || { tail -40 "$work/rpm.log"; fail "rpmbuild"; }
   rpm=$(ls "$work"/rpm/RPMS/*/preemptd-*.rpm 2>/dev/null | head -1)
   [ -n "$rpm" ] || fail "no rpm was built"
   rpm -qpl "$rpm" 2>/dev/null > "$work/rpmfiles"
