@@ -81,6 +81,13 @@ class SignalRuleConfig:
     escalate_after_s: float = 0.0
     escalate_signal: str = "SIGKILL"
 
+    def __post_init__(self) -> None:
+        # Checked when the file is loaded, so a bad rule fails `preemptd run` and a reload before anything
+        # starts; agent/actions/validate.py holds the checks.
+        from agent.actions.validate import check_signal_rule
+
+        check_signal_rule(self)
+
 
 @dataclass(frozen=True)
 class HookConfig:
@@ -94,6 +101,11 @@ class HookConfig:
     drills: bool = True
     timeout_s: float = 30.0
     env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from agent.actions.validate import check_hook
+
+        check_hook(self)
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,11 @@ class WebhookConfig:
     retries: int = 3
     backoff_s: float = 1.0
     backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        from agent.actions.validate import check_webhook
+
+        check_webhook(self)
 
 
 @dataclass(frozen=True)

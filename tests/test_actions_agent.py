@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from agent.actions import ActionsComponent
-from agent.daemon import Agent, build_components
+from agent.daemon import Agent
 from agent.errors import ConfigError
 from tests.actions_support import HANDLER, Child
 from tests.support import SSEClient, agent_config, http_json, running_agent
@@ -120,12 +120,11 @@ async def test_metrics_count_actions(base: Path) -> None:
     assert 'preemptd_actions_total{action="hook",outcome="ok"} 1.0' in text
 
 
-def test_a_bad_actions_config_fails_before_the_agent_starts(base: Path) -> None:
-    config = agent_config(base, {"actions.signals": [{"signal": "SIGNOPE", "cmdline": ["x"]}]})
+def test_a_bad_signal_rule_fails_when_the_configuration_is_loaded(base: Path) -> None:
     with pytest.raises(
-        ConfigError, match=r"actions.signals\[0\] \(signal\) signal: unknown signal 'SIGNOPE'"
+        ConfigError, match=r"actions.signals \(rule 'signal'\) signal: unknown signal 'SIGNOPE'"
     ):
-        build_components(config)
+        agent_config(base, {"actions.signals": [{"signal": "SIGNOPE", "cmdline": ["x"]}]})
 
 
 async def test_dry_run_in_the_agent_signals_nobody(base: Path) -> None:

@@ -12,7 +12,7 @@ from structlog.testing import capture_logs
 
 from agent.actions.common import Recent, TaskSet
 from agent.actions.hooks import HookEngine
-from agent.config import HookConfig
+from agent.config import HookConfig, load_config
 from agent.errors import ConfigError
 from agent.notice import EventType, Kind
 from tests.actions_support import event, make_notice
@@ -171,6 +171,8 @@ async def test_a_hook_does_not_inherit_the_services_notify_socket(harness: Harne
     assert "NOTIFY_SOCKET" not in json.loads(out.read_text())
 
 
-def test_an_empty_argv_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"actions.hooks\[0\]: argv is empty"):
-        HookEngine([HookConfig()], concurrency=1, output_max_bytes=1, tasks=TaskSet("t"), recent=Recent(1))
+def test_an_empty_argv_fails_when_the_configuration_is_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[[actions.hooks]]\nname = "drain"\nargv = []\n')
+    with pytest.raises(ConfigError, match=r"actions.hooks \(drain\): argv is empty"):
+        load_config(path, env={})

@@ -159,5 +159,5 @@ def test_redact_keeps_only_scheme_host_and_port() -> None:
 
 
 def test_a_url_that_is_not_http_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"actions.webhooks\[0\]: url must be an http"):
-        WebhookEngine([WebhookConfig(url="ftp://x")], tasks=TaskSet("t"), recent=Recent(1))
+    with pytest.raises(ConfigError, match=r"actions.webhooks \(ftp://x\): url must be an http"):
+        WebhookConfig(url="ftp://x/secret")

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from agent.actions.common import Recent, TaskSet, applies, log, trigger_of
+from agent.actions.validate import check_hook
 from agent.config import HookConfig
 from agent.errors import ConfigError
 from agent.notice import Event, Notice, format_time, utcnow
@@ -33,13 +34,7 @@ KILL_WAIT_S = 5.0
 def validate_hooks(hooks: Iterable[HookConfig]) -> tuple[HookConfig, ...]:
     checked = []
     for index, hook in enumerate(hooks):
-        where = f"actions.hooks[{index}]"
-        if not hook.argv or not hook.argv[0]:
-            raise ConfigError(
-                f'{where}: argv is empty; give the command as a list, e.g. ["/usr/local/bin/x", "--y"]'
-            )
-        if hook.timeout_s <= 0:
-            raise ConfigError(f"{where}: timeout_s must be positive, got {hook.timeout_s}")
+        check_hook(hook, f"actions.hooks[{index}]")
         checked.append(hook)
     return tuple(checked)
 

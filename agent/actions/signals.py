@@ -22,8 +22,8 @@ from typing import Any
 import psutil
 
 from agent.actions.common import Recent, TaskSet, applies, log
+from agent.actions.validate import check_signal_rule, parse_signal
 from agent.config import SignalRuleConfig
-from agent.errors import ConfigError
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 
 # Where a cgroup path is looked up: the unified (v2) hierarchy, the hybrid layout's v2 mount, then the v1
@@ -41,19 +41,6 @@ class TargetError(Exception):
     """A target could not be resolved to processes (no such unit, unreadable PID file, no NVML)."""
 
 
-def parse_signal(value: str, where: str) -> signal.Signals:
-    """``SIGTERM``, ``TERM``, ``term`` or ``15`` → ``signal.SIGTERM``; else ConfigError naming ``where``."""
-    text = value.strip().upper()
-    try:
-        if text.isdigit():
-            return signal.Signals(int(text))
-        return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
-    except (KeyError, ValueError):
-        raise ConfigError(
-            f"{where}: unknown signal {value!r}; use a name such as 'SIGTERM', 'SIGUSR1' or 'SIGINT'"
-        ) from None
-
-
 @dataclass(frozen=True)
 class SignalRule:
     """A validated ``[[actions.signals]]`` rule."""
@@ -66,18 +53,8 @@ class SignalRule:
     @classmethod
     def from_config(cls, config: SignalRuleConfig, index: int) -> SignalRule:
         where = f"actions.signals[{index}] ({config.name})"
-        patterns: list[re.Pattern[str]] = []
-        for text in config.cmdline:
-            try:
-                patterns.append(re.compile(text))
-            except re.error as exc:
-                raise ConfigError(f"{where}: cmdline pattern {text!r} is not a valid regex: {exc}") from None
-        if config.escalate_after_s < 0:
-            raise ConfigError(f"{where}: escalate_after_s must be >= 0, got {config.escalate_after_s}")
-        if not (config.gpu_processes or config.units or config.cgroups or config.pid_files or config.cmdline):
-            raise ConfigError(
-                f"{where}: no target; set gpu_processes = true, or units, cgroups, pid_files or cmdline"
-            )
+        check_signal_rule(config, where)
+        patterns = [re.compile(text) for text in config.cmdline]
         return cls(
             config=config,
             send=parse_signal(config.signal, where + " signal"),

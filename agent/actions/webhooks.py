@@ -11,33 +11,19 @@ import string
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from agent.actions.common import Recent, TaskSet, applies, log, trigger_of
+from agent.actions.validate import check_webhook, redact
 from agent.config import WebhookConfig
-from agent.errors import ConfigError
 from agent.notice import Event, Notice, format_time, utcnow
-
-
-def redact(url: str) -> str:
-    """``https://hooks.example.com:8443/services/T0/B0/secret?token=x`` → ``https://hooks.example.com:8443``."""
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}"
 
 
 def validate_webhooks(hooks: Iterable[WebhookConfig]) -> tuple[WebhookConfig, ...]:
     checked = []
     for index, hook in enumerate(hooks):
-        where = f"actions.webhooks[{index}]"
-        parts = urlsplit(hook.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"{where}: url must be an http:// or https:// URL, got {redact(hook.url)!r}")
-        if hook.timeout_s <= 0 or hook.retries < 0 or hook.backoff_s < 0:
-            raise ConfigError(f"{where}: timeout_s must be positive and retries, backoff_s not negative")
+        check_webhook(hook, f"actions.webhooks[{index}]")
         checked.append(hook)
     return tuple(checked)
 

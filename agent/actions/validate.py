@@ -1,0 +1,78 @@
+"""Checks of the ``[[actions.*]]`` tables, run when the configuration is loaded (from the section classes'
+``__post_init__``): a wrong signal name, regular expression, empty command or non-HTTP URL stops
+``preemptd run`` (and a reload) with the rule and what to do. Standard library only."""
+
+from __future__ import annotations
+
+import re
+import signal
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from agent.errors import ConfigError
+
+if TYPE_CHECKING:
+    from agent.config import HookConfig, SignalRuleConfig, WebhookConfig
+
+
+def parse_signal(value: str, where: str) -> signal.Signals:
+    """``SIGTERM``, ``TERM``, ``term`` or ``15`` → ``signal.SIGTERM``; else ConfigError naming ``where``."""
+    text = value.strip().upper()
+    try:
+        if text.isdigit():
+            return signal.Signals(int(text))
+        return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"{where}: unknown signal {value!r}; use a name such as 'SIGTERM', 'SIGUSR1' or 'SIGINT'"
+        ) from None
+
+
+def check_signal_rule(rule: SignalRuleConfig, where: str | None = None) -> None:
+    where = where or f"actions.signals (rule {rule.name!r})"
+    parse_signal(rule.signal, where + " signal")
+    parse_signal(rule.escalate_signal, where + " escalate_signal")
+    for text in rule.cmdline:
+        try:
+            re.compile(text)
+        except re.error as exc:
+            raise ConfigError(f"{where}: cmdline pattern {text!r} is not a valid regex: {exc}") from None
+    if rule.escalate_after_s < 0:
+        raise ConfigError(f"{where}: escalate_after_s must be >= 0, got {rule.escalate_after_s}")
+    if not (rule.gpu_processes or rule.units or rule.cgroups or rule.pid_files or rule.cmdline):
+        raise ConfigError(
+            f"{where}: no target; set gpu_processes = true, or units, cgroups, pid_files or cmdline"
+        )
+
+
+def check_hook(hook: HookConfig, where: str | None = None) -> None:
+    where = where or f"actions.hooks ({hook.name or 'unnamed'})"
+    if not hook.argv or not hook.argv[0]:
+        raise ConfigError(
+            f'{where}: argv is empty; give the command as a list, e.g. ["/usr/local/bin/x", "--y"]'
+        )
+    if hook.timeout_s <= 0:
+        raise ConfigError(f"{where}: timeout_s must be positive, got {hook.timeout_s}")
+
+
+def redact(url: str) -> str:
+    """``https://hooks.example.com:8443/services/T0/B0/secret?token=x`` → ``https://hooks.example.com:8443``."""
+    try:
+        parts = urlsplit(url)
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "(unparsable URL)"
+    return f"{parts.scheme}://{parts.hostname or '?'}{port}"
+
+
+def check_webhook(hook: WebhookConfig, where: str | None = None) -> None:
+    where = where or f"actions.webhooks ({hook.name or redact(hook.url)})"
+    try:
+        parts = urlsplit(hook.url)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        raise ConfigError(f"{where}: url is not a valid URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where}: url must be an http:// or https:// URL, got {redact(hook.url)!r}")
+    if hook.timeout_s <= 0 or hook.retries < 0 or hook.backoff_s < 0:
+        raise ConfigError(f"{where}: timeout_s must be positive and retries, backoff_s not negative")
