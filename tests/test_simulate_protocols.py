@@ -343,6 +343,16 @@ async def test_azure_instance_metadata_names_the_vm(
     assert await get(http, url, headers=AZ) == (200, "vm-a")
 
 
+async def test_azure_managed_identity_token(http: aiohttp.ClientSession, azure_sim: AzureSimulator) -> None:
+    url = (
+        azure_sim.url
+        + "/metadata/identity/oauth2/token?api-version=2018-02-01&resource=https://management.azure.com/"
+    )
+    status, body = await get(http, url, headers=AZ)
+    doc = json.loads(body)
+    assert (status, doc["token_type"], doc["resource"]) == (200, "Bearer", "https://management.azure.com/")
+
+
 # --- Alibaba and Tencent ---------------------------------------------------------------------------------
 
 

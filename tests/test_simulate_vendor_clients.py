@@ -1,5 +1,5 @@
-"""The clouds' own client libraries against the simulators: botocore's IMDSv2 fetchers and google-auth's
-metadata client. Neither is a dependency of preemptd; each test runs where the library is installed."""
+"""The clouds' own client libraries against the simulators: botocore's IMDSv2 fetchers, google-auth's
+metadata client and azure-identity's managed identity. Neither is a dependency of preemptd; each test runs where the library is installed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from agent.simulate import AwsSimulator, GcpSimulator
+from agent.simulate import AwsSimulator, AzureSimulator, GcpSimulator
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -93,3 +93,12 @@ async def test_google_auth_compute_credentials_refresh(gce_env: Any) -> None:
     credentials = compute_engine.Credentials()
     await asyncio.to_thread(credentials.refresh, google.auth.transport.requests.Request())
     assert credentials.token == "ya29.simulated-token"
+
+
+async def test_azure_identity_gets_a_managed_identity_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    identity = pytest.importorskip("azure.identity")
+    async with AzureSimulator() as sim:
+        monkeypatch.setenv("AZURE_POD_IDENTITY_AUTHORITY_HOST", sim.url)
+        credential = identity.ManagedIdentityCredential()
+        token = await asyncio.to_thread(credential.get_token, "https://management.azure.com/.default")
+        assert token.token.startswith("eyJ")

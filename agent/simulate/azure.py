@@ -225,6 +225,7 @@ class AzureSimulator(Simulator):
         router.add_post(EVENTS_PATH, self._h_start_requests)
         router.add_get("/metadata/instance", self._h_instance)
         router.add_get("/metadata/instance/{tail:.*}", self._h_instance)
+        router.add_get("/metadata/identity/oauth2/token", self._h_identity_token)
         router.add_route("*", "/{tail:.*}", self._h_other)
 
     def _throttled(self, request: web.Request) -> bool:
@@ -304,6 +305,28 @@ class AzureSimulator(Simulator):
                 return _bad("Bad request. format=text is only for leaf values")
             return web.Response(text=str(node), content_type="text/plain")
         return web.json_response(node)
+
+    async def _h_identity_token(self, request: web.Request) -> web.Response:
+        """Managed identity, for SDKs (azure-identity) pointed here with AZURE_POD_IDENTITY_AUTHORITY_HOST."""
+        denied = self._check(request, INSTANCE_API_VERSIONS)
+        if denied:
+            return denied
+        resource = request.query.get("resource")
+        if not resource:
+            return _bad("Required audience parameter not specified")
+        now = int(time.time())
+        return web.json_response(
+            {
+                "access_token": "eyJ0eXAiOiJKV1QiLCJhbGciOiJub25lIn0.simulated.",
+                "client_id": "00000000-0000-0000-0000-000000000001",
+                "expires_in": "86399",
+                "expires_on": str(now + 86399),
+                "ext_expires_in": "86399",
+                "not_before": str(now),
+                "resource": resource,
+                "token_type": "Bearer",
+            }
+        )
 
     async def _h_other(self, request: web.Request) -> web.Response:
         return web.json_response({"error": "Not found"}, status=404)
