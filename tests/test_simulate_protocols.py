@@ -89,6 +89,10 @@ async def test_aws_token_put_with_forwarded_for_is_rejected(
         assert response.status == 403
 
 
+async def test_aws_token_by_get_is_405(http: aiohttp.ClientSession, aws_sim: AwsSimulator) -> None:
+    assert (await get(http, aws_sim.url + "/latest/api/token"))[0] == 405
+
+
 async def test_aws_get_without_token_is_401(http: aiohttp.ClientSession, aws_sim: AwsSimulator) -> None:
     assert (await get(http, aws_sim.url + "/latest/meta-data/instance-id"))[0] == 401
 

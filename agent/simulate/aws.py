@@ -215,6 +215,7 @@ class AwsSimulator(Simulator):
 
     def routes(self, router: web.UrlDispatcher) -> None:
         router.add_route("PUT", "/{tail:.*}", self._h_put)
+        router.add_get("/latest/api/token", self._h_not_allowed)
         router.add_get("/", self._h_root)
         router.add_get("/{version}", self._h_version)
         router.add_get("/{version}/", self._h_version)
@@ -264,7 +265,7 @@ class AwsSimulator(Simulator):
         return raw("dynamic\nmeta-data\nuser-data", "text/plain")
 
     async def _h_not_allowed(self, request: web.Request) -> web.Response:
-        if request.method in ("GET", "HEAD"):
+        if request.method in ("GET", "HEAD") and request.path != "/latest/api/token":
             denied = self._authorised(request)
             return denied or _error(404, "Not Found")
         return _error(405, "Method Not Allowed")
