@@ -25,6 +25,7 @@ fail() { echo "ci-check: FAILED: $*" >&2; exit 1; }
 step() { echo "== packaging: $*"; }
 
 step "tools"
+[ "$(id -u)" = 0 ] || fail "run as root (it installs tools, and installs the package in a chroot)"
 need=()
 command -v dpkg-deb >/dev/null || need+=(dpkg)
 command -v lintian >/dev/null || need+=(lintian)
