@@ -90,6 +90,22 @@ def settings_for(cloud: str, url: str, extra: Mapping[str, Any] | None = None) -
     return settings
 
 
+async def status_until(
+    socket: Path, predicate: Callable[[dict[str, Any]], bool], what: str, timeout: float = 10.0
+) -> dict[str, Any]:
+    """Poll ``/v1/status`` until ``predicate`` holds: a source's health and identity have no event of their
+    own. Bounded, and fails saying what it waited for."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    doc: dict[str, Any] = {}
+    while loop.time() < end:
+        _, doc = await http_json(socket, "GET", "/v1/status")
+        if predicate(doc):
+            return doc
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"status never showed {what}: {doc.get('sources')}")
+
+
 @dataclass
 class Rig:
     sim: Simulator
@@ -112,16 +128,7 @@ class Rig:
     async def status_until(
         self, predicate: Callable[[dict[str, Any]], bool], what: str, timeout: float = 10.0
     ) -> dict[str, Any]:
-        """Poll ``/v1/status`` until ``predicate`` holds: a source's health has no event of its own."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        doc: dict[str, Any] = {}
-        while loop.time() < end:
-            doc = await self.status()
-            if predicate(doc):
-                return doc
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"status never showed {what}: {doc.get('sources')}")
+        return await status_until(self.socket, predicate, what, timeout)
 
     def notice_events(self, notice_id: str) -> list[str]:
         """The types of every event this client received about ``notice_id``, in order."""

@@ -3,10 +3,7 @@ without DMI a background probe of the configured endpoints finds the cloud — s
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,21 +12,10 @@ from agent.sources import build_sources
 from agent.sources.aws import AwsSource
 from agent.sources.detect import AZURE_ASSET_TAG, DetectingSource, probe_all
 from agent.sources.gcp import GcpSource
-from tests.cloud_harness import QUIET, closed_port_url
-from tests.support import SSEClient, agent_config, http_json, running_agent
+from tests.cloud_harness import QUIET, closed_port_url, status_until
+from tests.support import SSEClient, agent_config, running_agent
 
 pytestmark = pytest.mark.timeout(30)
-
-
-async def status_until(socket: Path, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """Poll status until ``predicate`` holds (identity and health have no event of their own)."""
-    doc: dict[str, Any] = {}
-    for _ in range(500):
-        _, doc = await http_json(socket, "GET", "/v1/status")
-        if predicate(doc):
-            return doc
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"status never got there: {doc}")
 
 
 def dmi_dir(base: Path, **values: str) -> Path:
@@ -108,7 +94,7 @@ async def test_detected_cloud_runs_and_identifies(base: Path) -> None:
                 event = await client.until(lambda e: e["type"] == "notice")
             finally:
                 await client.close()
-            await status_until(agent.socket_path, lambda d: bool(d["agent"]["instance"]))
+            await status_until(agent.socket_path, lambda d: bool(d["agent"]["instance"]), "the instance")
             source = agent.sources["cloud"]
             assert isinstance(source, DetectingSource)
             assert (
@@ -131,7 +117,7 @@ async def test_detected_azure_can_be_acknowledged(base: Path) -> None:
         async with running_agent(base, settings=settings) as agent:
             assert agent.socket_path is not None
             sim.trigger({"type": "event", "event_type": "Preempt", "event_id": "P-9"})
-            await status_until(agent.socket_path, lambda d: bool(d["notices"]))
+            await status_until(agent.socket_path, lambda d: bool(d["notices"]), "the notice")
             source = agent.sources["cloud"]
             assert isinstance(source, DetectingSource)
             await source.acknowledge("P-9")
@@ -150,7 +136,9 @@ async def test_nothing_detected_disables_with_advice(base: Path) -> None:
     }
     async with running_agent(base, settings=settings) as agent:
         assert agent.socket_path is not None
-        doc = await status_until(agent.socket_path, lambda d: d["sources"]["cloud"]["state"] == "disabled")
+        doc = await status_until(
+            agent.socket_path, lambda d: d["sources"]["cloud"]["state"] == "disabled", "the source disabled"
+        )
         assert "cloud = " in doc["sources"]["cloud"]["detail"]["why"]
 
 
