@@ -95,3 +95,9 @@ async def test_drill_checkpoint_is_resumed_by_lightning(base: Path) -> None:
     await asyncio.to_thread(second.fit, Tiny(), loader(), ckpt_path=resumed.resume_path())
     same = all(torch.equal(v, first.state_dict()[k]) for k, v in record.start_weights.items())
     assert (3, True, 6) == (record.start_step, same, second.global_step)
+
+
+def test_periodic_checkpoints_keep_the_newest(base: Path) -> None:
+    preemptd = PreemptdCallback(base / "ckpt", keep=2, interval_s=1e-9, socket_path=base / "none.sock")
+    trainer(4, preemptd).fit(Tiny(), loader())
+    assert ([4, 3], [False] * 4) == (preemptd.store.steps(), [c.emergency for c in preemptd.saved])
