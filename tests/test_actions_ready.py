@@ -111,6 +111,7 @@ async def test_the_grace_never_runs_past_the_deadline_margin(harness: Harness) -
 async def test_without_participants_ready_can_be_immediate(harness: Harness) -> None:
     engine = harness.engine(without_participants="immediately")
     engine.on_event(event(EventType.NOTICE, make_notice()))
+    await harness.tasks.drain()
     assert ["no_participants"] == [data["reason"] for _, data in harness.published]
 
 
@@ -121,6 +122,7 @@ async def test_a_participant_whose_process_is_gone_is_not_waited_for(harness: Ha
         Report(**{**gone.__dict__, "client": {**gone.client, "pid": 2**22 + 7}, "peer_pid": None})
     )
     engine.on_event(event(EventType.NOTICE, make_notice()))
+    await harness.tasks.drain()
     assert [([], "no_participants")] == [(d["participants"], d["reason"]) for _, d in harness.published]
 
 
@@ -138,6 +140,7 @@ async def test_a_cleared_notice_never_becomes_ready(harness: Harness) -> None:
 async def test_notices_of_other_kinds_need_no_ready(harness: Harness) -> None:
     engine = harness.engine(without_participants="immediately")
     engine.on_event(event(EventType.NOTICE, make_notice(Kind.GPU_DEGRADED, severity=Severity.WARNING)))
+    await harness.tasks.drain()
     assert [] == harness.published
 
 

@@ -157,18 +157,20 @@ class ReadyEngine:
         log.info(
             "ready_waiting", notice_id=notice.id, participants=sorted(expected), grace_s=round(cutoff, 3)
         )
+        # Even an immediate ready goes through a task: this runs inside the agent's dispatch of the notice
+        # event, and every other listener must see the notice before anyone sees its ready.
         if not expected and self.config.without_participants == "immediately":
-            self._declare(pending, "no_participants")
-            return
-        if cutoff <= 0:
-            self._declare(pending, "deadline")
-            return
-        pending.timer = self._tasks.spawn(self._expire(pending), f"ready-grace:{notice.id}")
+            delay, reason = 0.0, "no_participants"
+        elif cutoff <= 0:
+            delay, reason = 0.0, "deadline"
+        else:
+            delay, reason = cutoff, "grace" if expected else "no_participants"
+        pending.timer = self._tasks.spawn(self._expire(pending, delay, reason), f"ready-grace:{notice.id}")
 
-    async def _expire(self, pending: Pending) -> None:
-        await asyncio.sleep(pending.cutoff_s)
+    async def _expire(self, pending: Pending, delay: float, reason: str) -> None:
+        await asyncio.sleep(delay)
         if pending.ready_at is None and not pending.cleared:
-            self._declare(pending, "grace" if pending.expected else "no_participants")
+            self._declare(pending, reason)
 
     def _declare(self, pending: Pending, reason: str) -> None:
         if pending.timer is not None and pending.timer is not asyncio.current_task():
