@@ -184,8 +184,13 @@ async def test_on_ready_hooks_run_when_the_notice_becomes_ready(base: Path) -> N
         "actions.hooks": [{"name": "on-ready", "argv": [sys.executable, "-c", script], "on": ["ready"]}],
     }
     async with running_agent(base, settings) as agent:
-        _, body = await http_json(
-            agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60}
-        )
+        events = await SSEClient.connect(agent.config.socket)
+        try:
+            _, body = await http_json(
+                agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60}
+            )
+            await events.until(lambda e: e["type"] == "ready")
+        finally:
+            await events.close()
         await actions_of(agent).drain()
     assert f"ready {body['notice']['id']}" == out.read_text()
