@@ -15,10 +15,16 @@ from agent.simulate import SIMULATORS, SimulatorError, simulator_for
 
 ENDPOINT_HINTS = {
     "aws": "PREEMPTD_CLOUD=aws PREEMPTD_AWS__ENDPOINT={url}",
-    "gcp": "PREEMPTD_CLOUD=gcp PREEMPTD_GCP__ENDPOINT={url}   (Google's clients: GCE_METADATA_HOST={hostport})",
+    "gcp": "PREEMPTD_CLOUD=gcp PREEMPTD_GCP__ENDPOINT={url}",
     "azure": "PREEMPTD_CLOUD=azure PREEMPTD_AZURE__ENDPOINT={url}",
     "alibaba": "PREEMPTD_CLOUD=alibaba PREEMPTD_ALIBABA__ENDPOINT={url}",
     "tencent": "PREEMPTD_CLOUD=tencent PREEMPTD_TENCENT__ENDPOINT={url}",
+}
+
+CLIENT_HINTS = {
+    "aws": "AWS_EC2_METADATA_SERVICE_ENDPOINT={url}",
+    "gcp": "GCE_METADATA_HOST={hostport} GCE_METADATA_IP={hostport}",
+    "azure": "AZURE_POD_IDENTITY_AUTHORITY_HOST={url} (managed identity)",
 }
 
 
@@ -82,8 +88,12 @@ async def serve(args: argparse.Namespace) -> int:
     try:
         url = sim.url
         print(f"preemptd simulate {args.cloud}: listening on {url}", flush=True)
-        hint = ENDPOINT_HINTS[args.cloud].format(url=url, hostport=f"{args.host}:{port}")
+        hint = ENDPOINT_HINTS[args.cloud].format(url=url)
         print(f"  run the agent against it:  {hint} preemptd run", flush=True)
+        if args.cloud in CLIENT_HINTS:
+            print(
+                f"  the cloud's own SDKs:  {CLIENT_HINTS[args.cloud].format(url=url, hostport=f'{args.host}:{port}')}"
+            )
         print(f"  control: curl {url}/_sim/state ; curl -X POST {url}/_sim/event -d '{{...}}'", flush=True)
         if args.port_file:
             args.port_file.write_text(f"{port}\n")
