@@ -91,9 +91,8 @@ async def serve(args: argparse.Namespace) -> int:
         hint = ENDPOINT_HINTS[args.cloud].format(url=url)
         print(f"  run the agent against it:  {hint} preemptd run", flush=True)
         if args.cloud in CLIENT_HINTS:
-            print(
-                f"  the cloud's own SDKs:  {CLIENT_HINTS[args.cloud].format(url=url, hostport=f'{args.host}:{port}')}"
-            )
+            sdk = CLIENT_HINTS[args.cloud].format(url=url, hostport=f"{args.host}:{port}")
+            print(f"  the cloud's own SDKs:  {sdk}", flush=True)
         print(f"  control: curl {url}/_sim/state ; curl -X POST {url}/_sim/event -d '{{...}}'", flush=True)
         if args.port_file:
             args.port_file.write_text(f"{port}\n")
