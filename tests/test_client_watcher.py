@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from agent.client import Backoff, Notice, Watcher
 from agent.client.aio import AsyncWatcher
+from agent.notice import Kind
 from tests.support import http_json, running_agent
 
 
@@ -131,3 +133,31 @@ async def test_async_watcher_turns_a_signal_into_a_trigger(base: Path) -> None:
         trigger = await watcher.wait(10)
     assert trigger is not None
     assert ("signal", signal.SIGUSR1) == (trigger.reason, trigger.signum)
+
+
+async def test_reconnect_with_last_event_id_replays_what_happened_while_disconnected(base: Path) -> None:
+    """A notice raised and cleared while the watcher was away still reaches it, and nothing it already had is
+    announced again: a plain reconnect would get a snapshot (the first drill again, not the second one)."""
+    seen: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def record(kind: str) -> Callable[[Notice], None]:
+        return lambda n: loop.call_soon_threadsafe(seen.put_nowait, (kind, n.id))
+
+    async with running_agent(base, components=[]) as agent:
+        watcher = Watcher(
+            base / "a.sock",
+            backoff=Backoff(0.3, 0.3),
+            on_notice=record("notice"),
+            on_cleared=record("cleared"),
+        )
+        with watcher:
+            first = agent.drill(Kind.TERMINATION, 30.0, None, "drill while connected", {})
+            assert ("notice", first.id) == await asyncio.wait_for(seen.get(), 10)
+            for sub in list(agent.hub.subscribers):
+                sub.kick("test: drop the stream")
+            notice = agent.drill(Kind.TERMINATION, 30.0, None, "drill while away", {})
+            agent.retract(notice.source, notice.key, "over")
+            got = [await asyncio.wait_for(seen.get(), 10) for _ in range(2)]
+    assert [("notice", notice.id), ("cleared", notice.id)] == got
+    assert 2 == watcher.connects
