@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -194,3 +196,44 @@ async def test_on_ready_hooks_run_when_the_notice_becomes_ready(base: Path) -> N
             await events.close()
         await actions_of(agent).drain()
     assert f"ready {body['notice']['id']}" == out.read_text()
+
+
+async def test_a_program_in_a_systemd_units_cgroup_gets_its_signal_on_a_drill(base: Path) -> None:
+    """The unit target end to end, on a real cgroup v2 hierarchy: without systemd to ask (as here), the
+    agent finds the unit's cgroup at system.slice/<unit>."""
+    root = next(
+        (
+            r
+            for r in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
+            if (r / "cgroup.controllers").exists()
+        ),
+        None,
+    )
+    if root is None or not os.access(root, os.W_OK) or (shutil.which("systemctl") and _systemd_running()):
+        pytest.skip("needs a writable cgroup v2 hierarchy and no running systemd")
+    unit = f"preemptd-test-{uuid.uuid4().hex[:8]}.service"
+    made_slice = not (root / "system.slice").exists()
+    group = root / "system.slice" / unit
+    try:
+        group.mkdir(parents=True)
+    except OSError as exc:
+        pytest.skip(f"cannot create a cgroup: {exc}")
+    child = await Child.start(HANDLER, str(base / "got"))
+    try:
+        try:
+            (group / "cgroup.procs").write_text(str(child.pid))
+        except OSError as exc:
+            pytest.skip(f"cannot move a process into a cgroup: {exc}")
+        async with running_agent(base, {"actions.signals": [{"name": "unit", "units": [unit]}]}) as agent:
+            await http_json(agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+            assert 0 == await child.wait()
+        assert "SIGTERM" == (base / "got").read_text()
+    finally:
+        await child.stop()
+        group.rmdir()
+        if made_slice:
+            (root / "system.slice").rmdir()
+
+
+def _systemd_running() -> bool:
+    return Path("/run/systemd/system").is_dir()
