@@ -13,14 +13,15 @@
 # Nothing is installed on the host.
 #
 # Needs: systemd-analyze, systemd-sysusers, systemd-tmpfiles (Debian/Ubuntu: apt-get install systemd),
-# systemd >= 250 for `security --offline`. PYTHON (default .venv/bin/python) runs the MDWE probe; SKIP_MDWE=1
-# skips it.
+# systemd >= 250 for `security --offline`, and gcc for the fake NVIDIA driver. The MDWE probe runs with
+# $VENV/bin/python (VENV as in scripts/setup, default .venv); SKIP_MDWE=1 skips it.
 set -euo pipefail
 
 MAX_EXPOSURE="${MAX_EXPOSURE:-2.5}"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
 units="$repo/systemd"
-python="${PYTHON:-$repo/.venv/bin/python}"
+python="${VENV:-.venv}/bin/python"
 
 fail() { echo "check-units: FAIL: $*" >&2; exit 1; }
 
@@ -89,7 +90,7 @@ fi
 if [[ "${SKIP_MDWE:-0}" == 1 ]]; then
     echo "check-units: MDWE probe: skipped (SKIP_MDWE=1)"
 else
-    [[ -x "$python" ]] || fail "no Python at $python for the MDWE probe (set PYTHON, or SKIP_MDWE=1)"
+    [[ -x "$python" ]] || fail "no $python for the MDWE probe (run scripts/setup, set VENV, or SKIP_MDWE=1)"
     "$python" "$repo/scripts/check_mdwe.py" || fail "the agent does not work under MemoryDenyWriteExecute"
 fi
 echo "check-units: OK"
