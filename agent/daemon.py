@@ -502,7 +502,9 @@ class Agent:
             return
         lines, self._history_pending = self._history_pending, []
         document = self._state_snapshot(clean)
-        self._inflight = asyncio.get_running_loop().create_task(self._write(document, lines), name="state-write")
+        self._inflight = asyncio.get_running_loop().create_task(
+            self._write(document, lines), name="state-write"
+        )
         await asyncio.shield(self._inflight)
 
     async def _write(self, document: dict[str, Any], lines: list[str]) -> None:
