@@ -177,3 +177,15 @@ def test_emergency_checksums_can_be_taken_before_returning(tmp_path: Path) -> No
     s = CheckpointStore(tmp_path, report=False, defer_emergency_checksum=False)
     saved = s.save(3, write_files({"a": b"abc"}), emergency=True)
     assert zlib.crc32(b"abc") == saved.files[0].crc32
+
+
+def test_saving_a_step_again_right_after_an_emergency_keeps_the_new_manifest(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    s.save(3, write_files({"a": b"first"}), emergency=True)
+    s.save(3, write_files({"a": b"second"}))
+    assert s.wait_checksums(10)
+    latest = s.latest()
+    assert latest is not None
+    assert (b"second", zlib.crc32(b"second"), False) == (
+        latest.file("a").read_bytes(), latest.files[0].crc32, latest.emergency,
+    )  # fmt: skip

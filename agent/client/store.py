@@ -208,6 +208,9 @@ class CheckpointStore:
                 presealed=_presealed(written),
             )
             final = self.root / f"step-{step:012d}"
+            for thread in self._checksummers:
+                if thread.name == f"preemptd-checksum {final.name}":
+                    thread.join()  # it would write the old manifest into the new directory
             self._replace(tmp, final)
             _fsync_dir(self.root)
         except BaseException:
@@ -228,7 +231,10 @@ class CheckpointStore:
         )
         if defer:
             thread = threading.Thread(
-                target=_add_checksums, args=(final, self.hash_workers), name="preemptd-checksum", daemon=True
+                target=_add_checksums,
+                args=(final, self.hash_workers),
+                name=f"preemptd-checksum {final.name}",
+                daemon=True,
             )
             thread.start()
             self._checksummers.append(thread)
