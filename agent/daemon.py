@@ -786,6 +786,9 @@ class Agent:
         reloads: set[asyncio.Task[Any]] = set()
 
         def on_hup() -> None:
+            if self.shutdown_event.is_set():
+                self.log.info("reload_ignored", why="the agent is stopping")
+                return
             task = loop.create_task(self.reload(), name="reload")
             reloads.add(task)
             task.add_done_callback(reloads.discard)
@@ -797,11 +800,16 @@ class Agent:
             await self.start()
             await self.shutdown_event.wait()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
-            for task in list(reloads):
-                await self.tasks.cancel(task, timeout=2.0)
-            await self.stop()
+            # The handlers stay until stop() returns: a second SIGTERM (or a `systemctl reload`) during the
+            # bounded shutdown must not kill the agent before its final state save.
+            self.shutdown_event.set()
+            try:
+                for task in list(reloads):
+                    await self.tasks.cancel(task, timeout=2.0)
+                await self.stop()
+            finally:
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    loop.remove_signal_handler(sig)
 
 
 def run_agent(config: Config, reload_config: Callable[[], Config] | None = None) -> int:

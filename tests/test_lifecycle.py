@@ -186,3 +186,20 @@ async def test_second_agent_process_exits_with_a_clear_error(base: Path) -> None
     await first.stop()
     assert 3 == code
     assert "already_running" in [r["event"] for r in second.logs()]
+
+
+@pytest.mark.slow
+async def test_signals_during_shutdown_do_not_cut_the_final_state_save(base: Path) -> None:
+    proc = AgentProcess(base)
+    await proc.start()
+    _, created = await http_json(proc.socket_path, "POST", "/v1/drills", {"in_s": 600})
+    assert proc.proc is not None
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        proc.proc.send_signal(sig)
+    code = await proc.stop()
+    state = json.loads((base / "state" / STATE_FILE).read_text())
+    assert (0, True, [created["notice"]["id"]]) == (
+        code,
+        state["clean_shutdown"],
+        [n["id"] for n in state["notices"]],
+    )
