@@ -22,7 +22,7 @@ import pytest
 
 from agent.client import EXIT_PREEMPTED, CheckpointStore
 from agent.reports import Report
-from tests.support import REPO, AgentProcess, http_json, running_agent, short_tmp
+from tests.support import REPO, AgentProcess, SSEClient, http_json, running_agent, short_tmp
 
 pytest.importorskip("torch")
 
@@ -132,6 +132,29 @@ async def test_rerun_resumes_at_next_step_with_identical_state(base: Path) -> No
     [start] = resumed.of("resumed")
     assert (saved["step"], saved["digest"]) == (start["next_step"], start["digest"])
     assert reference.of("done")[0]["digest"] == resumed.of("done")[0]["digest"]
+
+
+async def test_emergency_checkpoint_makes_the_agent_declare_the_notice_ready(base: Path) -> None:
+    """A periodic checkpoint makes the process a participant; its emergency report lets the agent declare the
+    notice ready (all participants saved) long before the deadline."""
+    async with running_agent(base):
+        sock = base / "a.sock"
+        events = await SSEClient.connect(sock)
+        try:
+            run = await ExampleRun.start(
+                "--checkpoint-dir", str(base / "ckpt"), "--steps", "100000", "--step-time", "0.01",
+                "--interval-s", "0.05", "--socket", str(sock),
+            )  # fmt: skip
+            await run.until("agent_connected")
+            await run.until("checkpoint")  # a periodic one: the agent now knows this participant
+            notice_id = await drill(sock)
+            assert EXIT_PREEMPTED == await run.finish()
+            ready = await events.until(lambda e: e["type"] == "ready", timeout=30)
+        finally:
+            await events.close()
+    assert (notice_id, "all_participants", []) == (
+        ready["data"]["notice_id"], ready["data"]["reason"], ready["data"]["missing"],
+    )  # fmt: skip
 
 
 async def test_sigterm_takes_the_same_flush_path(base: Path) -> None:
