@@ -189,3 +189,12 @@ def test_saving_a_step_again_right_after_an_emergency_keeps_the_new_manifest(tmp
     assert (b"second", zlib.crc32(b"second"), False) == (
         latest.file("a").read_bytes(), latest.files[0].crc32, latest.emergency,
     )  # fmt: skip
+
+
+def test_emergency_save_leaves_pruning_to_the_next_save(tmp_path: Path) -> None:
+    s = store(tmp_path, keep=1)
+    s.save(1, write_files({"a": b"x"}))
+    s.save(2, write_files({"a": b"x"}), emergency=True)
+    kept_after_emergency = s.steps()
+    s.save(3, write_files({"a": b"x"}))
+    assert ([2, 1], [3]) == (kept_after_emergency, s.steps())

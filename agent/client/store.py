@@ -238,7 +238,8 @@ class CheckpointStore:
             )
             thread.start()
             self._checksummers.append(thread)
-        self.prune()
+        if not emergency:  # never spend a notice window deleting old checkpoints: the next save prunes
+            self.prune()
         return checkpoint
 
     def wait_checksums(self, timeout: float | None = None) -> bool:
