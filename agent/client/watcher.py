@@ -362,7 +362,11 @@ class Watcher(WatcherBase):
                     read_timeout=self._read_timeout,
                 )
             except (AgentUnavailable, AgentHTTPError, OSError, http.client.HTTPException) as exc:
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                error = f"{type(exc).__name__}: {exc}"
+                if not isinstance(exc, AgentUnavailable) and error != self.last_error:
+                    # Not "no agent yet" (normal before it starts) but something to fix: say it once.
+                    log.warning("preemptd client: cannot follow %s: %s", self.socket_path, error)
+                self.last_error = error
                 self._stop.wait(self._backoff.next())
                 continue
             with self._lock:
