@@ -154,6 +154,12 @@ async def test_aws_token_expiry_is_handled_without_error(base: Path) -> None:
         )
 
 
+async def test_aws_token_is_refreshed_before_it_expires(base: Path) -> None:
+    async with AwsSimulator() as sim, rig("aws", base, sim=sim, settings={"aws.token_ttl_s": 2}) as r:
+        await r.status_until(lambda d: sim.tokens_issued >= 3, "two token refreshes")
+        assert sim.unauthorized == 0
+
+
 async def test_aws_token_put_timeout_explains_the_hop_limit(base: Path) -> None:
     async with AwsSimulator() as sim, rig("aws", base, sim=sim) as r:
         await r.status_until(lambda d: d["sources"]["aws"]["state"] == "ok", "a first poll")

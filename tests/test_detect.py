@@ -13,7 +13,7 @@ from agent.sources.aws import AwsSource
 from agent.sources.detect import AZURE_ASSET_TAG, DetectingSource, probe_all
 from agent.sources.gcp import GcpSource
 from tests.cloud_harness import QUIET, closed_port_url, status_until
-from tests.support import SSEClient, agent_config, running_agent
+from tests.support import SSEClient, agent_config, http_json, running_agent
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -122,6 +122,18 @@ async def test_detected_azure_can_be_acknowledged(base: Path) -> None:
             assert isinstance(source, DetectingSource)
             await source.acknowledge("P-9")
             assert sim.state()["acknowledged"] == ["P-9"]
+
+
+async def test_start_up_does_not_wait_for_a_hung_metadata_service(base: Path) -> None:
+    async with AwsSimulator() as sim:
+        sim.inject({"type": "hang"})
+        endpoints = {f"{cloud}.endpoint": sim.url for cloud in ("aws", "gcp", "azure", "alibaba", "tencent")}
+        settings = {**QUIET, **endpoints, "cloud": "auto", "detect.dmi_dir": str(base / "absent")}
+        settings["detect.probe_timeout_s"] = 5.0
+        async with running_agent(base, settings=settings) as agent:
+            assert agent.socket_path is not None
+            _, doc = await http_json(agent.socket_path, "GET", "/v1/status")
+            assert doc["sources"]["cloud"]["state"] == "starting"
 
 
 async def test_nothing_detected_disables_with_advice(base: Path) -> None:

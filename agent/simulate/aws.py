@@ -121,6 +121,8 @@ class AwsSimulator(Simulator):
         self.imdsv1 = imdsv1
         self.empty_maintenance = empty_maintenance
         self.tokens: dict[str, float] = {}  # token -> monotonic expiry
+        self.tokens_issued = 0
+        self.unauthorized = 0  # 401 answers
         self.identity = {
             "ami-id": "ami-0abcdef1234567890",
             "instance-id": "i-0123456789abcdef0",
@@ -155,6 +157,8 @@ class AwsSimulator(Simulator):
             "maintenance": self.maintenance,
             "lifecycle": self.lifecycle,
             "tokens": len(self.tokens),
+            "tokens_issued": self.tokens_issued,
+            "unauthorized": self.unauthorized,
             "imdsv1": self.imdsv1,
         }
 
@@ -237,15 +241,17 @@ class AwsSimulator(Simulator):
             return _error(400, "Bad Request")
         token = secrets.token_urlsafe(42)
         self.tokens[token] = time.monotonic() + ttl
+        self.tokens_issued += 1
         return raw(token, "text/plain", headers={TOKEN_TTL_HEADER: str(ttl)})
 
     def _authorised(self, request: web.Request) -> web.Response | None:
         token = request.headers.get(TOKEN_HEADER)
-        if token is None:
-            return None if self.imdsv1 else _error(401, "Unauthorized")
-        expiry = self.tokens.get(token)
+        if token is None and self.imdsv1:
+            return None
+        expiry = self.tokens.get(token) if token is not None else None
         if expiry is None or expiry <= time.monotonic():
-            self.tokens.pop(token, None)
+            self.tokens.pop(token or "", None)
+            self.unauthorized += 1
             return _error(401, "Unauthorized")
         return None
 
