@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = resumed.step
+        # A notice still active when we come back (a drill, or a rerun on the same host) already has its
+        # emergency checkpoint: it does not stop this run again.
+        watcher.mark_handled([resumed.notice_id])
         emit("resumed", rank=rank, step=resumed.step, next_step=start, digest=digest(model, optimizer))
     else:
         emit("fresh", rank=rank)
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch_writer(state),
                 emergency=decision.emergency,
                 notice_id=decision.notice_id,
-                metadata={"rank": rank, "world_size": world_size, "loss": float(loss)},
+                metadata={"rank": rank, "world_size": world_size, "loss": loss.detach().item()},
             )
             coordinator.done(decision)
             left = decision.time_left()

@@ -98,3 +98,10 @@ def test_most_urgent_prefers_severity_over_deadline() -> None:
     urgent = state.most_urgent()
     assert urgent is not None
     assert "crit" == urgent.id
+
+
+def test_marked_handled_notice_does_not_trigger_when_it_arrives() -> None:
+    state = NoticeState()
+    state.mark_handled(["aws-1"])
+    state.apply("snapshot", {"notices": [notice()]}, NOW)
+    assert (None, True) == (state.first_trigger(), "aws-1" in state.notices)

@@ -134,6 +134,32 @@ async def test_rerun_resumes_at_next_step_with_identical_state(base: Path) -> No
     assert reference.of("done")[0]["digest"] == resumed.of("done")[0]["digest"]
 
 
+async def test_rerun_while_the_drill_is_still_active_is_not_stopped_again(base: Path) -> None:
+    """The notice that caused the emergency checkpoint does not stop the run resumed from it."""
+    async with running_agent(base):
+        sock = base / "a.sock"
+        first = await ExampleRun.start(
+            "--checkpoint-dir",
+            str(base / "ckpt"),
+            "--steps",
+            "100000",
+            "--step-time",
+            "0.01",
+            "--socket",
+            str(sock),
+        )
+        await first.until("agent_connected")
+        await drill(sock, in_s=60)
+        await first.finish()
+        [saved] = first.of("checkpoint")
+        second = await ExampleRun.start(
+            "--checkpoint-dir", str(base / "ckpt"), "--steps", str(saved["step"] + 20), "--step-time", "0.01",
+            "--socket", str(sock),
+        )  # fmt: skip
+        code = await second.finish()
+    assert (0, saved["step"], []) == (code, second.of("resumed")[0]["next_step"], second.of("preempted"))
+
+
 async def test_emergency_checkpoint_makes_the_agent_declare_the_notice_ready(base: Path) -> None:
     """A periodic checkpoint makes the process a participant; its emergency report lets the agent declare the
     notice ready (all participants saved) long before the deadline."""

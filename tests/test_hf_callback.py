@@ -78,13 +78,14 @@ async def test_drill_makes_the_trainer_save_durably_stop_and_resume(base: Path) 
         await asyncio.wait_for(reached.wait(), 60)
         status, _ = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 30})
         await asyncio.wait_for(train, 120)
-    [saved] = preemptd.saved
-    assert (201, True, 3, True) == (status, preemptd.preempted, first.state.global_step, saved.emergency)
+        [saved] = preemptd.saved
+        assert (201, True, 3, True) == (status, preemptd.preempted, first.state.global_step, saved.emergency)
 
-    resume_from = last_good_checkpoint(base / "out")
-    record = Record()
-    second = trainer(base / "out", 6, [record, PreemptdTrainerCallback(socket_path=base / "none.sock")])
-    await asyncio.to_thread(second.train, resume_from_checkpoint=resume_from)
+        # Resumed while the drill is still active: its checkpoint exists, so it does not stop this run.
+        resume_from = last_good_checkpoint(base / "out")
+        record = Record()
+        second = trainer(base / "out", 6, [record, PreemptdTrainerCallback(socket_path=sock)])
+        await asyncio.to_thread(second.train, resume_from_checkpoint=resume_from)
     assert (str(base / "out" / "checkpoint-3"), 3, 6) == (
         resume_from,
         record.start_step,

@@ -85,14 +85,14 @@ async def test_drill_checkpoint_is_resumed_by_lightning(base: Path) -> None:
         await asyncio.wait_for(reached.wait(), 60)
         status, _ = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 30})
         await asyncio.wait_for(fit, 60)
+        [saved] = preemptd.saved
+        assert (201, True, 3, True) == (status, preemptd.preempted, saved.step, saved.emergency)
 
-    [saved] = preemptd.saved
-    assert (201, True, 3, True) == (status, preemptd.preempted, saved.step, saved.emergency)
-
-    resumed = PreemptdCallback(base / "ckpt", socket_path=base / "none.sock")
-    record = Record()
-    second = trainer(6, record, resumed)
-    await asyncio.to_thread(second.fit, Tiny(), loader(), ckpt_path=resumed.resume_path())
+        # Resumed while the drill is still active: its checkpoint exists, so it does not stop this run.
+        resumed = PreemptdCallback(base / "ckpt", socket_path=sock)
+        record = Record()
+        second = trainer(6, record, resumed)
+        await asyncio.to_thread(second.fit, Tiny(), loader(), ckpt_path=resumed.resume_path())
     same = all(torch.equal(v, first.state_dict()[k]) for k, v in record.start_weights.items())
     assert (3, True, 6) == (record.start_step, same, second.global_step)
 

@@ -186,6 +186,12 @@ class NoticeState:
         self._handled.update(self.pending)
         self.pending.clear()
 
+    def mark_handled(self, notice_ids: Iterable[str]) -> None:
+        """Treat these notices as acknowledged, whether or not they are active yet."""
+        for notice_id in notice_ids:
+            self._handled.add(notice_id)
+            self.pending.pop(notice_id, None)
+
     def first_trigger(self) -> Trigger | None:
         """The most urgent pending trigger: earliest deadline first, then the oldest."""
         if not self.pending:

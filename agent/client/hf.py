@@ -70,6 +70,13 @@ class PreemptdTrainerCallback(TrainerCallback):
         if self.watcher is None:
             self.watcher = Watcher(self.socket_path, policy=self.policy).start()
             self.coordinator.watcher = self.watcher
+        if state.global_step and args.output_dir is not None:
+            # Resumed: the notice the checkpoint was saved for (if any) does not stop this run again.
+            try:
+                resumed = Checkpoint.load(Path(args.output_dir) / f"checkpoint-{state.global_step}", MANIFEST)
+            except CheckpointError:
+                return
+            self.watcher.mark_handled([resumed.notice_id])
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

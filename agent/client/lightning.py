@@ -61,15 +61,22 @@ class PreemptdCallback(Callback):
         self._own_watcher = watcher is None
         self.saved: list[Checkpoint] = []
         self.preempted = False
+        self._handled: list[str | None] = []
 
     def resume_path(self) -> str | None:
-        """The newest valid checkpoint file in the store, for ``trainer.fit(ckpt_path=...)``; None if none."""
+        """The newest valid checkpoint file in the store, for ``trainer.fit(ckpt_path=...)``; None if none.
+
+        The notice that checkpoint was saved for (if any) will not stop the resumed run again."""
         latest = self.store.latest()
-        return str(latest.file(self.filename)) if latest is not None else None
+        if latest is None:
+            return None
+        self._handled.append(latest.notice_id)
+        return str(latest.file(self.filename))
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.watcher is None:
             self.watcher = Watcher(self.socket_path, policy=self.policy).start()
+        self.watcher.mark_handled(self._handled)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._own_watcher and isinstance(self.watcher, Watcher):

@@ -147,6 +147,12 @@ class WatcherBase:
         with self._lock:
             self._state.acknowledge()
 
+    def mark_handled(self, notice_ids: Iterable[str | None]) -> None:
+        """These notices already have their emergency checkpoint (a resumed run passes the notice id of the
+        checkpoint it resumed from): they do not trigger again while they stay active."""
+        with self._lock:
+            self._state.mark_handled(n for n in notice_ids if n)
+
     # -- callbacks --------------------------------------------------------------------------------------
 
     def add_callback(
