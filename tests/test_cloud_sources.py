@@ -10,7 +10,14 @@ import pytest
 import structlog
 
 from agent.notice import parse_time
-from agent.simulate import AwsSimulator, AzureSimulator, GcpSimulator, TencentSimulator, simulator_for
+from agent.simulate import (
+    AlibabaSimulator,
+    AwsSimulator,
+    AzureSimulator,
+    GcpSimulator,
+    TencentSimulator,
+    simulator_for,
+)
 from agent.sources import aws as aws_source
 from agent.sources.azure import AzureSource
 from tests.cloud_harness import CASES, rig
@@ -298,6 +305,35 @@ async def test_azure_stays_under_the_rate_limit(base: Path) -> None:
         seen = r.sim.requests
         await r.status_until(lambda d: r.sim.requests >= seen + 12, "a dozen polls")
         assert r.sim.state()["throttled"] == 0
+
+
+# --- Alibaba ---------------------------------------------------------------------------------------------
+
+
+async def test_alibaba_hardened_mode_uses_a_token(base: Path) -> None:
+    async with (
+        AlibabaSimulator(hardened=True) as sim,
+        rig("alibaba", base, sim=sim, settings={"alibaba.token": True}) as r,
+    ):
+        sim.trigger({"type": "termination", "in_s": 300})
+        notice = await r.notice("notice")
+        assert (notice["kind"], len(sim.tokens)) == ("termination", 1)
+
+
+async def test_alibaba_hardened_mode_survives_token_expiry(base: Path) -> None:
+    async with (
+        AlibabaSimulator(hardened=True) as sim,
+        rig("alibaba", base, sim=sim, settings={"alibaba.token": True}) as r,
+    ):
+        sim.trigger({"type": "termination", "in_s": 300})
+        notice = await r.notice("notice")
+        sim.inject({"type": "token-expiry"})
+        await r.status_until(
+            lambda d: len(sim.tokens) == 1 and d["sources"]["alibaba"]["state"] == "ok", "a new token"
+        )
+        sim.trigger({"type": "clear"})
+        await r.notice("cleared")
+        assert r.notice_events(notice["id"]) == ["notice", "cleared"]
 
 
 # --- Tencent -----------------------------------------------------------------------------------------------
