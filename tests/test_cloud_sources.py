@@ -3,6 +3,7 @@ update and clear; identity reaches status; a restarted agent shows the same noti
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -239,6 +240,24 @@ async def test_gcp_without_upcoming_maintenance_stays_healthy(base: Path) -> Non
         await r.notice("notice")
         doc = await r.status_until(lambda d: d["sources"]["gcp"]["state"] == "ok", "a healthy source")
         assert doc["sources"]["gcp"]["errors"] == 0
+
+
+class NoHangingGcp(GcpSimulator):
+    """A mock that ignores wait_for_change and answers at once with the same ETag, as some do."""
+
+    async def _wait_change(self, *args: object) -> None:
+        return None
+
+
+async def test_gcp_does_not_spin_on_a_server_that_never_hangs(base: Path) -> None:
+    async with NoHangingGcp() as sim, rig("gcp", base, sim=sim) as r:
+        seen = sim.requests
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await r.status_until(lambda d: sim.requests >= seen + 8, "eight requests")
+        sim.trigger({"type": "preempted"})
+        await r.notice("notice")
+        assert loop.time() - start >= 1.0
 
 
 # --- Azure ---------------------------------------------------------------------------------------------
