@@ -180,7 +180,7 @@ def azure_notice(drill: bool = False) -> Any:
 )
 async def test_azure_is_acknowledged_as_configured(mode: str, on: EventType, expected: list[str]) -> None:
     tasks, recent, azure = TaskSet("t"), Recent(10), FakeAzure()
-    AzureAcknowledger(mode, source=lambda: azure, tasks=tasks, recent=recent).handle(
+    AzureAcknowledger(mode, source=lambda name: azure, tasks=tasks, recent=recent).handle(
         event(on, azure_notice()), azure_notice()
     )
     await tasks.drain()
@@ -190,7 +190,7 @@ async def test_azure_is_acknowledged_as_configured(mode: str, on: EventType, exp
 async def test_a_drill_is_never_acknowledged_to_azure() -> None:
     tasks, recent, azure = TaskSet("t"), Recent(10), FakeAzure()
     notice = azure_notice(drill=True)
-    AzureAcknowledger("on_ready", source=lambda: azure, tasks=tasks, recent=recent).handle(
+    AzureAcknowledger("on_ready", source=lambda name: azure, tasks=tasks, recent=recent).handle(
         event(EventType.READY, notice), notice
     )
     await tasks.drain()
@@ -204,7 +204,7 @@ async def test_a_failed_acknowledgement_is_recorded() -> None:
 
     tasks, recent = TaskSet("t"), Recent(10)
     notice = azure_notice()
-    AzureAcknowledger("on_ready", source=Refusing, tasks=tasks, recent=recent).handle(
+    AzureAcknowledger("on_ready", source=lambda name: Refusing(), tasks=tasks, recent=recent).handle(
         event(EventType.READY, notice), notice
     )
     await tasks.drain()

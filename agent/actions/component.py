@@ -203,8 +203,8 @@ class ActionsComponent:
             return None
         return self._agent.publish_ready(notice_id, data)
 
-    def _azure_source(self) -> Any:
-        return self._agent.sources.get("azure") if self._agent is not None else None
+    def _azure_source(self, name: str) -> Any:
+        return self._agent.sources.get(name) if self._agent is not None else None
 
     async def _gpu_pids(self) -> Mapping[str, Iterable[int]]:
         source = self._agent.sources.get("nvml") if self._agent is not None else None

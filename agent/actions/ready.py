@@ -235,7 +235,7 @@ def azure_event_id(notice: Notice) -> str | None:
 class AzureAcknowledger:
     """Sends ``StartRequests`` through the Azure source's ``acknowledge(event_id)`` once per notice."""
 
-    def __init__(self, mode: str, *, source: Callable[[], Any], tasks: TaskSet, recent: Recent) -> None:
+    def __init__(self, mode: str, *, source: Callable[[str], Any], tasks: TaskSet, recent: Recent) -> None:
         self.mode = mode
         self._source = source
         self._tasks = tasks
@@ -243,7 +243,10 @@ class AzureAcknowledger:
         self._done: set[str] = set()
 
     def handle(self, event: Event, notice: Notice | None) -> None:
-        if notice is None or notice.source != "azure" or self.mode == "never":
+        # "cloud" is the source that found Azure by probing rather than by DMI; its notices carry EventIds.
+        if notice is None or notice.source not in ("azure", "cloud") or self.mode == "never":
+            return
+        if notice.source == "cloud" and azure_event_id(notice) is None:
             return
         wanted = EventType.READY if self.mode == "on_ready" else EventType.NOTICE
         if event.type is not wanted or notice.id in self._done:
@@ -254,7 +257,7 @@ class AzureAcknowledger:
     async def _acknowledge(self, notice: Notice) -> None:
         event_id = azure_event_id(notice)
         record: dict[str, Any] = {"at": format_time(utcnow()), "notice_id": notice.id, "event_id": event_id}
-        source = self._source()
+        source = self._source(notice.source)
         if notice.drill:
             record["outcome"] = "skipped_drill"
         elif event_id is None:
