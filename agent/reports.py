@@ -17,7 +17,15 @@ from agent.notice import format_time
 
 PHASES = ("started", "finished", "failed")
 KINDS = ("checkpoint",)
-_CLIENT_KEYS = {"pid": int, "host": str, "rank": int, "world_size": int, "job": str, "name": str, "participant": bool}
+_CLIENT_KEYS = {
+    "pid": int,
+    "host": str,
+    "rank": int,
+    "world_size": int,
+    "job": str,
+    "name": str,
+    "participant": bool,
+}
 MAX_TEXT = 512
 
 
@@ -53,14 +61,18 @@ class Report:
         }
 
 
-def parse_report(doc: Any, received_at: datetime, peer_pid: int | None = None, peer_uid: int | None = None) -> Report:
+def parse_report(
+    doc: Any, received_at: datetime, peer_pid: int | None = None, peer_uid: int | None = None
+) -> Report:
     """Validate a decoded JSON report; raise ReportError naming the field and what was expected."""
     if not isinstance(doc, Mapping):
         raise ReportError(f"a report must be a JSON object, got {_json_type(doc)}")
     known = {"kind", "phase", "step", "duration_s", "bytes", "emergency", "notice_id", "path", "client"}
     unknown = sorted(set(doc) - known)
     if unknown:
-        raise ReportError(f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+        raise ReportError(
+            f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}"
+        )
     kind = doc.get("kind")
     if kind not in KINDS:
         raise ReportError(f"field 'kind' must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
@@ -71,7 +83,11 @@ def parse_report(doc: Any, received_at: datetime, peer_pid: int | None = None, p
     size = _optional_int(doc, "bytes")
     duration = doc.get("duration_s")
     if duration is not None:
-        if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration):
+        if (
+            isinstance(duration, bool)
+            or not isinstance(duration, (int, float))
+            or not math.isfinite(duration)
+        ):
             raise ReportError(f"field 'duration_s' must be a finite number of seconds, got {duration!r}")
         if duration < 0:
             raise ReportError(f"field 'duration_s' must not be negative, got {duration!r}")
