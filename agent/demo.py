@@ -47,7 +47,7 @@ async def _demo_with(
             "state_dir": str(state_dir),
             "cloud": "aws",
             "aws.endpoint": simulator.url,
-            "log_level": "warning",
+            "log_level": "error",
             "drill_linger_s": 2.0,
         },
     )
@@ -83,7 +83,7 @@ async def _demo_with(
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    configure_logging("console" if sys.stdout.isatty() else "json", "warning")
+    configure_logging("console" if sys.stdout.isatty() else "json", "error")
     with tempfile.TemporaryDirectory(prefix="preemptd-demo-") as state_dir:
         try:
             return asyncio.run(_demo(args, Path(state_dir)))
