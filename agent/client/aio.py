@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable
-from datetime import datetime
-from pathlib import Path
+from collections.abc import AsyncIterator
 
-from agent.client.events import Trigger, TriggerPolicy
+from agent.client.events import Trigger
 from agent.client.watcher import (
     DEFAULT_SIGNALS,
-    Backoff,
-    NoticeCallback,
-    ReadyCallback,
-    TriggerCallback,
     WatcherBase,
-    _utcnow,
 )
 from agent.sse import SSEDecoder
 
@@ -32,39 +25,11 @@ class StreamError(Exception):
 class AsyncWatcher(WatcherBase):
     """``async with AsyncWatcher() as watcher: ... await watcher.wait()``; or ``start()`` / ``await stop()``."""
 
-    def __init__(
-        self,
-        socket_path: str | Path | None = None,
-        *,
-        policy: TriggerPolicy | None = None,
-        on_notice: NoticeCallback | None = None,
-        on_cleared: NoticeCallback | None = None,
-        on_trigger: TriggerCallback | None = None,
-        on_ready: ReadyCallback | None = None,
-        signals: Iterable[int] | None = None,
-        backoff: Backoff | None = None,
-        connect_timeout: float = 2.0,
-        read_timeout: float = 45.0,
-        clock: Callable[[], datetime] = _utcnow,
-    ) -> None:
-        super().__init__(
-            socket_path,
-            policy=policy,
-            on_notice=on_notice,
-            on_cleared=on_cleared,
-            on_trigger=on_trigger,
-            on_ready=on_ready,
-            clock=clock,
-        )
-        self._signals = tuple(signals) if signals is not None else ()
-        self._backoff = backoff or Backoff()
-        self._connect_timeout = connect_timeout
-        self._read_timeout = read_timeout
+    def _init_runtime(self) -> None:
         self._task: asyncio.Task[None] | None = None
         self._changed: asyncio.Event | None = None
         self._connected: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.last_error: str | None = None
 
     @property
     def connected(self) -> bool:

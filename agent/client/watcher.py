@@ -85,9 +85,17 @@ class WatcherBase:
         on_cleared: NoticeCallback | None = None,
         on_trigger: TriggerCallback | None = None,
         on_ready: ReadyCallback | None = None,
+        signals: Iterable[int] | None = None,
+        backoff: Backoff | None = None,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 45.0,
         clock: Callable[[], datetime] = _utcnow,
     ) -> None:
         self.socket_path = Path(socket_path) if socket_path is not None else client_socket_path()
+        self._signals = tuple(signals) if signals is not None else ()
+        self._backoff = backoff or Backoff()
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
         self._state = NoticeState(policy)
         self._lock = threading.Lock()
         self._clock = clock
@@ -100,6 +108,11 @@ class WatcherBase:
         self._signal_trigger: Trigger | None = None
         self._previous_handlers: dict[int, SignalHandler] = {}
         self.connects = 0
+        self.last_error: str | None = None
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        """Per-instance state of the thread or asyncio runner; subclasses set it up here."""
 
     # -- queries (any thread) ---------------------------------------------------------------------------
 
@@ -247,34 +260,7 @@ class Watcher(WatcherBase):
     ...             watcher.acknowledge()
     """
 
-    def __init__(
-        self,
-        socket_path: str | Path | None = None,
-        *,
-        policy: TriggerPolicy | None = None,
-        on_notice: NoticeCallback | None = None,
-        on_cleared: NoticeCallback | None = None,
-        on_trigger: TriggerCallback | None = None,
-        on_ready: ReadyCallback | None = None,
-        signals: Iterable[int] | None = None,
-        backoff: Backoff | None = None,
-        connect_timeout: float = 2.0,
-        read_timeout: float = 45.0,
-        clock: Callable[[], datetime] = _utcnow,
-    ) -> None:
-        super().__init__(
-            socket_path,
-            policy=policy,
-            on_notice=on_notice,
-            on_cleared=on_cleared,
-            on_trigger=on_trigger,
-            on_ready=on_ready,
-            clock=clock,
-        )
-        self._signals = tuple(signals) if signals is not None else ()
-        self._backoff = backoff or Backoff()
-        self._connect_timeout = connect_timeout
-        self._read_timeout = read_timeout
+    def _init_runtime(self) -> None:
         self._stop = threading.Event()
         self._connected = threading.Event()
         self._thread: threading.Thread | None = None
@@ -282,7 +268,6 @@ class Watcher(WatcherBase):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self.last_error: str | None = None
 
     @property
     def connected(self) -> bool:
