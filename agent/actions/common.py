@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Coroutine, Iterable, Mapping
+import time
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 import structlog
 
-from agent.notice import Event, EventType, Notice, Severity
+from agent.notice import Event, EventType, Notice, Severity, format_time, utcnow
 
 log = structlog.get_logger("preemptd.actions")
 
@@ -93,3 +94,31 @@ class Recent:
 
     def to_json(self) -> list[dict[str, Any]]:
         return list(self._items)
+
+
+def record_outcome(
+    recent: Recent,
+    count: Callable[[str], None],
+    context: Mapping[str, Any],
+    outcome: str,
+    started: float,
+    event_ok: str,
+    event_prefix: str,
+    **fields: Any,
+) -> None:
+    """Keep one finished action (hook run, webhook delivery) in ``recent``, count it and log it: ``event_ok``
+    for success, ``event_prefix + outcome`` as a warning otherwise. Fields that are None are left out."""
+    record = {
+        "at": format_time(utcnow()),
+        **context,
+        "outcome": outcome,
+        "duration_s": round(time.monotonic() - started, 3),
+        **{k: v for k, v in fields.items() if v is not None},
+    }
+    recent.add(record)
+    count(outcome)
+    logged = {k: v for k, v in record.items() if k != "at"}
+    if outcome == "ok":
+        log.info(event_ok, **logged)
+    else:
+        log.warning(event_prefix + outcome, **logged)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from agent.actions.common import Recent, TaskSet, applies, log, trigger_of
+from agent.actions.common import Recent, TaskSet, applies, log, record_outcome, trigger_of
 from agent.actions.validate import check_hook
 from agent.config import HookConfig
 from agent.errors import ConfigError
@@ -159,20 +159,9 @@ class HookEngine:
         return bytes(kept), truncated
 
     def _finish(self, context: Mapping[str, Any], outcome: str, started: float, **fields: Any) -> None:
-        record = {
-            "at": format_time(utcnow()),
-            **context,
-            "outcome": outcome,
-            "duration_s": round(time.monotonic() - started, 3),
-            **{k: v for k, v in fields.items() if v is not None},
-        }
-        self._recent.add(record)
-        self._count(outcome)
-        logged = {k: v for k, v in record.items() if k != "at"}
-        if outcome == "ok":
-            log.info("hook_finished", **logged)
-        else:
-            log.warning("hook_" + outcome, **logged)
+        record_outcome(
+            self._recent, self._count, context, outcome, started, "hook_finished", "hook_", **fields
+        )
 
 
 def _log_output(output: bytes, truncated: bool, context: Mapping[str, Any]) -> None:

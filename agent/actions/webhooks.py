@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from agent.actions.common import Recent, TaskSet, applies, log, trigger_of
+from agent.actions.common import Recent, TaskSet, applies, log, record_outcome, trigger_of
 from agent.actions.validate import check_webhook, redact
 from agent.config import WebhookConfig
 from agent.notice import Event, Notice, format_time, utcnow
@@ -152,17 +152,6 @@ class WebhookEngine:
             raise _Retry(f"{type(exc).__name__}{': ' + str(reason) if reason else ''}") from None
 
     def _finish(self, context: Mapping[str, Any], outcome: str, started: float, **fields: Any) -> None:
-        record = {
-            "at": format_time(utcnow()),
-            **context,
-            "outcome": outcome,
-            "duration_s": round(time.monotonic() - started, 3),
-            **fields,
-        }
-        self._recent.add(record)
-        self._count(outcome)
-        logged = {k: v for k, v in record.items() if k != "at"}
-        if outcome == "ok":
-            log.info("webhook_delivered", **logged)
-        else:
-            log.warning("webhook_" + outcome, **logged)
+        record_outcome(
+            self._recent, self._count, context, outcome, started, "webhook_delivered", "webhook_", **fields
+        )
