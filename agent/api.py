@@ -11,11 +11,11 @@ import contextlib
 import functools
 import grp
 import json
-import math
+import logging
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -23,15 +23,17 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from agent import __version__
+from agent.clientlog import BadRequestFilter, ClientMistakes
 from agent.errors import NoticeError, ReportError
 from agent.hub import CLOSE, HubFull
 from agent.notice import Kind, Severity
-from agent.reports import parse_report
+from agent.reports import brief, parse_report, seconds
 
 if TYPE_CHECKING:
     from agent.daemon import Agent
 
 AGENT_KEY: web.AppKey[Agent] = web.AppKey("agent")
+MISTAKES_KEY: web.AppKey[ClientMistakes] = web.AppKey("mistakes")
 MAX_DRILL_S = 7 * 24 * 3600.0
 
 
@@ -90,27 +92,24 @@ def parse_drill(doc: Any, default_in_s: float = 120.0) -> tuple[Kind, float, Sev
         raise NoticeError("a drill request must be a JSON object")
     unknown = sorted(set(doc) - {"kind", "in_s", "severity", "reason"})
     if unknown:
-        raise NoticeError(
-            f"unknown field(s) {', '.join(map(repr, unknown))}; known: in_s, kind, reason, severity"
+        shown = ", ".join(brief(name) for name in unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         )
+        raise NoticeError(f"unknown field(s) {shown}; known: in_s, kind, reason, severity")
     try:
         kind = Kind(doc.get("kind", "termination"))
     except ValueError as exc:
         raise NoticeError(
-            f"field 'kind' must be one of {', '.join(k.value for k in Kind)}, got {doc.get('kind')!r}"
+            f"field 'kind' must be one of {', '.join(k.value for k in Kind)}, got {brief(doc.get('kind'))}"
         ) from exc
-    in_s = doc.get("in_s", default_in_s)
-    if isinstance(in_s, bool) or not isinstance(in_s, (int, float)) or not math.isfinite(in_s):
-        raise NoticeError(f"field 'in_s' must be a number of seconds, got {in_s!r}")
-    if not 0 <= in_s <= MAX_DRILL_S:
-        raise NoticeError(f"field 'in_s' must be between 0 and {MAX_DRILL_S:.0f}, got {in_s!r}")
+    in_s = seconds(doc.get("in_s", default_in_s), "in_s", MAX_DRILL_S, NoticeError)
     severity = None
     if doc.get("severity") is not None:
         try:
             severity = Severity(doc["severity"])
         except ValueError as exc:
             raise NoticeError(
-                f"field 'severity' must be info, warning or critical, got {doc['severity']!r}"
+                f"field 'severity' must be info, warning or critical, got {brief(doc['severity'])}"
             ) from exc
     reason = doc.get("reason", f"drill: {kind.value}")
     if not isinstance(reason, str) or not reason or len(reason) > 512:
@@ -127,9 +126,12 @@ async def _read_json(request: web.Request) -> Any:
     limit = agent.config.api.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    raw = await request.content.read(limit + 1)
-    if len(raw) > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    # One read() returns what has arrived so far, not the whole body: read to the end, bounded.
+    raw = b""
+    while chunk := await request.content.read(limit + 1 - len(raw)):
+        raw += chunk
+        if len(raw) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
     if not raw.strip():
         return None
     try:
@@ -137,7 +139,10 @@ async def _read_json(request: web.Request) -> Any:
     except UnicodeDecodeError as exc:
         raise ReportError(f"body is not UTF-8: {exc}") from exc
     except ValueError as exc:
-        raise ReportError(f"body is not valid JSON: {exc}") from exc
+        raise ReportError(f"body is not valid JSON: {str(exc)[:200]}") from exc
+    except RecursionError as exc:
+        # The decoder guards its own recursion; no request body of this API nests more than a few levels.
+        raise ReportError("body is not valid JSON: arrays or objects nested too deeply") from exc
 
 
 @web.middleware
@@ -148,7 +153,7 @@ async def error_middleware(
     try:
         return await handler(request)
     except web.HTTPRequestEntityTooLarge as exc:
-        agent.log.warning(
+        request.app[MISTAKES_KEY].warning(
             "bad_request", path=request.path, status=413, error="body too large", peer=_peer_doc(request)
         )
         return _error(
@@ -182,7 +187,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     try:
         sub = agent.hub.subscribe(peer)
     except HubFull as exc:
-        agent.log.warning("subscriber_refused", error=str(exc), peer=peer)
+        request.app[MISTAKES_KEY].warning("subscriber_refused", error=str(exc), peer=peer)
         return _error(503, str(exc))
     last_event_id = request.headers.get("Last-Event-ID")
     resume = agent.hub.resume_from(last_event_id)
@@ -279,7 +284,7 @@ async def reports(request: web.Request) -> web.Response:
         )
     except ReportError as exc:
         agent.reports_rejected += 1
-        agent.log.warning("report_rejected", error=str(exc), peer=_peer_doc(request))
+        request.app[MISTAKES_KEY].warning("report_rejected", error=str(exc), peer=_peer_doc(request))
         return _error(400, str(exc))
     agent.accept_report(report)
     return web.json_response({"accepted": True, "report": report.to_json()}, status=202)
@@ -291,13 +296,13 @@ async def drills(request: web.Request) -> web.Response:
     allowed, why = is_admin(creds, agent.config.admin_group)
     peer = _peer_doc(request)
     if not allowed:
-        agent.log.warning("drill_refused", why=why, peer=peer)
+        request.app[MISTAKES_KEY].warning("drill_refused", why=why, peer=peer)
         return _error(403, f"drills need an administrator: {why}")
     try:
         doc = await _read_json(request)
         kind, in_s, severity, reason = parse_drill(doc)
     except (NoticeError, ReportError) as exc:
-        agent.log.warning("drill_rejected", error=str(exc), peer=peer)
+        request.app[MISTAKES_KEY].warning("drill_rejected", error=str(exc), peer=peer)
         return _error(400, str(exc))
     notice = agent.drill(kind, in_s, severity, reason, peer)
     return web.json_response({"notice": notice.to_json(agent.now())}, status=201)
@@ -393,11 +398,24 @@ async def metrics(request: web.Request) -> web.Response:
 REGISTRY_KEY: web.AppKey[CollectorRegistry] = web.AppKey("registry")
 
 
+async def _quiet_bad_requests(app: web.Application) -> AsyncIterator[None]:
+    """While the app serves, requests aiohttp cannot parse are logged as bounded, rate-limited warnings."""
+    server_log = logging.getLogger("aiohttp.server")
+    quiet = BadRequestFilter(app[MISTAKES_KEY])
+    server_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        server_log.removeFilter(quiet)
+
+
 def build_app(
     agent: Agent, extra_routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]]
 ) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=agent.config.api.max_body_bytes)
     app[AGENT_KEY] = agent
+    app[MISTAKES_KEY] = ClientMistakes(agent.log)
+    app.cleanup_ctx.append(_quiet_bad_requests)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(agent))
     for collector in agent._collectors:

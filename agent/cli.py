@@ -33,6 +33,18 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_NO_AGENT = 69  # EX_UNAVAILABLE
 
+# C0, DEL and C1 control characters, and the bidirectional overrides that reorder what a terminal shows.
+_UNPRINTABLE = {
+    code: f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    for code in (*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+}
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters written as escapes (``\\x1b``): what the agent reports (a drill's
+    reason, a source's error) comes from other users and must not move the cursor or rewrite the screen."""
+    return text.translate(_UNPRINTABLE)
+
 
 def _add_run(subparsers: Any) -> None:
     p = subparsers.add_parser("run", help="run the agent (the daemon)")
@@ -165,7 +177,7 @@ def format_status(doc: dict[str, Any]) -> str:
     advice = doc.get("advice")
     if isinstance(advice, dict) and advice.get("interval_s"):
         lines.append(f"Advice: checkpoint every {format_duration(float(advice['interval_s']))}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -188,16 +200,19 @@ def format_event(doc: dict[str, Any], now: datetime | None = None) -> str:
         notices = doc.get("notices") or []
         if not notices:
             return f"{stamp} SNAPSHOT  no active notices"
-        return f"{stamp} SNAPSHOT  {len(notices)} active: " + "; ".join(
-            f"{n['kind']} ({_left(n.get('deadline'), now)})" for n in notices
+        return printable(
+            f"{stamp} SNAPSHOT  {len(notices)} active: "
+            + "; ".join(f"{n['kind']} ({_left(n.get('deadline'), now)})" for n in notices)
         )
     notice = doc.get("notice") or {}
     if kind == "ready":
-        return f"{stamp} READY     {notice.get('kind', '')} {notice.get('id', doc.get('data', {}).get('notice_id'))}: {json.dumps(doc.get('data', {}))}"
+        return printable(
+            f"{stamp} READY     {notice.get('kind', '')} {notice.get('id', doc.get('data', {}).get('notice_id'))}: {json.dumps(doc.get('data', {}))}"
+        )
     drill = " [drill]" if notice.get("drill") else ""
     deadline = notice.get("deadline")
     when = f"deadline {deadline} ({_left(deadline, now)})" if kind != "cleared" and deadline else ""
-    return (
+    return printable(
         f"{stamp} {kind.upper():<9} {notice.get('kind', ''):<13} {notice.get('severity', ''):<8} "
         f"{notice.get('source', ''):<8} {notice.get('reason', '')}{drill}  {when}  [{notice.get('id', '')}]"
     ).rstrip()
@@ -291,7 +306,7 @@ def _countdown(active: dict[str, dict[str, Any]]) -> str:
     parts = []
     for notice in active.values():
         parts.append(f"{notice['kind']}: {_left(notice.get('deadline'))}")
-    return "  >> " + " | ".join(parts)
+    return printable("  >> " + " | ".join(parts))
 
 
 def cmd_drill(args: argparse.Namespace) -> int:

@@ -27,6 +27,9 @@ _CLIENT_KEYS = {
     "participant": bool,
 }
 MAX_TEXT = 512
+# Bounds that keep every accepted value usable downstream (``timedelta``, float arithmetic, int64 metrics).
+MAX_DURATION_S = 7 * 24 * 3600.0
+MAX_COUNT = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -70,28 +73,21 @@ def parse_report(
     known = {"kind", "phase", "step", "duration_s", "bytes", "emergency", "notice_id", "path", "client"}
     unknown = sorted(set(doc) - known)
     if unknown:
-        raise ReportError(
-            f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}"
+        shown = ", ".join(brief(name) for name in unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
         )
+        raise ReportError(f"unknown field(s) {shown}; known: {', '.join(sorted(known))}")
     kind = doc.get("kind")
     if kind not in KINDS:
-        raise ReportError(f"field 'kind' must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+        raise ReportError(f"field 'kind' must be one of {', '.join(map(repr, KINDS))}, got {brief(kind)}")
     phase = doc.get("phase")
     if phase not in PHASES:
-        raise ReportError(f"field 'phase' must be one of {', '.join(map(repr, PHASES))}, got {phase!r}")
+        raise ReportError(f"field 'phase' must be one of {', '.join(map(repr, PHASES))}, got {brief(phase)}")
     step = _optional_int(doc, "step")
     size = _optional_int(doc, "bytes")
     duration = doc.get("duration_s")
     if duration is not None:
-        if (
-            isinstance(duration, bool)
-            or not isinstance(duration, (int, float))
-            or not math.isfinite(duration)
-        ):
-            raise ReportError(f"field 'duration_s' must be a finite number of seconds, got {duration!r}")
-        if duration < 0:
-            raise ReportError(f"field 'duration_s' must not be negative, got {duration!r}")
-        duration = float(duration)
+        duration = seconds(duration, "duration_s", MAX_DURATION_S, ReportError)
     if phase == "finished" and duration is None:
         raise ReportError("a 'finished' report needs 'duration_s' (seconds the checkpoint blocked training)")
     emergency = doc.get("emergency", False)
@@ -108,7 +104,7 @@ def parse_report(
         if expected is None:
             continue  # clients may add their own descriptive fields; they are dropped, not rejected
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ReportError(f"field 'client.{key}' must be {expected.__name__}, got {value!r}")
+            raise ReportError(f"field 'client.{key}' must be {expected.__name__}, got {brief(value)}")
         if isinstance(value, str) and len(value) > MAX_TEXT:
             raise ReportError(f"field 'client.{key}' is longer than {MAX_TEXT} characters")
         checked[key] = value
@@ -132,8 +128,8 @@ def _optional_int(doc: Mapping[str, Any], name: str) -> int | None:
     value = doc.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ReportError(f"field {name!r} must be a non-negative integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise ReportError(f"field {name!r} must be an integer from 0 to 2**63-1, got {brief(value)}")
     return value
 
 
@@ -142,8 +138,28 @@ def _optional_text(doc: Mapping[str, Any], name: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or len(value) > 4096:
-        raise ReportError(f"field {name!r} must be a string of at most 4096 characters, got {value!r:.80}")
+        raise ReportError(f"field {name!r} must be a string of at most 4096 characters, got {brief(value)}")
     return value
+
+
+def seconds(value: Any, name: str, maximum: float, error: type[Exception]) -> float:
+    """A JSON number of seconds from 0 to ``maximum`` as a float; raises ``error`` naming the field. A
+    huge integer is refused here rather than overflowing later in float or ``timedelta`` arithmetic."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"field {name!r} must be a finite number of seconds, got {brief(value)}")
+    if isinstance(value, int) and not -maximum <= value <= maximum:
+        value = math.inf if value > 0 else -math.inf
+    if not math.isfinite(value) or not 0 <= value <= maximum:
+        raise error(f"field {name!r} must be a number of seconds from 0 to {maximum:.0f}, got {brief(value)}")
+    return float(value)
+
+
+def brief(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error message quotes what it refuses, never all of it."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def _json_type(value: Any) -> str:

@@ -1,0 +1,113 @@
+"""Bad input on the socket against a real agent: every malformed request is a 4xx that says why, and client
+mistakes reach the log as bounded, rate-limited warnings without tracebacks."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from structlog.testing import capture_logs
+
+from tests.support import http_json, running_agent
+
+HUGE_INT = b"1" + b"0" * 400
+DEEP = 20_000
+
+CASES = [
+    ("/v1/reports", b'{"kind":"checkpoint","phase":"finished","duration_s":1e400}', "'duration_s'"),
+    (
+        "/v1/reports",
+        b'{"kind":"checkpoint","phase":"finished","duration_s":' + HUGE_INT + b"}",
+        "'duration_s'",
+    ),
+    ("/v1/reports", b'{"kind":"checkpoint","phase":"finished","duration_s":1e300}', "'duration_s'"),
+    ("/v1/reports", b'{"kind":"checkpoint","phase":"started","step":' + HUGE_INT + b"}", "'step'"),
+    ("/v1/reports", b"[" * DEEP + b"]" * DEEP, "nested too deeply"),
+    ("/v1/reports", b'{"client":' * DEEP + b"{}" + b"}" * DEEP, "nested too deeply"),
+    (
+        "/v1/reports",
+        b'{"kind":"checkpoint","phase":"started","step":1' + b"0" * 5000 + b"}",
+        "not valid JSON",
+    ),
+    ("/v1/reports", b'{"kind": "\xff"}', "not UTF-8"),
+    ("/v1/drills", b'{"in_s":' + HUGE_INT + b"}", "'in_s'"),
+    ("/v1/drills", b'{"in_s":1e400}', "'in_s'"),
+    ("/v1/drills", b'{"in_s":-' + HUGE_INT + b"}", "'in_s'"),
+    ("/v1/drills", b"[" * DEEP + b"]" * DEEP, "nested too deeply"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "names"), CASES, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(CASES)]
+)
+async def test_a_malformed_body_is_a_400_that_says_why_and_the_agent_keeps_serving(
+    base: Path, path: str, raw: bytes, names: str
+) -> None:
+    async with running_agent(base, {"api.max_body_bytes": 1 << 20}) as agent:
+        with capture_logs() as logs:
+            status, body = await http_json(agent.config.socket, "POST", path, raw=raw)
+        after, _ = await http_json(agent.config.socket, "GET", "/v1/status")
+    assert (400, 200) == (status, after)
+    assert names in body["error"]
+    assert len(body["error"]) < 400
+    assert ["warning"] == [e["log_level"] for e in logs]
+    assert [] == [e for e in logs if "exc_info" in e]
+
+
+async def post_big(socket_path: Path, path: str, raw: bytes) -> tuple[int, Any]:
+    """POST a body of several MiB (streamed, so that the client does not warn about it)."""
+    connector = aiohttp.UnixConnector(path=str(socket_path))
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        session.post(f"http://agent{path}", data=io.BytesIO(raw)) as response,
+    ):
+        return response.status, await response.json()
+
+
+async def test_a_huge_value_is_quoted_briefly_in_the_answer_and_the_log(base: Path) -> None:
+    huge = {"kind": "x" * 3_000_000, "phase": "started", **{f"extra{i}": 1 for i in range(10_000)}}
+    async with running_agent(base, {"api.max_body_bytes": 4 << 20}) as agent:
+        with capture_logs() as logs:
+            status, body = await post_big(agent.config.socket, "/v1/reports", json.dumps(huge).encode())
+    assert 400 == status
+    assert body["error"].startswith("unknown field(s) 'extra0', 'extra1', 'extra10', 'extra100', 'extra1000'")
+    assert body["error"].split(";")[0].endswith("and 9995 more")
+    assert [("report_rejected", "warning")] == [(e["event"], e["log_level"]) for e in logs]
+    assert len(json.dumps(logs[0])) < 1000
+
+
+async def test_a_flood_of_bad_reports_is_logged_as_a_burst_then_counted(base: Path) -> None:
+    async with running_agent(base) as agent:
+        with capture_logs() as logs:
+            answers = [
+                await http_json(agent.config.socket, "POST", "/v1/reports", {"kind": "nap"})
+                for _ in range(30)
+            ]
+        _, metrics = await http_json(agent.config.socket, "GET", "/metrics")
+    assert {400} == {status for status, _ in answers}
+    assert 10 == len([e for e in logs if e["event"] == "report_rejected"])
+    assert "preemptd_reports_rejected_total 30.0" in metrics
+
+
+async def test_a_request_aiohttp_cannot_parse_is_a_warning_without_traceback(
+    base: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running_agent(base) as agent:
+        with capture_logs() as logs, caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+            reader, writer = await asyncio.open_unix_connection(str(agent.config.socket))
+            writer.write(b"GET /v1/status HTTP/1.1\r\nX-Long: " + b"a" * 100_000 + b"\r\n\r\n")
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(65536), 10)
+            writer.close()
+            await writer.wait_closed()
+    assert b" 400 Bad Request" in answer.split(b"\r\n", 1)[0]
+    assert [] == [r for r in caplog.records if r.levelno >= logging.WARNING]
+    warned = [e for e in logs if e["event"] == "bad_request"]
+    assert [("warning", 400)] == [(e["log_level"], e["status"]) for e in warned]
+    assert len(json.dumps(warned[0])) < 1000
