@@ -305,6 +305,9 @@ async def drills(request: web.Request) -> web.Response:
         request.app[MISTAKES_KEY].warning("drill_rejected", error=str(exc), peer=peer)
         return _error(400, str(exc))
     notice = agent.drill(kind, in_s, severity, reason, peer)
+    # Published at once (no disk write on the way to the subscribers), answered once on disk: a drill that
+    # was answered survives a crash of the agent.
+    await agent.persist()
     return web.json_response({"notice": notice.to_json(agent.now())}, status=201)
 
 
@@ -319,6 +322,7 @@ async def clear_drill(request: web.Request) -> web.Response:
         return _error(404, f"no active drill with id {notice_id!r}")
     cleared = agent.retract(notice.source, notice.key, "drill cleared by request")
     assert cleared is not None
+    await agent.persist()
     return web.json_response({"notice": cleared.to_json(agent.now())})
 
 

@@ -41,6 +41,10 @@ from agent.sources.base import HealthState, Source, SourceHealth
 from agent.state import History, LoadedState, load_state, prepare_dir, save_state, state_document
 
 DRILL_SOURCE = "drill"
+# Sequence numbers are leased ahead of use: the state file holds a mark above every number handed out, and a
+# new lease is written, off the event path, when half of the current one is used. After a crash the agent
+# starts numbering at the mark, so no number is used twice (a clean stop saves the exact last number).
+SEQ_LEASE = 1 << 16
 ERROR_LOG_INTERVAL_S = 60.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -165,7 +169,7 @@ class Agent:
         self.boot_id = secrets.token_hex(8)
         self.started_at = clock()
         self._started_mono = time.monotonic()
-        self.board = NoticeBoard()
+        self.board = NoticeBoard(scope=host_boot_id())
         self.hub = Hub(
             queue_size=config.api.queue_size,
             ring_size=config.api.ring_size,
@@ -209,6 +213,9 @@ class Agent:
         self._state_loaded = False
         self._listen_sock: socket.socket | None = None
         self._inflight: asyncio.Task[None] | None = None
+        self._seq_lease = 0  # every number up to it may have been handed out
+        self._seq_durable = 0  # the lease the state file holds
+        self._lease_overrun = False
 
     # ----- extension points (docs/internals.md) -----
 
@@ -283,6 +290,13 @@ class Agent:
 
     def _after_event(self, event: Event) -> None:
         self.events_total[event.type.value] = self.events_total.get(event.type.value, 0) + 1
+        if event.seq > self._seq_lease - SEQ_LEASE // 2:
+            self._seq_lease = event.seq + SEQ_LEASE
+            self._save_wanted.set()
+        if event.seq > self._seq_durable and self.state_ok and not self._lease_overrun:
+            # Only a burst of tens of thousands of events within one state write gets here.
+            self._lease_overrun = True
+            self.log.error("sequence_lease_overrun", seq=event.seq, durable=self._seq_durable)
         for listener in self._event_listeners:
             try:
                 listener(event)
@@ -322,6 +336,11 @@ class Agent:
                 listener(report)
             except Exception as exc:
                 self.log.error("report_listener_failed", listener=repr(listener), error=repr(exc))
+
+    async def persist(self) -> None:
+        """Write the state and the pending history now; returns once they are on disk (or the state
+        directory is known to be unusable). For changes that must be durable before they are answered."""
+        await self._flush(clean=False)
 
     def drill(
         self, kind: Kind, in_s: float, severity: Severity | None, reason: str, peer: Mapping[str, Any]
@@ -483,7 +502,14 @@ class Agent:
         return loaded
 
     def _state_snapshot(self, clean: bool) -> dict[str, Any]:
-        return state_document(self.hub.seq, self.board.active(), self.boot_id, clean, self.now(), {})
+        return state_document(
+            self.hub.seq if clean else max(self._seq_lease, self.hub.seq),
+            self.board.active(),
+            self.boot_id,
+            clean,
+            self.now(),
+            {"notice_occurrences": self.board.occurrences()},
+        )
 
     def _flush_sync(self, document: dict[str, Any] | None, lines: list[str]) -> None:
         if lines:
@@ -510,6 +536,8 @@ class Agent:
     async def _write(self, document: dict[str, Any], lines: list[str]) -> None:
         try:
             await asyncio.to_thread(self._flush_sync, document, lines)
+            if document is not None:
+                self._seq_durable = max(self._seq_durable, document["seq"])
         except OSError as exc:
             self.state_ok = False
             self.state_error = f"cannot write state in {self.config.state_dir}: {exc.strerror or exc}"
@@ -599,7 +627,9 @@ class Agent:
         loaded = self._load_state()
         self._state_loaded = True
         self.hub.seq = loaded.seq
-        self.board.restore(loaded.notices)
+        # Leased before the first write below, which lands before the socket serves anyone.
+        self._seq_lease = loaded.seq + SEQ_LEASE
+        self.board.restore(loaded.notices, loaded.extra.get("notice_occurrences"))
         if loaded.notices:
             self.log.warning(
                 "notices_restored",
@@ -824,6 +854,16 @@ def run_agent(config: Config, reload_config: Callable[[], Config] | None = None)
         agent.log.error("config_invalid", error=str(exc))
         return 2
     return 0
+
+
+def host_boot_id() -> str:
+    """This boot of the host (the kernel's random boot id): notices without an identity of their own are
+    told apart by it across agent restarts."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
 
 
 def _iso(value: datetime | None) -> str | None:

@@ -8,7 +8,7 @@ returns the resulting :class:`Event` values. Nothing here does I/O or reads the 
 from __future__ import annotations
 
 import enum
-import secrets
+import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
@@ -89,9 +89,18 @@ def parse_time(text: str) -> datetime:
     return parsed.astimezone(timezone.utc)
 
 
-def new_notice_id(source: str) -> str:
-    """A fresh identity: readable source prefix plus 64 random bits."""
-    return f"{source}-{secrets.token_hex(8)}"
+def derive_notice_id(source: str, key: str, identity: str) -> str:
+    """A notice's id: a readable source prefix and 64 bits of a hash of what identifies the event. The same
+    event gets the same id after any restart, also one that lost the state file's last write."""
+    digest = hashlib.blake2b("\0".join((source, key, identity)).encode(), digest_size=8).hexdigest()
+    return f"{source}-{digest}"
+
+
+# Where a cloud names its events (Azure Scheduled Events, AWS scheduled maintenance), that name is the
+# event's identity; it outlives a reboot of the host.
+EVENT_ID_FIELDS = ("EventId", "event_id", "eventId")
+# How many (source, key) occurrence counts a board keeps: enough for every GPU and condition of a host.
+MAX_OCCURRENCES = 4096
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,17 @@ class Observation:
     severity: Severity | None = None
     detail: Mapping[str, Any] = field(default_factory=dict)
     drill: bool = False
+    identity: str | None = None  # the cloud's own name for the event; else taken from ``detail``
+
+    @property
+    def event_identity(self) -> str | None:
+        if self.identity:
+            return self.identity
+        for name in EVENT_ID_FIELDS:
+            value = self.detail.get(name)
+            if isinstance(value, str) and value:
+                return value
+        return None
 
     @property
     def effective_severity(self) -> Severity:
@@ -272,12 +292,18 @@ class NoticeBoard:
     """The set of active notices, keyed by (source, key). Pure: callers pass ``now``.
 
     Identity is assigned on first sight and kept for as long as the source keeps reporting the same key,
-    across payload changes and across agent restarts (through :meth:`restore`).
+    across payload changes and across agent restarts (through :meth:`restore`). It is derived, not drawn:
+    from the source, the key and the cloud's own event identity when the observation has one, else from the
+    ``scope`` (the host's boot) and how many times that key was cleared before, so that an agent that
+    crashed before saving its state gives the same event the same id again, and a condition that ends and
+    comes back is a new notice.
     """
 
-    def __init__(self, id_factory: Callable[[str], str] = new_notice_id) -> None:
+    def __init__(self, id_factory: Callable[[str], str] | None = None, scope: str = "") -> None:
         self._id_factory = id_factory
+        self._scope = scope
         self._by_key: dict[tuple[str, str], Notice] = {}
+        self._occurrences: dict[tuple[str, str], int] = {}
 
     def active(self) -> tuple[Notice, ...]:
         """Active notices, most urgent first (severity, then earliest deadline, then detection)."""
@@ -301,11 +327,35 @@ class NoticeBoard:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def restore(self, notices: Iterable[Notice]) -> None:
-        """Load notices persisted by an earlier run, identity and deadline unchanged."""
+    def restore(self, notices: Iterable[Notice], occurrences: Any = None) -> None:
+        """Load notices persisted by an earlier run, identity and deadline unchanged, and the occurrence
+        counts of :meth:`occurrences` (ignored when they were saved under another scope)."""
         for notice in notices:
             if notice.cleared_at is None:
                 self._by_key[(notice.source, notice.key)] = notice
+        if isinstance(occurrences, Mapping) and occurrences.get("scope") == self._scope:
+            for row in occurrences.get("counts") or []:
+                if (
+                    isinstance(row, list)
+                    and len(row) == 3
+                    and isinstance(row[0], str)
+                    and isinstance(row[1], str)
+                    and isinstance(row[2], int)
+                ):
+                    self._occurrences[(row[0], row[1])] = row[2]
+
+    def occurrences(self) -> dict[str, Any]:
+        """The occurrence counts, as JSON for the state file."""
+        return {"scope": self._scope, "counts": [[s, k, n] for (s, k), n in self._occurrences.items()]}
+
+    def _new_id(self, source: str, obs: Observation) -> str:
+        if self._id_factory is not None:
+            return self._id_factory(source)
+        event = obs.event_identity
+        if event is not None:
+            return derive_notice_id(source, obs.key, f"event:{event}")
+        seen = self._occurrences.get((source, obs.key), 0)
+        return derive_notice_id(source, obs.key, f"scope:{self._scope}:{seen}")
 
     def observe(self, source: str, obs: Observation, now: datetime) -> Change | None:
         """Record that ``source`` sees ``obs`` now; returns the change, or None if clients need not hear."""
@@ -314,7 +364,7 @@ class NoticeBoard:
         severity = obs.effective_severity
         if current is None:
             notice = Notice(
-                id=self._id_factory(source),
+                id=self._new_id(source, obs),
                 kind=obs.kind,
                 severity=severity,
                 source=source,
@@ -353,6 +403,10 @@ class NoticeBoard:
         notice = self._by_key.pop((source, key), None)
         if notice is None:
             return None
+        slot = (source, key)
+        self._occurrences[slot] = self._occurrences.pop(slot, 0) + 1  # re-inserted: newest last
+        if len(self._occurrences) > MAX_OCCURRENCES:
+            del self._occurrences[next(iter(self._occurrences))]
         detail = dict(notice.detail)
         if reason:
             detail["cleared_reason"] = reason
