@@ -27,7 +27,7 @@ from agent.errors import ConfigError
 from agent.paths import client_socket_path
 
 # Modules that add verbs: each has register(subparsers) and sets a `func` default on its parser.
-_EXTENSIONS: list[str] = ["agent.advisor.cli", "agent.simulate.cli"]
+_EXTENSIONS: list[str] = ["agent.advisor.cli", "agent.simulate.cli", "agent.exec"]
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -424,8 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["exec"]:  # wraps a job for its whole life: import only what it needs
+        from agent.exec import main as exec_main
+
+        return exec_main(args_in[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_in)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

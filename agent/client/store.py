@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
+from agent.client.preempted import record_emergency
 from agent.client.reporting import Reporter
 
 MANIFEST = "manifest.json"
@@ -220,6 +221,8 @@ class CheckpointStore:
         duration = time.monotonic() - started
         checkpoint = replace(sealed, path=final, duration_s=duration)
         self.last_save = checkpoint
+        if emergency:  # durable now: `preemptd exec` may turn the launcher's failure into 75
+            record_emergency(step, path=final, notice_id=notice_id)
         self._report(
             "finished",
             step,
