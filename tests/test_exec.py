@@ -6,6 +6,7 @@ real ``torchrun`` with two gloo ranks of examples/fault_tolerant_training.py, wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import signal
@@ -204,17 +205,22 @@ async def test_signals_reach_the_whole_process_group_or_only_the_command(tmp_pat
         env=_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     lines = _Lines(proc)
-    await lines.until("pid parent ")
-    await lines.until("pid child ")
-    proc.send_signal(signal.SIGUSR1)
-    await lines.until(f"{usr1} parent")
-    proc.send_signal(signal.SIGTERM)
-    await lines.until(f"{term} parent")
-    if not group:  # the child was left alone (and holds exec's output pipe open): stop it by hand
-        os.kill(lines.pid("child"), signal.SIGTERM)
-    # A child that got SIGUSR1 handles it before the later SIGTERM (Python runs handlers in signal order).
-    await lines.until(f"{term} child")
-    code, _, _ = await _finish(proc)
+    try:
+        await lines.until("pid parent ")
+        await lines.until("pid child ")
+        proc.send_signal(signal.SIGUSR1)
+        await lines.until(f"{usr1} parent")
+        proc.send_signal(signal.SIGTERM)
+        await lines.until(f"{term} parent")
+        if not group:  # the child was left alone (and holds exec's output pipe open): stop it by hand
+            os.kill(lines.pid("child"), signal.SIGTERM)
+        # A child that got SIGUSR1 handles it before the later SIGTERM (Python runs handlers in signal order).
+        await lines.until(f"{term} child")
+        code, _, _ = await _finish(proc)
+    finally:
+        for role in ("parent", "child"):  # whatever failed above, leave no process behind
+            with contextlib.suppress(StopIteration, ProcessLookupError):
+                os.kill(lines.pid(role), signal.SIGKILL)
     got = sorted(s for s in lines.seen if s.startswith(f"{usr1} "))
     expected = [f"{usr1} child", f"{usr1} parent"] if group else [f"{usr1} parent"]
     assert (0, expected) == (code, got)
