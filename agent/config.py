@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 from agent.errors import ConfigError
 from agent.paths import default_socket_path, default_state_dir
@@ -37,6 +37,13 @@ CloudName = Literal["auto", "none", "aws", "gcp", "azure", "alibaba", "tencent"]
 CLOUDS: tuple[str, ...] = typing.get_args(CloudName)
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+# Sections whose unknown sub-tables belong to plug-ins (reactors, scheduler bridges): ``[actions.slurm]`` is
+# kept as it was written and checked by the bridge that reads it (Config.table); an unknown scalar key
+# there is still an error.
+EXTENSIBLE = ("actions",)
+# Loader bookkeeping on Config, never set from a file.
+INTERNAL = {"internal": True}
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -367,6 +374,35 @@ class Config:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     host: HostConfig = field(default_factory=HostConfig)
     config_file: Path | None = None
+    # Plug-in tables by dotted name (``"actions.slurm"``), as written; read them with :meth:`table`.
+    tables: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata=INTERNAL)
+    # Where each dotted key was set (a file, "environment", "command line"), for the errors of table().
+    origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False, metadata=INTERNAL)
+
+    def table(self, name: str, schema: type[T]) -> T:
+        """The table ``name`` (dotted: ``"actions.slurm"``) checked against the frozen dataclass ``schema``
+        with the loader's rules and errors (file, dotted key, what was expected); the schema's defaults when
+        the table was not set. A built-in section (``"actions"``, ``"aws"``) is returned as loaded."""
+        section: Any = self
+        for part in name.split("."):
+            section = getattr(section, part, None) if part in _field_names(type(section)) else None
+            if section is None or not dataclasses.is_dataclass(section):
+                section = None
+                break
+        if section is not None:
+            if not isinstance(section, schema):
+                raise TypeError(f"[{name}] is a {type(section).__name__}, not a {schema.__name__}")
+            return section
+        built: T = _build(schema, self.tables.get(name, {}), name + ".", self.origins)
+        return built
+
+    def has_table(self, name: str) -> bool:
+        """Whether anything was set under ``name`` (a plug-in table or a built-in section)."""
+        return name in self.tables or any(k == name or k.startswith(name + ".") for k in self.origins)
+
+    def extension_tables(self) -> tuple[str, ...]:
+        """The dotted names of the plug-in tables that were set."""
+        return tuple(sorted(self.tables))
 
 
 def load_config(
@@ -390,9 +426,10 @@ def load_config(
     _merge(merged, _env_table(environ), origin, "environment")
     _merge(merged, _dotted_to_nested(overrides or {}), origin, "command line")
     merged.pop("config_file", None)
+    tables = _extension_tables(merged)
     config: Config = _build(Config, merged, "", origin)
     loaded_from = file_path if file_path.exists() else None
-    return dataclasses.replace(config, config_file=loaded_from)
+    return dataclasses.replace(config, config_file=loaded_from, tables=tables, origins=dict(origin))
 
 
 def parse_setting(text: str) -> tuple[str, Any]:
@@ -408,7 +445,11 @@ def config_to_json(config: Config) -> dict[str, Any]:
 
     def convert(value: Any) -> Any:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return {f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            return {
+                f.name: convert(getattr(value, f.name))
+                for f in dataclasses.fields(value)
+                if not f.metadata.get("internal")
+            }
         if isinstance(value, Path):
             return str(value)
         if isinstance(value, Mapping):
@@ -419,6 +460,9 @@ def config_to_json(config: Config) -> dict[str, Any]:
 
     result = convert(config)
     assert isinstance(result, dict)
+    for dotted, table in config.tables.items():
+        section, _, name = dotted.rpartition(".")
+        result.setdefault(section, {})[name] = convert(table)
     return result
 
 
@@ -496,7 +540,20 @@ def _merge(
 
 
 def _field_names(cls: type) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
+    return {f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
+def _extension_tables(merged: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Take the plug-in tables (unknown tables under an EXTENSIBLE section) out of ``merged``."""
+    tables: dict[str, dict[str, Any]] = {}
+    for section in EXTENSIBLE:
+        node = merged.get(section)
+        if not isinstance(node, dict):
+            continue
+        known = _field_names(typing.get_type_hints(Config)[section])
+        for key in [k for k, v in node.items() if isinstance(v, Mapping) and k not in known]:
+            tables[f"{section}.{key}"] = dict(node.pop(key))
+    return tables
 
 
 def _build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mapping[str, str]) -> Any:
@@ -514,7 +571,7 @@ def _build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mappin
             raise ConfigError(f"{_where(origin, dotted)}: unknown key {dotted!r}{hint}")
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if f.name in table:
+        if f.name in table and f.name in names:
             values[f.name] = _coerce(hints[f.name], table[f.name], prefix + f.name, origin)
     return cls(**values)
 

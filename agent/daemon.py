@@ -32,6 +32,7 @@ from aiohttp import web
 from agent import __version__
 from agent.config import Config, load_config
 from agent.errors import AlreadyRunningError, ConfigError, StateError
+from agent.fanout import Fanout
 from agent.hub import Hub, Subscriber
 from agent.notice import Change, Event, EventType, Kind, Notice, NoticeBoard, Observation, Severity, utcnow
 from agent.reports import Report
@@ -191,14 +192,14 @@ class Agent:
         self.notifier = Notifier()
         self.reports_total: dict[str, int] = {}
         self.reports_rejected = 0
-        self.events_total: dict[str, int] = {}
         self.socket_path: Path | None = None
         self.activated = False
         self._reload_config = reload_config
         self._routes: list[tuple[str, str, Handler]] = []
         self._status_sections: dict[str, Callable[[], Any]] = {}
         self._collectors: list[Any] = []
-        self._event_listeners: list[Callable[[Event], None]] = []
+        self.fanout = Fanout(self.hub, self._record, self._listener_failed)
+        self._capabilities: dict[str, Any] = {}
         self._report_listeners: list[Callable[[Report], None]] = []
         self._source_tasks: dict[str, asyncio.Task[Any]] = {}
         self._runner: web.AppRunner | None = None
@@ -216,6 +217,7 @@ class Agent:
         self._seq_lease = 0  # every number up to it may have been handed out
         self._seq_durable = 0  # the lease the state file holds
         self._lease_overrun = False
+        self.fanout.add(self._lease_sequence)
 
     # ----- extension points (docs/internals.md) -----
 
@@ -229,19 +231,33 @@ class Agent:
         self._collectors.append(collector)
 
     def on_event(self, fn: Callable[[Event], None]) -> None:
-        self._event_listeners.append(fn)
+        self.fanout.add(fn)
 
     def on_report(self, fn: Callable[[Report], None]) -> None:
         self._report_listeners.append(fn)
 
+    def capability(self, name: str) -> Any | None:
+        if name in self._capabilities:
+            return self._capabilities[name]
+        for source in self.sources.values():
+            offered = source.capabilities().get(name)
+            if offered is not None:
+                return offered
+        return None
+
+    def provide(self, name: str, fn: Any) -> None:
+        self._capabilities[name] = fn
+
+    @property
+    def events_total(self) -> dict[str, int]:
+        return self.fanout.events_total
+
     def publish_ready(self, notice_id: str, data: Mapping[str, Any] | None = None) -> Event:
         notice = self.board.get(notice_id)
-        event = self.hub.publish(
+        event = self.fanout.emit(
             EventType.READY, self.now(), notice=notice, data={"notice_id": notice_id, **(data or {})}
         )
         self.log.info("notice_ready", notice_id=notice_id, **dict(data or {}))
-        self._record({"type": "ready", "notice_id": notice_id, "data": dict(data or {})})
-        self._after_event(event)
         return event
 
     def inject(self, source: str, obs: Observation) -> Notice | None:
@@ -258,7 +274,7 @@ class Agent:
 
     def _apply(self, changes: list[Change]) -> None:
         for change in changes:
-            event = self.hub.publish(change.type, self.now(), notice=change.notice)
+            event = self.fanout.emit(change.type, self.now(), notice=change.notice)
             notice = change.notice
             fields = {
                 "notice_id": notice.id,
@@ -281,15 +297,13 @@ class Agent:
                 else "info"
             )
             getattr(self.log, level)(name, **fields)
-            self._record({"type": change.type.value, "notice": notice.to_json(event.time)})
-            self._after_event(event)
         if changes:
             self._save_wanted.set()
             self._board_changed.set()
             self._notify_status()
 
-    def _after_event(self, event: Event) -> None:
-        self.events_total[event.type.value] = self.events_total.get(event.type.value, 0) + 1
+    def _lease_sequence(self, event: Event) -> None:
+        """The first listener of every event: keep the leased sequence numbers ahead of the hub's."""
         if event.seq > self._seq_lease - SEQ_LEASE // 2:
             self._seq_lease = event.seq + SEQ_LEASE
             self._save_wanted.set()
@@ -297,11 +311,9 @@ class Agent:
             # Only a burst of tens of thousands of events within one state write gets here.
             self._lease_overrun = True
             self.log.error("sequence_lease_overrun", seq=event.seq, durable=self._seq_durable)
-        for listener in self._event_listeners:
-            try:
-                listener(event)
-            except Exception as exc:  # a listener's bug must not stop the notice reaching others
-                self.log.error("event_listener_failed", listener=repr(listener), error=repr(exc))
+
+    def _listener_failed(self, listener: Callable[[Event], None], exc: Exception) -> None:
+        self.log.error("event_listener_failed", listener=repr(listener), error=repr(exc))
 
     def record(self, record: Mapping[str, Any]) -> None:
         """Append a record (a dict with ``type``) to the history log; ``time`` is added. Never blocks."""

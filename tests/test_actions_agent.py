@@ -68,7 +68,7 @@ async def test_a_hanging_hook_does_not_delay_the_notice_to_clients(base: Path) -
                 assert 201 == status
                 got = await client.until(lambda e: e["type"] == "notice", timeout=5)
                 assert body["notice"]["id"] == got["notice"]["id"]
-            assert 2 <= len(actions_of(agent).tasks)
+            assert 2 <= actions_of(agent).reactors.running()
         finally:
             await client.close()
     # Stopping the agent kills the hanging hook instead of waiting for it.

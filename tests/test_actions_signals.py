@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from agent.actions.common import Recent, TaskSet
+from agent.actions.common import Recent
 from agent.actions.signals import SignalEngine, SignalRule
 from agent.config import SignalRuleConfig
 from agent.errors import ConfigError
 from agent.notice import EventType, Kind, Severity
+from agent.tasks import TaskSet
 from tests.actions_support import HANDLER, IGNORER, Child, event, make_notice, write_pid_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,7 +170,8 @@ async def test_an_unprivileged_agent_reports_permission_denied() -> None:
     child = await Child.start(IGNORER, marker)
     script = f"""
 import asyncio, concurrent.futures.thread, json, os
-from agent.actions.common import Recent, TaskSet
+from agent.actions.common import Recent
+from agent.tasks import TaskSet
 from agent.actions.signals import SignalEngine, SignalRule
 from agent.config import SignalRuleConfig
 from agent.notice import EventType

@@ -1,11 +1,11 @@
-"""Pieces every action shares: which events a rule applies to, owned background tasks, a bounded record."""
+"""Pieces every action shares: which events a rule applies to, the event document, outcome counts, a bounded
+record."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import structlog
@@ -39,48 +39,27 @@ def trigger_of(event: Event) -> str | None:
     return TRIGGERS.get(event.type)
 
 
-class TaskSet:
-    """Owns background tasks: each is tracked until done, and :meth:`close` cancels and awaits the rest."""
+def event_document(event: Event, notice: Notice | None) -> dict[str, Any]:
+    """The event JSON that hooks get on stdin and webhooks POST, with the notice even where the event
+    itself names it by id only."""
+    doc = event.to_json()
+    if "notice" not in doc and notice is not None:
+        doc["notice"] = notice.to_json(event.time)
+    return doc
 
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._closed = False
 
-    def __len__(self) -> int:
-        return len(self._tasks)
+class Outcomes:
+    """Counts a reactor's finished actions by outcome (``preemptd_actions_total``), forwarding each to an
+    optional extra counter."""
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any] | None:
-        if self._closed:
-            coro.close()
-            return None
-        task = asyncio.get_running_loop().create_task(coro, name=f"{self._name}:{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-        return task
+    def __init__(self, also: Callable[[str], None] | None = None) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._also = also
 
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            exc = task.exception()
-            log.error("action_task_failed", task=task.get_name(), error=f"{type(exc).__name__}: {exc}")
-
-    async def close(self, timeout: float) -> None:
-        """Stop accepting, let running tasks finish for up to ``timeout`` seconds, then cancel the rest."""
-        self._closed = True
-        if not self._tasks:
-            return
-        pending = set(self._tasks)
-        _, still = await asyncio.wait(pending, timeout=timeout)
-        for task in still:
-            task.cancel(f"{self._name} stopping")
-        if still:
-            await asyncio.wait(still, timeout=timeout)
-
-    async def drain(self) -> None:
-        """Wait until every task spawned so far (and any they spawn) has finished. For tests."""
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
+    def __call__(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        if self._also is not None:
+            self._also(outcome)
 
 
 class Recent:

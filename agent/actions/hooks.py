@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from agent.actions.common import Recent, TaskSet, applies, log, record_outcome, trigger_of
+from agent.actions.common import Outcomes, Recent, applies, event_document, log, record_outcome, trigger_of
 from agent.actions.validate import check_hook
 from agent.config import HookConfig
 from agent.errors import ConfigError
 from agent.notice import Event, Notice, format_time, utcnow
+from agent.tasks import TaskSet
 
 MAX_LOGGED_LINES = 200
 # Meant for the agent's own process only: a hook must not talk to systemd's notify socket or believe it was
@@ -66,7 +67,10 @@ def hook_environment(
 
 
 class HookEngine:
-    """Starts the configured hooks for each event, at most ``concurrency`` at a time."""
+    """Starts the configured hooks for each event, at most ``concurrency`` at a time. A
+    :class:`agent.ports.Reactor` named ``hooks``."""
+
+    name = "hooks"
 
     def __init__(
         self,
@@ -85,18 +89,34 @@ class HookEngine:
         self._limit = asyncio.Semaphore(concurrency)
         self._max_bytes = output_max_bytes
         self._tasks = tasks
-        self._recent = recent
+        self.recent = self._recent = recent
         self._base_env = dict(os.environ if base_env is None else base_env)
-        self._count = count
+        self._count = self.outcomes = Outcomes(count)
 
-    def handle(self, event: Event, notice: Notice | None, doc: Mapping[str, Any]) -> None:
-        """Start every hook that wants this event; ``doc`` is the event JSON given on stdin."""
+    def status(self) -> dict[str, Any]:
+        return {"hooks": len(self.hooks), "running": len(self._tasks), "outcomes": dict(self.outcomes.counts)}
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self, timeout: float) -> None:
+        await self._tasks.close(timeout)
+
+    async def drain(self) -> None:
+        await self._tasks.drain()
+
+    def handle(
+        self, event: Event, notice: Notice | None = None, doc: Mapping[str, Any] | None = None
+    ) -> None:
+        """Start every hook that wants this event; ``doc`` (default: the event JSON) is given on stdin."""
         trigger = trigger_of(event)
         if trigger is None:
             return
+        notice = notice or event.notice
         for hook in self.hooks:
             if trigger not in hook.on or not applies(notice, hook.kinds, hook.min_severity, hook.drills):
                 continue
+            doc = doc if doc is not None else event_document(event, notice)
             name = hook_name(hook)
             self._tasks.spawn(self._run(hook, name, notice, doc), f"hook:{name}:{trigger}")
 

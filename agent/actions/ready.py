@@ -16,10 +16,11 @@ from typing import Any
 
 import psutil
 
-from agent.actions.common import Recent, TaskSet, applies, log
+from agent.actions.common import Recent, applies, log
 from agent.config import ReadyConfig
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 from agent.reports import Report
+from agent.tasks import TaskSet
 
 Publish = Callable[[str, Mapping[str, Any]], Any]
 
@@ -82,7 +83,10 @@ class Pending:
 
 
 class ReadyEngine:
-    """Tracks participants and, per matching notice, who has saved; publishes ``ready`` once per notice."""
+    """Tracks participants and, per matching notice, who has saved; publishes ``ready`` once per notice.
+    A :class:`agent.ports.Reactor` named ``ready``."""
+
+    name = "ready"
 
     def __init__(self, config: ReadyConfig, *, publish: Publish, tasks: TaskSet, history: int = 100) -> None:
         self.config = config
@@ -91,6 +95,30 @@ class ReadyEngine:
         self._participants: dict[str, Participant] = {}
         self._pending: dict[str, Pending] = {}
         self._history = max(1, history)
+        # The data of the last ready event seen (for the last-ready metrics).
+        self.last_ready: dict[str, Any] = {}
+
+    # --- reactor contract ---------------------------------------------------------------------------
+
+    def handle(self, event: Event) -> None:
+        if event.type is EventType.READY:
+            self.last_ready = dict(event.data)
+        self.on_event(event)
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self, timeout: float) -> None:
+        # Grace timers only wait: nothing is lost by cancelling them at once.
+        await self._tasks.close(0)
+
+    def carry_over(self, previous: object) -> None:
+        """After a reload: keep the participants and the notices being waited for (their timers stay with
+        the previous instance's tasks and declare through the same records)."""
+        if isinstance(previous, ReadyEngine):
+            self._participants = previous._participants
+            self._pending = previous._pending
+            self.last_ready = previous.last_ready
 
     # --- inputs -------------------------------------------------------------------------------------
 
@@ -232,17 +260,57 @@ def azure_event_id(notice: Notice) -> str | None:
     return None
 
 
-class AzureAcknowledger:
-    """Sends ``StartRequests`` through the Azure source's ``acknowledge(event_id)`` once per notice."""
+Acknowledge = Callable[[str], Any]
 
-    def __init__(self, mode: str, *, source: Callable[[str], Any], tasks: TaskSet, recent: Recent) -> None:
+
+class AzureAcknowledger:
+    """Sends ``StartRequests`` once per notice, through the ``azure_ack`` capability (``ack``: returns it,
+    or None when no Azure source offers it now) or a source object's ``acknowledge(event_id)``. A
+    :class:`agent.ports.Reactor` named ``azure_acknowledgement``."""
+
+    name = "azure_acknowledgement"
+
+    def __init__(
+        self,
+        mode: str,
+        *,
+        source: Callable[[str], Any] | None = None,
+        ack: Callable[[], Acknowledge | None] | None = None,
+        tasks: TaskSet,
+        recent: Recent,
+    ) -> None:
         self.mode = mode
         self._source = source
+        self._ack = ack
         self._tasks = tasks
-        self._recent = recent
+        self.recent = self._recent = recent
         self._done: set[str] = set()
 
-    def handle(self, event: Event, notice: Notice | None) -> None:
+    def status(self) -> dict[str, Any]:
+        return {"mode": self.mode, "running": len(self._tasks), "acknowledged": len(self._done)}
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self, timeout: float) -> None:
+        await self._tasks.close(timeout)
+
+    async def drain(self) -> None:
+        await self._tasks.drain()
+
+    def carry_over(self, previous: object) -> None:
+        if isinstance(previous, AzureAcknowledger):
+            self._done |= previous._done
+
+    def _acknowledger(self, source_name: str) -> Acknowledge | None:
+        if self._ack is not None:
+            return self._ack()
+        source = self._source(source_name) if self._source is not None else None
+        method = getattr(source, "acknowledge", None)
+        return method if callable(method) else None
+
+    def handle(self, event: Event, notice: Notice | None = None) -> None:
+        notice = notice or event.notice
         # "cloud" is the source that found Azure by probing rather than by DMI; its notices carry EventIds.
         if notice is None or notice.source not in ("azure", "cloud") or self.mode == "never":
             return
@@ -257,16 +325,16 @@ class AzureAcknowledger:
     async def _acknowledge(self, notice: Notice) -> None:
         event_id = azure_event_id(notice)
         record: dict[str, Any] = {"at": format_time(utcnow()), "notice_id": notice.id, "event_id": event_id}
-        source = self._source(notice.source)
+        acknowledge = self._acknowledger(notice.source)
         if notice.drill:
             record["outcome"] = "skipped_drill"
         elif event_id is None:
             record.update(outcome="failed", error="the notice carries no Azure EventId")
-        elif source is None or not hasattr(source, "acknowledge"):
+        elif acknowledge is None:
             record.update(outcome="failed", error="no Azure source with acknowledge() is running")
         else:
             try:
-                result = source.acknowledge(event_id)
+                result = acknowledge(event_id)
                 if inspect.isawaitable(result):
                     await result
                 record["outcome"] = "sent"

@@ -21,10 +21,11 @@ from typing import Any
 
 import psutil
 
-from agent.actions.common import Recent, TaskSet, applies, log
+from agent.actions.common import Outcomes, Recent, applies, log
 from agent.actions.validate import check_signal_rule, parse_signal
 from agent.config import SignalRuleConfig
 from agent.notice import Event, EventType, Notice, format_time, utcnow
+from agent.tasks import TaskSet
 
 # Where a cgroup path is looked up: the unified (v2) hierarchy, the hybrid layout's v2 mount, then the v1
 # ``name=systemd`` hierarchy, whose tree mirrors the units.
@@ -152,7 +153,10 @@ def _process_identity(pid: int) -> tuple[str, float] | None:
 
 
 class SignalEngine:
-    """Applies the signal rules to events: once per (notice, rule), escalation cancelled when it clears."""
+    """Applies the signal rules to events: once per (notice, rule), escalation cancelled when it clears.
+    A :class:`agent.ports.Reactor` named ``signals``."""
+
+    name = "signals"
 
     def __init__(
         self,
@@ -168,19 +172,40 @@ class SignalEngine:
         self.rules = tuple(rules)
         self.dry_run = dry_run
         self._tasks = tasks
-        self._recent = recent
+        self.recent = self._recent = recent
         self._gpu_pids = gpu_pids
         self._roots = tuple(cgroup_roots)
-        self._count = count
+        self._count = self.outcomes = Outcomes(count)
         self._done: set[tuple[str, int]] = set()
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
 
-    def carry_over(self, previous: SignalEngine) -> None:
+    def carry_over(self, previous: object) -> None:
         """Take over what ``previous`` already did (after a reload): notices it signalled are not signalled
         again, and its pending escalations are still cancelled when their notice clears."""
+        if not isinstance(previous, SignalEngine):
+            return
         self._done |= previous._done
         for notice_id, tasks in previous._running.items():
             self._running.setdefault(notice_id, set()).update(tasks)
+
+    # --- reactor contract -----------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "rules": len(self.rules),
+            "dry_run": self.dry_run,
+            "running": len(self._tasks),
+            "outcomes": dict(self.outcomes.counts),
+        }
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self, timeout: float) -> None:
+        await self._tasks.close(timeout)
+
+    async def drain(self) -> None:
+        await self._tasks.drain()
 
     def handle(self, event: Event) -> None:
         notice = event.notice
@@ -377,11 +402,10 @@ def _notice_gpus(notice: Notice) -> set[str]:
     return found
 
 
-async def call_gpu_pids(source: Any) -> Mapping[str, Iterable[int]]:
-    """Ask the NVML source for ``uuid → pids``; its ``compute_pids`` may be blocking or a coroutine."""
-    method = getattr(source, "compute_pids", None)
+async def call_gpu_pids(method: Callable[[], Any] | None) -> Mapping[str, Iterable[int]]:
+    """Call the ``gpu_pids`` capability for ``uuid → pids``; it may be blocking or a coroutine."""
     if method is None:
-        raise TargetError("the NVML source does not list compute processes")
+        raise TargetError("no NVML source is running, so GPU compute processes are unknown")
     if asyncio.iscoroutinefunction(method):
         result = await method()
     else:

@@ -14,10 +14,11 @@ from typing import Any
 
 import aiohttp
 
-from agent.actions.common import Recent, TaskSet, applies, log, record_outcome, trigger_of
+from agent.actions.common import Outcomes, Recent, applies, event_document, log, record_outcome, trigger_of
 from agent.actions.validate import check_webhook, redact
 from agent.config import WebhookConfig
 from agent.notice import Event, Notice, format_time, utcnow
+from agent.tasks import TaskSet
 
 
 def validate_webhooks(hooks: Iterable[WebhookConfig]) -> tuple[WebhookConfig, ...]:
@@ -61,7 +62,10 @@ class _Retry(Exception):
 
 
 class WebhookEngine:
-    """Delivers events to the configured webhooks; each delivery is an owned task with its own retries."""
+    """Delivers events to the configured webhooks; each delivery is an owned task with its own retries. A
+    :class:`agent.ports.Reactor` named ``webhooks``."""
+
+    name = "webhooks"
 
     def __init__(
         self,
@@ -74,9 +78,9 @@ class WebhookEngine:
     ) -> None:
         self.hooks = validate_webhooks(hooks)
         self._tasks = tasks
-        self._recent = recent
+        self.recent = self._recent = recent
         self._host = host or socket.gethostname()
-        self._count = count
+        self._count = self.outcomes = Outcomes(count)
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -88,13 +92,31 @@ class WebhookEngine:
             await self._session.close()
             self._session = None
 
-    def handle(self, event: Event, notice: Notice | None, doc: Mapping[str, Any]) -> None:
+    async def stop(self, timeout: float) -> None:
+        await self._tasks.close(timeout)
+        await self.close()
+
+    async def drain(self) -> None:
+        await self._tasks.drain()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "webhooks": len(self.hooks),
+            "running": len(self._tasks),
+            "outcomes": dict(self.outcomes.counts),
+        }
+
+    def handle(
+        self, event: Event, notice: Notice | None = None, doc: Mapping[str, Any] | None = None
+    ) -> None:
         trigger = trigger_of(event)
         if trigger is None:
             return
+        notice = notice or event.notice
         for hook in self.hooks:
             if trigger not in hook.on or not applies(notice, hook.kinds, hook.min_severity, hook.drills):
                 continue
+            doc = doc if doc is not None else event_document(event, notice)
             payload = render_payload(hook, doc, notice, self._host)
             name = webhook_name(hook)
             self._tasks.spawn(self._deliver(hook, name, payload, doc, notice), f"webhook:{name}:{trigger}")

@@ -8,7 +8,7 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
@@ -19,6 +19,7 @@ import structlog
 from agent.config import AzureConfig
 from agent.errors import NoticeError
 from agent.notice import Kind, Observation, Severity, parse_time, utcnow
+from agent.ports import AZURE_ACK
 from agent.sources.base import Sink, Source
 from agent.sources.cloud_http import Backoff, CloudError, MetadataClient, ParseError, status_error
 
@@ -211,6 +212,9 @@ class AzureSource(Source):
         self._deadlines: dict[str, datetime] = {}
         self._acknowledged: set[str] = set()
         self._ignored = 0
+
+    def capabilities(self) -> Mapping[str, Callable[..., Any]]:
+        return {AZURE_ACK: self.acknowledge}
 
     def status(self) -> Mapping[str, Any]:
         return {

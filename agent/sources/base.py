@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -92,4 +92,9 @@ class Source(abc.ABC):
 
     def status(self) -> Mapping[str, Any]:
         """Extra fields for ``/v1/status`` under this source (e.g. the GPUs a monitor sees)."""
+        return {}
+
+    def capabilities(self) -> Mapping[str, Callable[..., Any]]:
+        """Named capabilities this source offers to reactors now (``agent.ports.GPU_PIDS``,
+        ``agent.ports.AZURE_ACK``); asked each time one is needed."""
         return {}

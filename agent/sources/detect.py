@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from agent.config import Config
+from agent.ports import AZURE_ACK
 from agent.sources.alibaba import AlibabaSource
 from agent.sources.aws import TOKEN_PATH, TOKEN_TTL_HEADER, AwsSource
 from agent.sources.azure import AzureSource
@@ -182,6 +183,10 @@ class DetectingSource(Source):
         self.dmi = dict(dmi)
         self.detected: str | None = None
         self.inner: Source | None = None
+
+    def capabilities(self) -> Mapping[str, Callable[..., Any]]:
+        # Only once probing found Azure: before that, or on another cloud, nothing can be acknowledged.
+        return {AZURE_ACK: self.acknowledge} if isinstance(self.inner, AzureSource) else {}
 
     def status(self) -> Mapping[str, Any]:
         doc: dict[str, Any] = {"detected": self.detected, "method": "probe", "dmi": self.dmi}

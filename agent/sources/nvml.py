@@ -24,6 +24,7 @@ import structlog
 
 from agent.config import GpuConfig
 from agent.notice import Kind, Observation, Severity
+from agent.ports import GPU_PIDS
 from agent.sources.base import Sink, Source
 from agent.sources.gpu_health import (
     CHECKS,
@@ -421,6 +422,9 @@ class NvmlSource(Source):
     def compute_pids(self) -> dict[str, list[int]]:
         """GPU UUID -> PIDs of the compute processes NVML last reported on it (for signalling)."""
         return {uuid: list(gpu.pids) for uuid, gpu in self._gpus.items()}
+
+    def capabilities(self) -> Mapping[str, Callable[..., Any]]:
+        return {GPU_PIDS: self.compute_pids}
 
     def status(self) -> Mapping[str, Any]:
         """Under ``sources.nvml`` in ``/v1/status``; ``gpus`` (one entry per GPU, by index, each with its UUID)

@@ -1,0 +1,183 @@
+"""The ports: what the parts built on the agent core may use of it, as Protocols.
+
+A source, a component (advisor, actions), a reactor (an action or a scheduler bridge) and the HTTP API are
+typed against these, never against :class:`agent.daemon.Agent`, so each can be built and tested with any
+object that offers the same few methods. This module is a leaf: it imports the standard library and the
+pure value types of :mod:`agent.notice` and :mod:`agent.reports` only. docs/internals.md says who provides
+each port and how to add a reactor or a bridge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from agent.notice import Event, Notice, Observation
+from agent.reports import Report
+
+T = TypeVar("T")
+
+# An aiohttp request handler (web.Request -> web.StreamResponse); typed loosely so this module does not
+# import aiohttp.
+Handler = Callable[[Any], Awaitable[Any]]
+
+# Capabilities that sources offer to reactors (see Host.capability and Source.capabilities).
+# "gpu_pids": () -> Mapping[str, list[int]], GPU UUID -> PIDs of its compute processes (the NVML source;
+# synchronous and cheap, safe from the loop or a worker thread).
+GPU_PIDS = "gpu_pids"
+# "azure_ack": async (event_id: str) -> None, Azure's StartRequests for one scheduled event (the Azure
+# source, or the probing "cloud" source once it found Azure); raises on refusal.
+AZURE_ACK = "azure_ack"
+
+
+class ConfigView(Protocol):
+    """The configuration as a part sees it (``agent.config.Config`` implements it)."""
+
+    @property
+    def socket(self) -> Path: ...
+
+    @property
+    def state_dir(self) -> Path: ...
+
+    def table(self, name: str, schema: type[T]) -> T:
+        """The table ``name`` (dotted, e.g. ``"actions.slurm"``) checked against the dataclass ``schema``,
+        with the loader's errors (file, dotted key, what was expected); the schema's defaults when the
+        table is absent. A built-in section (``"actions"``, ``"aws"``) returns the loaded section."""
+        ...
+
+    def has_table(self, name: str) -> bool:
+        """Whether the file, the environment or the command line set anything under ``name``."""
+        ...
+
+    def extension_tables(self) -> tuple[str, ...]:
+        """The dotted names of the plug-in tables that were set (``("actions.slurm",)``)."""
+        ...
+
+
+class Board(Protocol):
+    """The notice board, read-only: parts never change notices except through Host.inject/retract."""
+
+    def get(self, notice_id: str) -> Notice | None: ...
+
+    def active(self) -> tuple[Notice, ...]: ...
+
+    def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class Reactor(Protocol):
+    """Anything that acts on the agent's events: a built-in action (signals, hooks, webhooks, ready, the
+    Azure acknowledgement) or a scheduler bridge.
+
+    ``handle`` is called on the event loop for every event (``notice``, ``update``, ``cleared``, ``ready``)
+    after the event went to the SSE subscribers; it must return at once and hand slow work to tasks that the
+    reactor owns. An exception is logged and does not stop the event reaching the other reactors.
+    ``status()`` is shown in ``/v1/status`` under ``actions.reactors.<name>``. ``start()`` runs once the
+    socket serves; ``stop(timeout)`` must return within ``timeout`` seconds (cancel what is still running).
+    Optional: ``on_report(report)`` for every accepted client report, and ``carry_over(previous)`` to take
+    over the state of the instance it replaces when the configuration is reloaded.
+    """
+
+    name: str
+
+    def handle(self, event: Event) -> None: ...
+
+    def status(self) -> Mapping[str, Any]: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self, timeout: float) -> None: ...
+
+
+class Host(Protocol):
+    """What a component, a reactor or the API may use of the running agent."""
+
+    @property
+    def config(self) -> ConfigView: ...
+
+    @property
+    def board(self) -> Board: ...
+
+    def now(self) -> datetime:
+        """The agent's clock (UTC, aware); tests give the agent their own."""
+        ...
+
+    def record(self, record: Mapping[str, Any]) -> None:
+        """Append a record (a mapping with ``type``) to the history log; ``time`` is added. Never blocks."""
+        ...
+
+    def publish_ready(self, notice_id: str, data: Mapping[str, Any] | None = None) -> Event:
+        """Emit a ``ready`` event for a notice (to clients, reactors and the history)."""
+        ...
+
+    def inject(self, source: str, obs: Observation) -> Notice | None:
+        """Raise or update a notice as if ``source`` had observed it (drills, tests, bridges' own
+        findings)."""
+        ...
+
+    def retract(self, source: str, key: str, reason: str | None = None) -> Notice | None:
+        """Clear what :meth:`inject` raised."""
+        ...
+
+    def add_route(self, method: str, path: str, handler: Handler) -> None:
+        """Serve ``handler`` on the agent's socket (during setup only, before the socket serves)."""
+        ...
+
+    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None:
+        """A top-level key of ``/v1/status``, computed on each request."""
+        ...
+
+    def add_metrics_collector(self, collector: Any) -> None:
+        """A ``prometheus_client`` collector for ``GET /v1/metrics``."""
+        ...
+
+    def on_event(self, fn: Callable[[Event], None]) -> None:
+        """Call ``fn`` on the loop for every event, after the SSE subscribers; must not block."""
+        ...
+
+    def on_report(self, fn: Callable[[Report], None]) -> None:
+        """Call ``fn`` on the loop for every accepted client report; must not block."""
+        ...
+
+    def capability(self, name: str) -> Any | None:
+        """A named capability (``GPU_PIDS``, ``AZURE_ACK``, or one a component provided), or None when no
+        running part offers it now. Look it up when it is needed, not once: sources come and go."""
+        ...
+
+    def provide(self, name: str, fn: Any) -> None:
+        """Offer a capability under ``name`` to the other parts."""
+        ...
+
+
+class Component(Protocol):
+    """A part that lives as long as the agent (the actions runner, the advisor)."""
+
+    name: str
+
+    def setup(self, host: Host) -> None:
+        """Synchronous, before the socket is bound: routes, status sections, metrics, listeners."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None:
+        """Bounded: the agent waits ``api.shutdown_timeout_s`` at most."""
+        ...
+
+
+ReactorFactory = Callable[[Host], "Reactor | None"]
+"""Builds one reactor from the configuration (``host.config.table(...)``), or None when it is not wanted."""
+
+__all__ = [
+    "AZURE_ACK",
+    "GPU_PIDS",
+    "Board",
+    "Component",
+    "ConfigView",
+    "Handler",
+    "Host",
+    "Reactor",
+    "ReactorFactory",
+]
