@@ -24,6 +24,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended"),
     # Lightning 2.6 builds a pytree LeafSpec, deprecated by newer torch (not our code):
     pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"),
+    # On a host with Slurm installed, Lightning suggests srun; these tests run one local process on purpose.
+    pytest.mark.filterwarnings("ignore:The `srun` command is available on your system but is not used"),
 ]
 
 
