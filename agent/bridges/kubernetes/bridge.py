@@ -1,0 +1,619 @@
+"""The Kubernetes bridge reactor: makes the agent its node's termination handler.
+
+On a notice of the configured kinds it taints and cordons the node, sets a Node condition and posts an
+Event at once; it evicts the node's pods through the Eviction API once the node's training participants
+reported their emergency checkpoint (the agent's ``ready``), or at the latest moment a pod's grace period
+still ends before the deadline; pods without participants go at once. When the last notice clears it
+removes what it set, and only that. Every call runs in tasks the bridge owns, so nothing here holds up an
+event on its way to the local clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from agent.bridges.kubernetes import plan
+from agent.bridges.kubernetes.api import KubeApi, KubeError
+from agent.bridges.kubernetes.config import KubernetesConfig
+from agent.notice import Event, EventType, Notice, Severity, format_time
+from agent.reports import Report
+
+log = structlog.get_logger("preemptd.kubernetes")
+
+# Conflicts (409) are retried at once from a fresh read, this many times in a row before backing off.
+CONFLICT_RETRIES = 5
+# First wait after a failed call; doubles up to retry_max_s.
+BACKOFF_START_S = 0.5
+
+
+@dataclass
+class PodDrain:
+    """One pod of a drain: when it is due, and what happened to it."""
+
+    namespace: str
+    name: str
+    grace_s: float
+    participant: bool
+    state: str = "waiting"  # waiting → evicting → evicted | gone | blocked | failed | cancelled
+    attempts: int = 0
+    evict_at: datetime | None = None
+    done_at: datetime | None = None
+    last_error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "state": self.state,
+            "participant": self.participant,
+            "grace_s": self.grace_s,
+            "attempts": self.attempts,
+        }
+        if self.evict_at is not None:
+            doc["evict_at"] = format_time(self.evict_at)
+        if self.done_at is not None:
+            doc["done_at"] = format_time(self.done_at)
+        if self.last_error:
+            doc["last_error"] = self.last_error
+        return doc
+
+
+@dataclass
+class Drain:
+    """The drain of one notice: its pods, and the ``ready`` that releases the participants' pods."""
+
+    notice: Notice
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    pods: dict[str, PodDrain] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    ready_reason: str | None = None
+    state: str = "planning"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.notice.kind.value,
+            "deadline": format_time(self.notice.deadline) if self.notice.deadline else None,
+            "state": self.state,
+            "ready": self.ready_reason,
+            "pods": {key: pod.to_json() for key, pod in sorted(self.pods.items())},
+            "skipped": dict(sorted(self.skipped.items())),
+        }
+
+
+class KubernetesBridge:
+    """The reactor (``agent.ports.Reactor``) named ``kubernetes``."""
+
+    name = "kubernetes"
+
+    def __init__(
+        self,
+        config: KubernetesConfig,
+        *,
+        node: str,
+        connect: Callable[[], KubeApi],
+        now: Callable[[], datetime],
+        proc: Path = Path("/proc"),
+        host_name: str | None = None,
+    ) -> None:
+        self.config = config
+        self.node = node
+        self._connect = connect
+        self._now = now
+        self._proc = proc
+        self._host_name = host_name or socket.gethostname()
+        self._api: KubeApi | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._notices: dict[str, Notice] = {}  # active notices the bridge acts on
+        self._evented: set[str] = set()  # notices whose Event is posted
+        self._cleared: dict[str, Notice] = {}  # cleared notices whose "cleared" Event is still to post
+        self._drains: dict[str, Drain] = {}
+        self._participants: dict[str, dict[str, Any]] = {}
+        self._dirty = asyncio.Event()
+        self._settled = asyncio.Event()  # the node's state was attempted once since the last change
+        self._node_task: asyncio.Task[Any] | None = None
+        self.node_state: dict[str, Any] = {"tainted": [], "cordoned": False, "condition": False}
+        self.calls: Counter[tuple[str, str, str]] = Counter()
+        self.evictions: Counter[str] = Counter()
+        self.last_error: str | None = None
+        self.last_error_at: datetime | None = None
+        self.errors = 0
+
+    # --- reactor contract -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._node_task = self._spawn(self._node_loop(), "node")
+
+    async def stop(self, timeout: float) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel("agent stopping")
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        if self._api is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._api.close(), timeout=max(0.1, timeout))
+            self._api = None
+
+    def carry_over(self, previous: KubernetesBridge) -> None:
+        """A reload: take over the notices acted on, the drains (their evictions finish under the old
+        configuration, released by the ready this bridge now hears), the participants and the counters."""
+        self._notices.update(previous._notices)
+        self._evented |= previous._evented
+        self._cleared.update(previous._cleared)
+        self._drains.update(previous._drains)
+        self._participants.update(previous._participants)
+        if previous._node_task is not None:
+            previous._node_task.cancel("replaced by a reload")
+        self.calls.update(previous.calls)
+        self.evictions.update(previous.evictions)
+        self._dirty.set()
+
+    def handle(self, event: Event) -> None:
+        notice = event.notice
+        if event.type is EventType.READY:
+            notice_id = str(event.data.get("notice_id") or (notice.id if notice else ""))
+            drain = self._drains.get(notice_id)
+            if drain is not None and not drain.ready.is_set():
+                drain.ready_reason = str(event.data.get("reason") or "ready")
+                drain.ready.set()
+            return
+        if notice is None:
+            return
+        if event.type is EventType.CLEARED:
+            if self._notices.pop(notice.id, None) is not None:
+                if notice.id in self._evented:
+                    self._cleared[notice.id] = notice
+                drain = self._drains.pop(notice.id, None)
+                if drain is not None:
+                    drain.state = "cancelled"
+                    for task in list(self._tasks):
+                        if task.get_name().startswith(f"kubernetes:drain:{notice.id}"):
+                            task.cancel("notice cleared")
+                self._changed()
+            return
+        if event.type not in (EventType.NOTICE, EventType.UPDATE) or not self._applies(notice):
+            return
+        first = notice.id not in self._notices
+        self._notices[notice.id] = notice
+        self._changed()
+        if notice.id in self._drains:
+            self._drains[notice.id].notice = notice
+            self._drains[notice.id].changed.set()
+        elif first and self.config.drain:
+            drain = Drain(notice)
+            self._drains[notice.id] = drain
+            self._spawn(self._drain(drain), f"drain:{notice.id}")
+
+    def on_report(self, report: Report) -> None:
+        if report.client.get("participant") is not True:
+            return
+        key = f"{report.client.get('job', report.client.get('name', 'client'))}#{report.client.get('rank', '')}"
+        pid = report.peer_pid or report.client.get("pid")
+        key += f"@{pid}"
+        self._participants[key] = {"pid": pid, "host": report.client.get("host"), "seen": report.received_at}
+
+    def status(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "node": self.node,
+            "state": "acting" if self._notices else "idle",
+            "notices": sorted(self._notices),
+            "node_state": dict(self.node_state),
+            "drains": {notice_id: drain.to_json() for notice_id, drain in self._drains.items()},
+            "errors": self.errors,
+            "running": len(self._tasks) - (1 if self._node_task in self._tasks else 0),
+        }
+        if self.last_error is not None:
+            doc["last_error"] = self.last_error
+            doc["last_error_at"] = format_time(self.last_error_at) if self.last_error_at else None
+        return doc
+
+    async def drain(self) -> None:
+        """Wait until the node is in the state the notices ask for and every eviction has ended (tests)."""
+        while True:
+            await self._settled.wait()
+            busy = [t for t in self._tasks if t is not self._node_task and not t.done()]
+            if not busy and self._settled.is_set() and not self._dirty.is_set():
+                return
+            if busy:
+                await asyncio.wait(busy)
+
+    # --- helpers ------------------------------------------------------------------------------------
+
+    def _applies(self, notice: Notice) -> bool:
+        cfg = self.config
+        if cfg.kinds and notice.kind.value not in cfg.kinds:
+            return False
+        if notice.severity.rank < Severity(cfg.min_severity).rank:
+            return False
+        return cfg.drills or not notice.drill
+
+    def _changed(self) -> None:
+        self._settled.clear()
+        self._dirty.set()
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=f"kubernetes:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("kubernetes_task_failed", task=task.get_name(), error=repr(task.exception()))
+
+    def _api_client(self) -> KubeApi:
+        if self._api is None:
+            self._api = self._connect()
+        return self._api
+
+    async def _call(self, fn: Callable[[KubeApi], Any], verb: str, resource: str) -> Any:
+        """One API call, counted by outcome; a failure is recorded (status, log) and raised."""
+        try:
+            result = await fn(self._api_client())
+        except KubeError as exc:
+            self._failed(exc)
+            raise
+        self.calls[(verb, resource, "ok")] += 1
+        return result
+
+    def _failed(self, exc: KubeError) -> None:
+        self.calls[(exc.verb, exc.resource, exc.failure)] += 1
+        self.errors += 1
+        self.last_error = str(exc)
+        self.last_error_at = self._now()
+        level = log.warning if exc.failure in ("conflict", "throttled") else log.error
+        level("kubernetes_call_failed", node=self.node, error=str(exc), failure=exc.failure, code=exc.code)
+
+    async def _sleep_or_change(self, delay: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._dirty.wait(), delay)
+
+    # --- the node: taint, cordon, condition, Events ------------------------------------------------------
+
+    async def _node_loop(self) -> None:
+        backoff = BACKOFF_START_S
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            try:
+                await self._reconcile()
+            except KubeError as exc:
+                delay = exc.retry_after if exc.retry_after is not None else backoff
+                if exc.failure in ("forbidden", "config", "unauthorized", "not_found", "invalid"):
+                    delay = self.config.retry_max_s  # needs an operator: try again now and then
+                delay = min(delay, self.config.retry_max_s) * random.uniform(0.9, 1.1)
+                backoff = min(backoff * 2, self.config.retry_max_s)
+                self._settled.set()
+                await self._sleep_or_change(delay)
+                self._dirty.set()
+                continue
+            backoff = BACKOFF_START_S
+            if not self._dirty.is_set():
+                self._settled.set()
+
+    async def _reconcile(self) -> None:
+        """Bring the node to what the active notices ask for; every step reads the node afresh, so a
+        change made by someone else meanwhile is kept."""
+        notices = sorted(self._notices.values(), key=lambda n: (n.deadline is None, n.deadline or n.detected_at))
+        errors: list[KubeError] = []
+        for step in (self._reconcile_spec, self._reconcile_condition, self._post_events):
+            try:
+                await step(notices)
+            except KubeError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    async def _reconcile_spec(self, notices: list[Notice]) -> None:
+        cfg = self.config
+        for attempt in range(CONFLICT_RETRIES + 1):
+            node = await self._call(lambda api: api.get_node(), "get", "nodes")
+            spec, meta = node.get("spec", {}), node.get("metadata", {})
+            annotations = meta.get("annotations") or {}
+            current = spec.get("taints") or []
+            patch: dict[str, Any] = {}
+            wanted: dict[str, dict[str, str]] = {}
+            if cfg.taint:
+                for notice in reversed(notices):  # the earliest deadline's value wins a shared key
+                    taint = plan.taint_for(cfg, notice)
+                    wanted[taint["key"]] = taint
+            ours = plan.taint_keys(cfg) - set(wanted)
+            taints, changed = list(current), False
+            removed = plan.without_taints(taints, ours, cfg.taint_effect) if ours else None
+            if removed is not None:
+                taints, changed = removed, True
+            for taint in wanted.values():
+                added = plan.with_taint(taints, taint)
+                if added is not None:
+                    taints, changed = added, True
+            if changed:
+                patch.setdefault("spec", {})["taints"] = taints
+            if notices and cfg.cordon and not spec.get("unschedulable"):
+                patch.setdefault("spec", {})["unschedulable"] = True
+                patch.setdefault("metadata", {}).setdefault("annotations", {})[plan.CORDON_ANNOTATION] = notices[
+                    0
+                ].id
+            elif not notices and plan.CORDON_ANNOTATION in annotations:
+                if spec.get("unschedulable"):
+                    patch.setdefault("spec", {})["unschedulable"] = None
+                patch.setdefault("metadata", {}).setdefault("annotations", {})[plan.CORDON_ANNOTATION] = None
+            if not patch:
+                self._note_node(node)
+                return
+            patch.setdefault("metadata", {})["resourceVersion"] = meta.get("resourceVersion")
+            try:
+                node = await self._call(lambda api: api.patch_node(patch), "patch", "nodes")
+            except KubeError as exc:
+                if exc.failure == "conflict" and attempt < CONFLICT_RETRIES:
+                    continue  # someone changed the node: read it again
+                raise
+            self._note_node(node)
+            log.info(
+                "kubernetes_node_updated",
+                node=self.node,
+                taints=[t.get("key") for t in node.get("spec", {}).get("taints") or []],
+                unschedulable=bool(node.get("spec", {}).get("unschedulable")),
+                notices=[n.id for n in notices],
+            )
+            return
+
+    def _note_node(self, node: Mapping[str, Any]) -> None:
+        keys = plan.taint_keys(self.config)
+        self.node_state["tainted"] = [
+            t.get("key") for t in node.get("spec", {}).get("taints") or [] if t.get("key") in keys
+        ]
+        annotations = node.get("metadata", {}).get("annotations") or {}
+        self.node_state["cordoned"] = plan.CORDON_ANNOTATION in annotations
+        self.node_state["unschedulable"] = bool(node.get("spec", {}).get("unschedulable"))
+
+    async def _reconcile_condition(self, notices: list[Notice]) -> None:
+        cfg = self.config
+        if not cfg.condition:
+            return
+        if notices:
+            wanted = plan.condition_for(cfg, notices[0], self._now())
+            known = self.node_state.get("condition_doc")
+            if known is not None and all(known.get(k) == wanted[k] for k in ("status", "reason", "message")):
+                return
+            patch: dict[str, Any] = {"status": {"conditions": [wanted]}}
+        else:
+            if not self.node_state["condition"]:
+                node = await self._call(lambda api: api.get_node(), "get", "nodes")
+                types = [c.get("type") for c in node.get("status", {}).get("conditions") or []]
+                if cfg.condition_type not in types:
+                    return
+            patch = {"status": {"conditions": [{"type": cfg.condition_type, "$patch": "delete"}]}}
+        await self._call(lambda api: api.patch_node_status(patch), "patch", "nodes/status")
+        self.node_state["condition"] = bool(notices)
+        self.node_state["condition_doc"] = patch["status"]["conditions"][0] if notices else None
+
+    async def _post_events(self, notices: list[Notice]) -> None:
+        if not self.config.event:
+            self._cleared.clear()
+            return
+        todo = [(n, False) for n in notices if n.id not in self._evented]
+        todo += [(n, True) for n in self._cleared.values()]
+        if not todo:
+            return
+        node = await self._call(lambda api: api.get_node(), "get", "nodes")
+        for notice, cleared in todo:
+            now = self._now()
+            if cleared:
+                reason = plan.CLEARED_REASON
+                message = f"{notice.kind.value} notice {notice.id} cleared; the agent removed its taint and cordon"
+            else:
+                reason = plan.REASONS.get(notice.kind.value, "Notice")
+                message = plan.describe(notice, now)
+            doc = plan.event_for(
+                self.config, node, reason=reason, message=message, warning=not cleared, now=now, host=self._host_name
+            )
+            try:
+                await self._call(lambda api, d=doc: api.create_event(d), "create", "events")
+            except KubeError as exc:
+                if exc.failure not in ("forbidden", "invalid"):
+                    raise
+                # An Event is a courtesy: one the API refuses for good is not retried.
+            if cleared:
+                self._cleared.pop(notice.id, None)
+                self._evented.discard(notice.id)
+            else:
+                self._evented.add(notice.id)
+
+    # --- the drain ----------------------------------------------------------------------------------
+
+    async def _drain(self, drain: Drain) -> None:
+        # The node is cordoned first, so that an evicted pod's replacement is not scheduled back onto it.
+        await self._settled.wait()
+        pods = await self._list_pods(drain)
+        if pods is None:
+            return
+        self._plan(drain, pods)
+        drain.state = "draining"
+        workers = [self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}") for pod in drain.pods.values()]
+        # At ready, pods that appeared since the first list are drained too.
+        ready = asyncio.ensure_future(drain.ready.wait())
+        everyone = asyncio.ensure_future(asyncio.gather(*workers, return_exceptions=True))
+        try:
+            await asyncio.wait({ready, everyone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if drain.ready.is_set():
+            pods = await self._list_pods(drain)
+            for pod in self._plan(drain, pods or []):
+                workers.append(self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}"))
+        await asyncio.gather(*workers, return_exceptions=True)
+        drain.state = "done"
+
+    async def _list_pods(self, drain: Drain) -> list[dict[str, Any]] | None:
+        backoff = BACKOFF_START_S
+        while True:
+            try:
+                pods: list[dict[str, Any]] = await self._call(lambda api: api.list_pods(), "list", "pods")
+                return pods
+            except KubeError as exc:
+                delay = exc.retry_after if exc.retry_after is not None else backoff
+                backoff = min(backoff * 2, self.config.retry_max_s)
+                if not self._before_deadline(drain, delay):
+                    drain.state = "failed"
+                    log.error("kubernetes_drain_failed", node=self.node, notice_id=drain.notice.id, error=str(exc))
+                    return None
+                await asyncio.sleep(min(delay, self.config.retry_max_s))
+
+    def _plan(self, drain: Drain, pods: list[dict[str, Any]]) -> list[PodDrain]:
+        """Add the pods not yet in the drain; return those added."""
+        participants = [p for p in self._participants.values() if self._alive(p)]
+        with_participants = plan.pods_with_participants(pods, participants, self._proc)
+        added = []
+        for pod in pods:
+            key = plan.pod_key(pod)
+            if key in drain.pods or key in drain.skipped:
+                continue
+            why = plan.skip_reason(pod)
+            if why is not None:
+                drain.skipped[key] = why
+                continue
+            meta = pod.get("metadata", {})
+            entry = PodDrain(
+                namespace=str(meta.get("namespace", "")),
+                name=str(meta.get("name", "")),
+                grace_s=plan.grace_of(pod),
+                participant=key in with_participants,
+            )
+            drain.pods[key] = entry
+            added.append(entry)
+        return added
+
+    def _alive(self, participant: Mapping[str, Any]) -> bool:
+        pid = participant.get("pid")
+        return not isinstance(pid, int) or psutil.pid_exists(pid)
+
+    def _due(self, drain: Drain, pod: PodDrain) -> datetime | None:
+        """When the pod goes unless ready comes first: at once for a pod without participants (if so
+        configured), else the latest moment its grace still ends a margin before the deadline."""
+        if not pod.participant and self.config.pods_without_participants == "at_once":
+            return drain.notice.detected_at
+        return plan.latest_eviction(drain.notice.deadline, pod.grace_s, self.config.drain_margin_s)
+
+    async def _wait_turn(self, drain: Drain, pod: PodDrain) -> None:
+        while not drain.ready.is_set():
+            pod.evict_at = self._due(drain, pod)
+            delay = None if pod.evict_at is None else (pod.evict_at - self._now()).total_seconds()
+            if delay is not None and delay <= 0:
+                return
+            drain.changed.clear()
+            waiters = [asyncio.ensure_future(drain.ready.wait()), asyncio.ensure_future(drain.changed.wait())]
+            try:
+                await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+                await asyncio.gather(*waiters, return_exceptions=True)
+
+    def _before_deadline(self, drain: Drain, delay: float) -> bool:
+        deadline = drain.notice.deadline
+        return deadline is None or (deadline - self._now()).total_seconds() > delay
+
+    async def _evict(self, drain: Drain, pod: PodDrain) -> None:
+        try:
+            await self._wait_turn(drain, pod)
+        except asyncio.CancelledError:
+            pod.state = "cancelled"
+            raise
+        why = "ready" if drain.ready.is_set() else "deadline" if pod.participant else "no_participants"
+        pod.state = "evicting"
+        backoff = BACKOFF_START_S
+        while True:
+            pod.attempts += 1
+            try:
+                await self._call(lambda api: api.evict(pod.namespace, pod.name), "create", "pods/eviction")
+            except KubeError as exc:
+                pod.last_error = str(exc)
+                if exc.failure == "not_found":
+                    self._finish(drain, pod, "gone", why)
+                    return
+                blocked = exc.failure == "throttled" and any("DisruptionBudget" in c for c in exc.causes)
+                if exc.failure == "throttled":
+                    delay = exc.retry_after if exc.retry_after else self.config.eviction_retry_s
+                elif exc.failure in ("forbidden", "unauthorized"):
+                    delay = self.config.retry_max_s
+                else:
+                    delay = backoff
+                    backoff = min(backoff * 2, self.config.retry_max_s)
+                delay = min(delay, self.config.retry_max_s)
+                if not self._before_deadline(drain, delay):
+                    self._finish(drain, pod, "blocked" if blocked else "failed", why)
+                    return
+                if blocked:
+                    pod.state = "blocked_by_budget"
+                await asyncio.sleep(delay)
+                continue
+            self._finish(drain, pod, "evicted", why)
+            return
+
+    def _finish(self, drain: Drain, pod: PodDrain, state: str, why: str) -> None:
+        pod.state = state
+        pod.done_at = self._now()
+        self.evictions[state] += 1
+        fields = {"node": self.node, "notice_id": drain.notice.id, "pod": pod.key, "because": why}
+        if state in ("evicted", "gone"):
+            log.info("kubernetes_pod_evicted", outcome=state, **fields)
+        else:
+            log.error("kubernetes_eviction_gave_up", outcome=state, error=pod.last_error, **fields)
+
+
+class Collector:
+    """Prometheus collector over the bridge in place (a reload swaps it)."""
+
+    def __init__(self, bridge: KubernetesBridge) -> None:
+        self.bridge = bridge
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        bridge = self.bridge
+        calls = CounterMetricFamily(
+            "preemptd_kubernetes_calls",
+            "Kubernetes API calls of the node termination handler, by verb, resource and outcome",
+            labels=["verb", "resource", "outcome"],
+        )
+        for (verb, resource, outcome), value in sorted(bridge.calls.items()):
+            calls.add_metric([verb, resource, outcome], value)
+        yield calls
+        evictions = CounterMetricFamily(
+            "preemptd_kubernetes_evictions", "Pods the agent drained, by outcome", labels=["outcome"]
+        )
+        for outcome, value in sorted(bridge.evictions.items()):
+            evictions.add_metric([outcome], value)
+        yield evictions
+        waiting = GaugeMetricFamily(
+            "preemptd_kubernetes_pods_pending_eviction",
+            "Pods of the node that a drain will still evict (waiting for ready, or retried)",
+        )
+        waiting.add_metric(
+            [],
+            sum(
+                1
+                for drain in bridge._drains.values()
+                for pod in drain.pods.values()
+                if pod.state in ("waiting", "evicting", "blocked_by_budget")
+            ),
+        )
+        yield waiting
