@@ -39,7 +39,13 @@ MERGE_KEYS: dict[tuple[str, ...], str] = {
     ("metadata", "ownerReferences"): "uid",
 }
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
-CAPACITY = {"cpu": "96", "memory": "1056Gi", "nvidia.com/gpu": "8", "pods": "110", "ephemeral-storage": "900Gi"}
+CAPACITY = {
+    "cpu": "96",
+    "memory": "1056Gi",
+    "nvidia.com/gpu": "8",
+    "pods": "110",
+    "ephemeral-storage": "900Gi",
+}
 
 
 def now_rfc3339() -> str:
@@ -123,16 +129,16 @@ def _merge_list(current: list[Any], patch: list[Any], key: str, path: tuple[str,
 
 # What the discovery documents list: (resource, kind, namespaced, verbs) per group version.
 GROUPS: dict[str, list[tuple[str, str, bool, list[str]]]] = {
-        "v1": [
-            ("nodes", "Node", False, ["get", "list", "patch", "update"]),
-            ("nodes/status", "Node", False, ["get", "patch", "update"]),
-            ("pods", "Pod", True, ["get", "list", "delete"]),
-            ("pods/eviction", "Eviction", True, ["create"]),
-            ("events", "Event", True, ["create", "get", "list"]),
-        ],
-        "apps/v1": [("daemonsets", "DaemonSet", True, ["get", "list"])],
-        "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True, ["get", "list"])],
-    }
+    "v1": [
+        ("nodes", "Node", False, ["get", "list", "patch", "update"]),
+        ("nodes/status", "Node", False, ["get", "patch", "update"]),
+        ("pods", "Pod", True, ["get", "list", "delete"]),
+        ("pods/eviction", "Eviction", True, ["create"]),
+        ("events", "Event", True, ["create", "get", "list"]),
+    ],
+    "apps/v1": [("daemonsets", "DaemonSet", True, ["get", "list"])],
+    "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True, ["get", "list"])],
+}
 
 
 @dataclass
@@ -408,7 +414,11 @@ class FakeKube:
         self.requests.append(entry)
         response: web.StreamResponse
         fault = next(
-            (f for f in self.faults if f.times > 0 and f.method == request.method and f.path.fullmatch(request.path)),
+            (
+                f
+                for f in self.faults
+                if f.times > 0 and f.method == request.method and f.path.fullmatch(request.path)
+            ),
             None,
         )
         if fault is not None:
@@ -442,7 +452,9 @@ class FakeKube:
             if match and route_method == method:
                 result: web.StreamResponse = await handler(request, **match.groupdict())
                 return result
-        return status_error(404, "NotFound", f"the server could not find the requested resource ({method} {path})")
+        return status_error(
+            404, "NotFound", f"the server could not find the requested resource ({method} {path})"
+        )
 
     def _routes(self) -> list[tuple[str, str, Any]]:
         ns = r"/api/v1/namespaces/(?P<namespace>[^/]+)"
@@ -460,7 +472,11 @@ class FakeKube:
             ("GET", ns + r"/pods", self._list_pods),
             ("GET", ns + r"/pods/(?P<name>[^/]+)", self._get_pod),
             ("POST", ns + r"/pods/(?P<name>[^/]+)/eviction", self._evict),
-            ("GET", r"/apis/apps/v1/namespaces/(?P<namespace>[^/]+)/daemonsets/(?P<name>[^/]+)", self._get_ds),
+            (
+                "GET",
+                r"/apis/apps/v1/namespaces/(?P<namespace>[^/]+)/daemonsets/(?P<name>[^/]+)",
+                self._get_ds,
+            ),
             ("POST", ns + r"/events", self._create_event),
             ("GET", r"/api/v1/events", self._list_events),
             ("GET", ns + r"/events", self._list_events),
@@ -482,7 +498,6 @@ class FakeKube:
                 "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": self.url}],
             }
         )
-
 
     async def _api_groups(self, request: web.Request) -> web.Response:
         groups = []
@@ -507,7 +522,12 @@ class FakeKube:
             for name, kind, namespaced, verbs in GROUPS[group_version]
         ]
         return json_response(
-            {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}
+            {
+                "kind": "APIResourceList",
+                "apiVersion": "v1",
+                "groupVersion": group_version,
+                "resources": resources,
+            }
         )
 
     async def _core_resources(self, request: web.Request) -> web.Response:
@@ -553,7 +573,9 @@ class FakeKube:
         elif kind == MERGE:
             patched = json_merge_patch(node, patch)
         else:
-            return status_error(415, "UnsupportedMediaType", f"the fake does not serve patches of type {kind}")
+            return status_error(
+                415, "UnsupportedMediaType", f"the fake does not serve patches of type {kind}"
+            )
         wanted = (patch.get("metadata") or {}).get("resourceVersion") if isinstance(patch, dict) else None
         if wanted is not None and wanted != node["metadata"]["resourceVersion"]:
             return status_error(
@@ -606,7 +628,9 @@ class FakeKube:
         body = await request.json()
         if (body.get("apiVersion"), body.get("kind")) != ("policy/v1", "Eviction"):
             return status_error(
-                400, "BadRequest", f"expected a policy/v1 Eviction, got {body.get('apiVersion')}/{body.get('kind')}"
+                400,
+                "BadRequest",
+                f"expected a policy/v1 Eviction, got {body.get('apiVersion')}/{body.get('kind')}",
             )
         if body.get("metadata", {}).get("name") != name:
             return status_error(400, "BadRequest", "name in URL does not match name in Eviction object")
@@ -649,7 +673,9 @@ class FakeKube:
             return status_error(422, "Invalid", "Event: involvedObject.name and reason are required")
         event.setdefault("metadata", {})
         event["metadata"].setdefault("name", f"{event['involvedObject']['name']}.{uuid.uuid4().hex[:16]}")
-        event["metadata"].update(namespace=namespace, uid=str(uuid.uuid4()), resourceVersion=self._next_version())
+        event["metadata"].update(
+            namespace=namespace, uid=str(uuid.uuid4()), resourceVersion=self._next_version()
+        )
         self.events.append(event)
         return json_response(event, status=201)
 
@@ -671,10 +697,14 @@ def validate_node(node: Mapping[str, Any]) -> None:
         if not taint.get("key"):
             raise PatchError(422, "Invalid", "spec.taints.key: Required value")
         if taint.get("effect") not in TAINT_EFFECTS:
-            raise PatchError(422, "Invalid", f"spec.taints.effect: Unsupported value: {taint.get('effect')!r}")
+            raise PatchError(
+                422, "Invalid", f"spec.taints.effect: Unsupported value: {taint.get('effect')!r}"
+            )
         pair = (taint["key"], taint["effect"])
         if pair in seen:
-            raise PatchError(422, "Invalid", f"spec.taints: Duplicate value: {taint['key']}:{taint['effect']}")
+            raise PatchError(
+                422, "Invalid", f"spec.taints: Duplicate value: {taint['key']}:{taint['effect']}"
+            )
         seen.add(pair)
 
 

@@ -5,6 +5,7 @@ imported only when the bridge is enabled."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -60,9 +61,8 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
     if collector is None:
         collector = Collector(bridge)
         host.add_metrics_collector(collector)
-        try:
+        # A host that cannot be weakly referenced gets one collector per build.
+        with contextlib.suppress(TypeError):
             _collectors[host] = collector
-        except TypeError:  # a host that cannot be weakly referenced gets one collector per build
-            pass
     collector.bridge = bridge
     return bridge

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import httpx2
 from lightkube import ApiError, AsyncClient
@@ -25,7 +25,15 @@ from agent.notice import utcnow
 FIELD_MANAGER = "preemptd"
 
 Failure = Literal[
-    "config", "unreachable", "unauthorized", "forbidden", "not_found", "conflict", "throttled", "invalid", "error"
+    "config",
+    "unreachable",
+    "unauthorized",
+    "forbidden",
+    "not_found",
+    "conflict",
+    "throttled",
+    "invalid",
+    "error",
 ]
 
 
@@ -110,7 +118,9 @@ def _from_status(response: httpx2.Response, status: Mapping[str, Any], verb: str
     code = int(status.get("code") or response.status_code)
     details = status.get("details") or {}
     causes = tuple(
-        f"{c.get('reason', '')}: {c.get('message', '')}" for c in details.get("causes") or [] if isinstance(c, dict)
+        f"{c.get('reason', '')}: {c.get('message', '')}"
+        for c in details.get("causes") or []
+        if isinstance(c, dict)
     )
     retry_after = retry_after_seconds(response.headers.get("Retry-After"))
     if retry_after is None and isinstance(details.get("retryAfterSeconds"), int):
@@ -194,7 +204,9 @@ class KubeApi:
     async def patch_node_status(self, patch: Mapping[str, Any]) -> dict[str, Any]:
         """A strategic-merge patch of the node's status: conditions merge by type."""
         try:
-            node = await self.client.patch(Node.Status, self.node, dict(patch), patch_type=PatchType.STRATEGIC)
+            node = await self.client.patch(
+                Node.Status, self.node, dict(patch), patch_type=PatchType.STRATEGIC
+            )
         except Exception as exc:
             raise _translate(exc, "patch", "nodes/status") from exc
         return node.to_dict()
@@ -218,8 +230,9 @@ class KubeApi:
             raise _translate(exc, "create", "pods/eviction") from exc
 
     async def create_event(self, event: Mapping[str, Any]) -> None:
-        namespace = str(event.get("metadata", {}).get("namespace", "default"))
+        # The namespace is the Event's own (metadata.namespace).
+        obj = cast(Event, Event.from_dict(dict(event)))
         try:
-            await self.client.create(Event.from_dict(dict(event)), namespace=namespace)
+            await self.client.create(obj)
         except Exception as exc:
             raise _translate(exc, "create", "events") from exc

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +204,9 @@ class KubernetesBridge:
     def on_report(self, report: Report) -> None:
         if report.client.get("participant") is not True:
             return
-        key = f"{report.client.get('job', report.client.get('name', 'client'))}#{report.client.get('rank', '')}"
+        key = (
+            f"{report.client.get('job', report.client.get('name', 'client'))}#{report.client.get('rank', '')}"
+        )
         pid = report.peer_pid or report.client.get("pid")
         key += f"@{pid}"
         self._participants[key] = {"pid": pid, "host": report.client.get("host"), "seen": report.received_at}
@@ -311,7 +314,9 @@ class KubernetesBridge:
     async def _reconcile(self) -> None:
         """Bring the node to what the active notices ask for; every step reads the node afresh, so a
         change made by someone else meanwhile is kept."""
-        notices = sorted(self._notices.values(), key=lambda n: (n.deadline is None, n.deadline or n.detected_at))
+        notices = sorted(
+            self._notices.values(), key=lambda n: (n.deadline is None, n.deadline or n.detected_at)
+        )
         errors: list[KubeError] = []
         for step in (self._reconcile_spec, self._reconcile_condition, self._post_events):
             try:
@@ -347,9 +352,9 @@ class KubernetesBridge:
                 patch.setdefault("spec", {})["taints"] = taints
             if notices and cfg.cordon and not spec.get("unschedulable"):
                 patch.setdefault("spec", {})["unschedulable"] = True
-                patch.setdefault("metadata", {}).setdefault("annotations", {})[plan.CORDON_ANNOTATION] = notices[
-                    0
-                ].id
+                patch.setdefault("metadata", {}).setdefault("annotations", {})[plan.CORDON_ANNOTATION] = (
+                    notices[0].id
+                )
             elif not notices and plan.CORDON_ANNOTATION in annotations:
                 if spec.get("unschedulable"):
                     patch.setdefault("spec", {})["unschedulable"] = None
@@ -359,7 +364,7 @@ class KubernetesBridge:
                 return
             patch.setdefault("metadata", {})["resourceVersion"] = meta.get("resourceVersion")
             try:
-                node = await self._call(lambda api: api.patch_node(patch), "patch", "nodes")
+                node = await self._call(partial(KubeApi.patch_node, patch=patch), "patch", "nodes")
             except KubeError as exc:
                 if exc.failure == "conflict" and attempt < CONFLICT_RETRIES:
                     continue  # someone changed the node: read it again
@@ -417,15 +422,23 @@ class KubernetesBridge:
             now = self._now()
             if cleared:
                 reason = plan.CLEARED_REASON
-                message = f"{notice.kind.value} notice {notice.id} cleared; the agent removed its taint and cordon"
+                message = (
+                    f"{notice.kind.value} notice {notice.id} cleared; the agent removed its taint and cordon"
+                )
             else:
                 reason = plan.REASONS.get(notice.kind.value, "Notice")
                 message = plan.describe(notice, now)
             doc = plan.event_for(
-                self.config, node, reason=reason, message=message, warning=not cleared, now=now, host=self._host_name
+                self.config,
+                node,
+                reason=reason,
+                message=message,
+                warning=not cleared,
+                now=now,
+                host=self._host_name,
             )
             try:
-                await self._call(lambda api, d=doc: api.create_event(d), "create", "events")
+                await self._call(partial(KubeApi.create_event, event=doc), "create", "events")
             except KubeError as exc:
                 if exc.failure not in ("forbidden", "invalid"):
                     raise
@@ -446,7 +459,10 @@ class KubernetesBridge:
             return
         self._plan(drain, pods)
         drain.state = "draining"
-        workers = [self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}") for pod in drain.pods.values()]
+        workers = [
+            self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}")
+            for pod in drain.pods.values()
+        ]
         # At ready, pods that appeared since the first list are drained too.
         ready = asyncio.ensure_future(drain.ready.wait())
         everyone = asyncio.ensure_future(asyncio.gather(*workers, return_exceptions=True))
@@ -472,7 +488,9 @@ class KubernetesBridge:
                 backoff = min(backoff * 2, self.config.retry_max_s)
                 if not self._before_deadline(drain, delay):
                     drain.state = "failed"
-                    log.error("kubernetes_drain_failed", node=self.node, notice_id=drain.notice.id, error=str(exc))
+                    log.error(
+                        "kubernetes_drain_failed", node=self.node, notice_id=drain.notice.id, error=str(exc)
+                    )
                     return None
                 await asyncio.sleep(min(delay, self.config.retry_max_s))
 

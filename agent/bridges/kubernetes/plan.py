@@ -157,15 +157,13 @@ def event_for(
 def skip_reason(pod: Mapping[str, Any]) -> str | None:
     """Why a drain leaves this pod alone, as ``kubectl drain --ignore-daemonsets`` does: a DaemonSet's pod
     (it would come straight back and tolerates the taint), a mirror pod (the kubelet's static pod, which the
-    API cannot evict), or a pod that already finished; None for a pod to evict."""
+    API cannot evict); None for a pod to evict (a finished pod too, as kubectl does: that removes it)."""
     meta = pod.get("metadata", {})
     if "kubernetes.io/config.mirror" in (meta.get("annotations") or {}):
         return "mirror"
     for owner in meta.get("ownerReferences") or []:
         if owner.get("controller") and owner.get("kind") == "DaemonSet":
             return "daemonset"
-    if pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
-        return "finished"
     return None
 
 
