@@ -18,6 +18,8 @@ import asyncio
 import copy
 import json
 import re
+import ssl
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -151,6 +153,8 @@ class Recorded:
     content_type: str
     body: Any
     user_agent: str
+    authorization: str = ""
+    at: float = 0.0  # time.monotonic() on arrival
     status: int = 0
 
     def summary(self) -> tuple[str, str, str]:
@@ -182,6 +186,10 @@ class FakeKube:
     evicted: list[tuple[str, str]] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     port: int = 0
+    # Bearer tokens the server accepts (401 for any other); None accepts any request.
+    tokens: set[str] | None = None
+    # (certificate, key) files: serve HTTPS, as an in-cluster API server does.
+    tls: tuple[Path, Path] | None = None
     _version: int = 1000
     _runner: web.AppRunner | None = None
     _changed: asyncio.Condition | None = None
@@ -201,7 +209,11 @@ class FakeKube:
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, port)
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(*self.tls)
+        site = web.TCPSite(self._runner, self.host, port, ssl_context=context)
         await site.start()
         server = site._server
         assert server is not None
@@ -214,7 +226,7 @@ class FakeKube:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def write_kubeconfig(self, path: Path, *, user: str = "tester") -> Path:
         """A kubeconfig for this server (plain HTTP, a static token) that kubectl and clients read."""
@@ -410,6 +422,8 @@ class FakeKube:
             content_type=request.content_type if raw else "",
             body=body,
             user_agent=request.headers.get("User-Agent", ""),
+            authorization=request.headers.get("Authorization", ""),
+            at=time.monotonic(),
         )
         self.requests.append(entry)
         response: web.StreamResponse
@@ -421,7 +435,10 @@ class FakeKube:
             ),
             None,
         )
-        if fault is not None:
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        if self.tokens is not None and token not in self.tokens:
+            response = status_error(401, "Unauthorized", "Unauthorized")
+        elif fault is not None:
             fault.times -= 1
             response = self._fault_response(fault, request)
         else:
