@@ -24,6 +24,7 @@ from agent.notice import EventType, Kind, Notice, parse_time, utcnow
 from agent.reports import Report
 from tests.actions_support import event, make_notice
 from tests.k8s_fake import FakeKube
+from tests.test_packaging import BRIDGE_PERMISSIONS
 
 NODE = "gpu-node-1"
 
@@ -363,3 +364,23 @@ async def test_a_kubeconfig_that_is_missing_is_a_config_failure(tmp_path: Path) 
         await bridge.stop(2)
     assert bridge.status()["last_error"].startswith("load kubeconfig: config")
     assert str(tmp_path / "nope") in bridge.status()["last_error"]
+
+
+async def test_a_full_notice_cycle_uses_exactly_the_permissions_rbac_yaml_grants(
+    kube: FakeKube, tmp_path: Path
+) -> None:
+    kube.add_pod("ml", "train-0", node=NODE, owner="Job")
+    bridge = make_bridge(kube, tmp_path)
+    notice = termination()
+    await bridge.start()
+    try:
+        bridge.handle(event(EventType.NOTICE, notice))
+        bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id, "reason": "all_participants"}))
+        await bridge.drain()
+        bridge.handle(event(EventType.CLEARED, notice))
+        await bridge.drain()
+    finally:
+        await bridge.stop(2)
+    assert 0 == bridge.errors
+    used = {("", resource, verb) for (verb, resource, outcome) in bridge.calls if outcome == "ok"}
+    assert BRIDGE_PERMISSIONS == used

@@ -105,7 +105,7 @@ def test_the_daemonset_shares_the_socket_directory_and_reaches_the_host() -> Non
     assert "/run/preemptd" == volumes[mounts["/run/preemptd"]]["hostPath"]["path"]
     assert any(t.get("key") == "nvidia.com/gpu" for t in spec["tolerations"])
     assert {"NVIDIA_VISIBLE_DEVICES": "all"}.items() <= {
-        e["name"]: e["value"] for e in container["env"]
+        e["name"]: e.get("value") for e in container["env"]
     }.items()
     assert "nvidia.com/gpu" not in str(container.get("resources", {}))  # monitors all GPUs, takes none
 
@@ -119,7 +119,65 @@ def test_the_kubernetes_configmap_is_a_valid_configuration(tmp_path: Path) -> No
 
 def test_the_kustomization_lists_every_manifest() -> None:
     [kustomization] = load_yaml("kustomization.yaml")
-    assert {"namespace.yaml", "configmap.yaml", "daemonset.yaml"} == set(kustomization["resources"])
+    manifests = {p.name for p in (PACKAGING / "kubernetes").glob("*.yaml")} - {"kustomization.yaml"}
+    manifests.discard("training-pod-example.yaml")  # applied to training namespaces, not with the agent
+    assert manifests == set(kustomization["resources"])
+    assert "rbac.yaml" in manifests
+
+
+# What the Kubernetes bridge calls (agent/bridges/kubernetes/api.py); tests/test_bridge_kubernetes.py checks
+# that a full notice cycle makes no other call.
+BRIDGE_PERMISSIONS = {
+    ("", "nodes", "get"),
+    ("", "nodes", "patch"),
+    ("", "nodes/status", "patch"),
+    ("", "pods", "list"),
+    ("", "pods/eviction", "create"),
+    ("", "events", "create"),
+}
+
+
+def test_the_cluster_role_grants_the_bridge_its_calls_and_nothing_more() -> None:
+    docs = {doc["kind"]: doc for doc in load_yaml("rbac.yaml")}
+    granted = {
+        (group, resource, verb)
+        for rule in docs["ClusterRole"]["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert BRIDGE_PERMISSIONS == granted
+    assert not any(
+        "resourceNames" in rule or "nonResourceURLs" in rule for rule in docs["ClusterRole"]["rules"]
+    )
+    binding = docs["ClusterRoleBinding"]
+    assert ("ClusterRole", docs["ClusterRole"]["metadata"]["name"]) == (
+        binding["roleRef"]["kind"],
+        binding["roleRef"]["name"],
+    )
+    account = docs["ServiceAccount"]["metadata"]
+    assert [
+        {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]}
+    ] == binding["subjects"]
+
+
+def test_the_daemonset_runs_as_the_bridges_service_account_and_knows_its_node() -> None:
+    [ds] = load_yaml("daemonset.yaml")
+    [account] = [doc for doc in load_yaml("rbac.yaml") if doc["kind"] == "ServiceAccount"]
+    spec = ds["spec"]["template"]["spec"]
+    assert account["metadata"]["name"] == spec["serviceAccountName"]
+    assert account["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    assert spec["automountServiceAccountToken"] is True
+    [container] = spec["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert {"fieldRef": {"fieldPath": "spec.nodeName"}} == env["NODE_NAME"]["valueFrom"]
+    # A restarted agent comes back to the node it tainted.
+    assert {"key": "preemptd.io/notice", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+
+
+def test_the_image_installs_the_kubernetes_extra() -> None:
+    text = (PACKAGING / "kubernetes" / "Dockerfile").read_text()
+    assert '"/src[kubernetes]"' in text
 
 
 def test_the_rpm_spec_parses() -> None:
