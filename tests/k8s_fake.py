@@ -155,6 +155,7 @@ class Recorded:
     user_agent: str
     authorization: str = ""
     at: float = 0.0  # time.monotonic() on arrival
+    time: datetime | None = None  # the wall clock on arrival, to compare with the agent's event times
     status: int = 0
 
     def summary(self) -> tuple[str, str, str]:
@@ -424,6 +425,7 @@ class FakeKube:
             user_agent=request.headers.get("User-Agent", ""),
             authorization=request.headers.get("Authorization", ""),
             at=time.monotonic(),
+            time=datetime.now(timezone.utc),
         )
         self.requests.append(entry)
         response: web.StreamResponse

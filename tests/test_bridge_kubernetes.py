@@ -108,7 +108,7 @@ async def test_with_participants_setting_holds_every_pod_until_ready(kube: FakeK
     try:
         bridge.handle(event(EventType.NOTICE, notice))
         await kube.wait_for(lambda: bool(kube.calls("GET", r"/api/v1/pods")))
-        await bridge._settled.wait()
+        await bridge.settled()
         assert [] == kube.evicted
         bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id, "reason": "grace"}))
         await kube.wait_for(lambda: ("web", "inference-7f-x") in kube.evicted)
@@ -239,7 +239,7 @@ async def test_an_unreachable_api_is_shown_and_retried_until_it_answers(tmp_path
     await bridge.start()
     try:
         bridge.handle(event(EventType.NOTICE, termination()))
-        await bridge._settled.wait()
+        await bridge.settled()
         status = bridge.status()
         assert "unreachable: ConnectError" in status["last_error"]
         assert "acting" == status["state"]
@@ -359,7 +359,7 @@ async def test_a_kubeconfig_that_is_missing_is_a_config_failure(tmp_path: Path) 
     await bridge.start()
     try:
         bridge.handle(event(EventType.NOTICE, termination()))
-        await bridge._settled.wait()
+        await bridge.settled()
     finally:
         await bridge.stop(2)
     assert bridge.status()["last_error"].startswith("load kubeconfig: config")

@@ -52,6 +52,7 @@ class PodDrain:
     attempts: int = 0
     evict_at: datetime | None = None
     done_at: datetime | None = None
+    because: str | None = None  # ready, deadline (its latest moment) or no_participants
     last_error: str | None = None
 
     @property
@@ -69,6 +70,8 @@ class PodDrain:
             doc["evict_at"] = format_time(self.evict_at)
         if self.done_at is not None:
             doc["done_at"] = format_time(self.done_at)
+        if self.because is not None:
+            doc["because"] = self.because
         if self.last_error:
             doc["last_error"] = self.last_error
         return doc
@@ -225,6 +228,10 @@ class KubernetesBridge:
             doc["last_error"] = self.last_error
             doc["last_error_at"] = format_time(self.last_error_at) if self.last_error_at else None
         return doc
+
+    async def settled(self) -> None:
+        """Wait until the node was brought (or tried to be brought) to what the notices ask for."""
+        await self._settled.wait()
 
     async def drain(self) -> None:
         """Wait until the node is in the state the notices ask for and every eviction has ended (tests)."""
@@ -555,6 +562,7 @@ class KubernetesBridge:
             pod.state = "cancelled"
             raise
         why = "ready" if drain.ready.is_set() else "deadline" if pod.participant else "no_participants"
+        pod.because = why
         pod.state = "evicting"
         backoff = BACKOFF_START_S
         while True:
