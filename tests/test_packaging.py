@@ -114,7 +114,11 @@ def test_the_kubernetes_configmap_is_a_valid_configuration(tmp_path: Path) -> No
     [cm] = load_yaml("configmap.yaml")
     path = tmp_path / "config.toml"
     path.write_text(cm["data"]["config.toml"])
-    assert 0o666 == load_config(path, env={}).socket_mode
+    config = load_config(path, env={})
+    assert 0o666 == config.socket_mode
+    from agent.bridges.kubernetes import TABLE, KubernetesConfig
+
+    assert config.table(TABLE, KubernetesConfig).enabled is True  # the node termination handler
 
 
 def test_the_kustomization_lists_every_manifest() -> None:
