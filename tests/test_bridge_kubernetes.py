@@ -384,3 +384,44 @@ async def test_a_full_notice_cycle_uses_exactly_the_permissions_rbac_yaml_grants
     assert 0 == bridge.errors
     used = {("", resource, verb) for (verb, resource, outcome) in bridge.calls if outcome == "ok"}
     assert BRIDGE_PERMISSIONS == used
+
+
+async def test_at_start_what_a_previous_run_left_for_a_notice_now_gone_is_removed(
+    kube: FakeKube, tmp_path: Path
+) -> None:
+    admin = {"key": "dedicated", "value": "training", "effect": "NoSchedule"}
+    node = kube.nodes[NODE]
+    node["spec"].update(
+        unschedulable=True,
+        taints=[{"key": "preemptd.io/notice", "value": "termination", "effect": "NoSchedule"}, admin],
+    )
+    node["metadata"]["annotations"]["preemptd.io/cordoned-for"] = "aws-gone"
+    node["status"]["conditions"].append(
+        {"type": "PreemptdNotice", "status": "True", "reason": "TerminationNotice"}
+    )
+    bridge = make_bridge(kube, tmp_path)
+    await bridge.start()
+    try:
+        await bridge.drain()
+    finally:
+        await bridge.stop(2)
+    assert [admin] == kube.nodes[NODE]["spec"]["taints"]
+    assert "unschedulable" not in kube.nodes[NODE]["spec"]
+    assert ["Ready"] == [c["type"] for c in kube.nodes[NODE]["status"]["conditions"]]
+    assert "preemptd.io/cordoned-for" not in kube.nodes[NODE]["metadata"]["annotations"]
+
+
+async def test_at_start_a_notice_still_active_is_acted_on(kube: FakeKube, tmp_path: Path) -> None:
+    notice = termination()
+    settings = {"kubeconfig": str(kube.write_kubeconfig(tmp_path / "kubeconfig")), "drain": False}
+    config = KubernetesConfig(enabled=True, node=NODE, **settings)
+    bridge = KubernetesBridge(
+        config, node=NODE, connect=lambda: KubeApi.connect(config, NODE), now=utcnow, active=lambda: [notice]
+    )
+    await bridge.start()
+    try:
+        await bridge.drain()
+    finally:
+        await bridge.stop(2)
+    assert [notice.id] == bridge.status()["notices"]
+    assert kube.nodes[NODE]["spec"]["unschedulable"] is True

@@ -56,7 +56,7 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
     def connect() -> KubeApi:
         return KubeApi.connect(config, node)
 
-    bridge = KubernetesBridge(config, node=node, connect=connect, now=host.now)
+    bridge = KubernetesBridge(config, node=node, connect=connect, now=host.now, active=host.board.active)
     collector = _collectors.get(host)
     if collector is None:
         collector = Collector(bridge)

@@ -15,7 +15,7 @@ import contextlib
 import random
 import socket
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -36,6 +36,8 @@ log = structlog.get_logger("preemptd.kubernetes")
 
 # Conflicts (409) are retried at once from a fresh read, this many times in a row before backing off.
 CONFLICT_RETRIES = 5
+# Participants remembered (processes that reported as one); dead ones are forgotten first.
+MAX_PARTICIPANTS = 256
 # First wait after a failed call; doubles up to retry_max_s.
 BACKOFF_START_S = 0.5
 
@@ -112,6 +114,7 @@ class KubernetesBridge:
         node: str,
         connect: Callable[[], KubeApi],
         now: Callable[[], datetime],
+        active: Callable[[], Iterable[Notice]] = tuple,
         proc: Path = Path("/proc"),
         host_name: str | None = None,
     ) -> None:
@@ -119,6 +122,7 @@ class KubernetesBridge:
         self.node = node
         self._connect = connect
         self._now = now
+        self._active = active
         self._proc = proc
         self._host_name = host_name or socket.gethostname()
         self._api: KubeApi | None = None
@@ -130,6 +134,7 @@ class KubernetesBridge:
         self._participants: dict[str, dict[str, Any]] = {}
         self._dirty = asyncio.Event()
         self._settled = asyncio.Event()  # the node's state was attempted once since the last change
+        self._settled.set()
         self._node_task: asyncio.Task[Any] | None = None
         self.node_state: dict[str, Any] = {"tainted": [], "cordoned": False, "condition": False}
         self.calls: Counter[tuple[str, str, str]] = Counter()
@@ -141,7 +146,18 @@ class KubernetesBridge:
     # --- reactor contract -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        # The node is brought to what the notices active now ask for: those restored at an agent restart
+        # (their taint stays until they clear), or none (a taint left by an agent that stopped while its
+        # notice cleared is removed).
+        for notice in self._active():
+            if notice.id not in self._notices and self._applies(notice):
+                self._notices[notice.id] = notice
+                if self.config.drain and notice.id not in self._drains:
+                    drain = Drain(notice)
+                    self._drains[notice.id] = drain
+                    self._spawn(self._drain(drain), f"drain:{notice.id}")
         self._node_task = self._spawn(self._node_loop(), "node")
+        self._changed()
 
     async def stop(self, timeout: float) -> None:
         tasks = list(self._tasks)
@@ -166,7 +182,7 @@ class KubernetesBridge:
             previous._node_task.cancel("replaced by a reload")
         self.calls.update(previous.calls)
         self.evictions.update(previous.evictions)
-        self._dirty.set()
+        self._changed()
 
     def handle(self, event: Event) -> None:
         notice = event.notice
@@ -213,6 +229,14 @@ class KubernetesBridge:
         pid = report.peer_pid or report.client.get("pid")
         key += f"@{pid}"
         self._participants[key] = {"pid": pid, "host": report.client.get("host"), "seen": report.received_at}
+        if len(self._participants) > MAX_PARTICIPANTS:
+            # Forget processes that are gone; past the bound, the longest silent ones.
+            for old in [k for k, who in self._participants.items() if not self._alive(who)]:
+                del self._participants[old]
+            for old in sorted(self._participants, key=lambda k: self._participants[k]["seen"])[
+                : max(0, len(self._participants) - MAX_PARTICIPANTS)
+            ]:
+                del self._participants[old]
 
     def status(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
