@@ -21,9 +21,10 @@ pytest.importorskip("lightkube", reason="the kubernetes extra is not installed")
 
 from agent.client import EXIT_PREEMPTED, CheckpointStore
 from agent.client.reporting import Reporter, client_info
+from agent.daemon import Agent
 from agent.notice import parse_time
 from tests.k8s_fake import FakeKube
-from tests.support import REPO, SSEClient, http_json, running_agent
+from tests.support import REPO, SSEClient, agent_config, http_json, running_agent
 from tests.test_e2e_training import ExampleRun, drill
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -254,3 +255,26 @@ async def test_enabled_without_a_node_name_stops_the_agent_with_what_to_do(base:
     [line] = [json.loads(x) for x in out.decode().splitlines() if '"config_invalid"' in x]
     assert "actions.kubernetes.node: no node name" in line["error"]
     assert "NODE_NAME" in line["error"]
+
+
+async def test_after_a_reload_the_new_bridge_still_clears_what_the_old_one_set(
+    kube: FakeKube, base: Path
+) -> None:
+    before = copy.deepcopy(kube.nodes[NODE]["spec"])
+    values = settings(kube, base)
+    agent = Agent(agent_config(base, values), reload_config=lambda: agent_config(base, values))
+    await agent.start()
+    try:
+        sock = base / "a.sock"
+        notice_id = await drill(sock, in_s=120)
+        await kube.wait_for(lambda: bool(kube.nodes[NODE]["spec"].get("unschedulable")))
+        values["actions.kubernetes.event"] = False
+        await agent.reload()
+        status, body = await http_json(sock, "DELETE", f"/v1/drills/{notice_id}")
+        assert status in (200, 204), body
+        await kube.wait_for(lambda: kube.nodes[NODE]["spec"] == before)
+        shown = await bridge_status(sock)
+    finally:
+        await agent.stop()
+    assert ("idle", []) == (shown["state"], shown["notices"])
+    assert ["TerminationNotice"] == [e["reason"] for e in kube.node_events(NODE)]  # events now off
