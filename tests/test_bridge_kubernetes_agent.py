@@ -267,7 +267,9 @@ async def test_after_a_reload_the_new_bridge_still_clears_what_the_old_one_set(
     try:
         sock = base / "a.sock"
         notice_id = await drill(sock, in_s=120)
-        await kube.wait_for(lambda: bool(kube.nodes[NODE]["spec"].get("unschedulable")))
+        await kube.wait_for(
+            lambda: bool(kube.nodes[NODE]["spec"].get("unschedulable")) and bool(kube.node_events(NODE))
+        )
         values["actions.kubernetes.event"] = False
         await agent.reload()
         status, body = await http_json(sock, "DELETE", f"/v1/drills/{notice_id}")
