@@ -286,6 +286,13 @@ async def reports(request: web.Request) -> web.Response:
         agent.reports_rejected += 1
         request.app[MISTAKES_KEY].warning("report_rejected", error=str(exc), peer=_peer_doc(request))
         return _error(400, str(exc))
+    refusal = agent.check_report(report, is_admin(creds, agent.config.admin_group)[0])
+    if refusal is not None:
+        agent.reports_rejected += 1
+        request.app[MISTAKES_KEY].warning(
+            "report_refused", status=refusal[0], error=refusal[1], peer=_peer_doc(request)
+        )
+        return _error(*refusal)
     agent.accept_report(report)
     return web.json_response({"accepted": True, "report": report.to_json()}, status=202)
 

@@ -156,6 +156,9 @@ class ReadyConfig:
     without_participants: Literal["grace", "immediately"] = "grace"
     # A participant is forgotten when its process is gone or it has not reported for this long.
     participant_ttl_s: float = 7 * 24 * 3600.0
+    # Registered participants, per user and in all; a registration past a limit is refused with 429.
+    max_participants_per_uid: int = 256
+    max_participants: int = 1024
     azure_acknowledge: Literal["on_ready", "immediately", "never"] = "on_ready"
 
 

@@ -201,6 +201,7 @@ class Agent:
         self.fanout = Fanout(self.hub, self._record, self._listener_failed)
         self._capabilities: dict[str, Any] = {}
         self._report_listeners: list[Callable[[Report], None]] = []
+        self._report_checks: list[Callable[[Report, bool], tuple[int, str] | None]] = []
         self._source_tasks: dict[str, asyncio.Task[Any]] = {}
         self._runner: web.AppRunner | None = None
         self._site: web.BaseSite | None = None
@@ -251,6 +252,18 @@ class Agent:
     @property
     def events_total(self) -> dict[str, int]:
         return self.fanout.events_total
+
+    def add_report_check(self, fn: Callable[[Report, bool], tuple[int, str] | None]) -> None:
+        """``fn(report, privileged)`` may refuse a report before anyone hears of it: it returns an HTTP
+        status and the reason, or None. ``privileged``: the sender is root or in the admin group."""
+        self._report_checks.append(fn)
+
+    def check_report(self, report: Report, privileged: bool) -> tuple[int, str] | None:
+        for check in self._report_checks:
+            refusal = check(report, privileged)
+            if refusal is not None:
+                return refusal
+        return None
 
     def publish_ready(self, notice_id: str, data: Mapping[str, Any] | None = None) -> Event:
         notice = self.board.get(notice_id)

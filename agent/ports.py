@@ -76,8 +76,10 @@ class Reactor(Protocol):
     reactor owns. An exception is logged and does not stop the event reaching the other reactors.
     ``status()`` is shown in ``/v1/status`` under ``actions.reactors.<name>``. ``start()`` runs once the
     socket serves; ``stop(timeout)`` must return within ``timeout`` seconds (cancel what is still running).
-    Optional: ``on_report(report)`` for every accepted client report, and ``carry_over(previous)`` to take
-    over the state of the instance it replaces when the configuration is reloaded.
+    Optional: ``on_report(report)`` for every accepted client report, ``refusal(report, privileged)`` to
+    refuse a report before anyone hears of it (returns an HTTP status and the reason, or None), and
+    ``carry_over(previous)`` to take over the state of the instance it replaces when the configuration is
+    reloaded.
     """
 
     name: str
@@ -139,6 +141,12 @@ class Host(Protocol):
 
     def on_report(self, fn: Callable[[Report], None]) -> None:
         """Call ``fn`` on the loop for every accepted client report; must not block."""
+        ...
+
+    def add_report_check(self, fn: Callable[[Report, bool], tuple[int, str] | None]) -> None:
+        """``fn(report, privileged)`` may refuse a client report before anyone hears of it: it returns an
+        HTTP status and the reason, or None. ``privileged``: the sender is root, the agent's user or in the
+        admin group."""
         ...
 
     def capability(self, name: str) -> Any | None:

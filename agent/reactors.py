@@ -192,6 +192,18 @@ class ReactorSet:
             except Exception as exc:
                 log.error("reactor_failed", reactor=reactor.name, report=report.phase, error=repr(exc))
 
+    def refusal(self, report: Report, privileged: bool) -> tuple[int, str] | None:
+        """The first reactor's reason to refuse ``report`` (its optional ``refusal(report, privileged)``),
+        as (HTTP status, reason), or None."""
+        for reactor in self._active:
+            check = getattr(reactor, "refusal", None)
+            if check is None:
+                continue
+            refused: tuple[int, str] | None = check(report, privileged)
+            if refused is not None:
+                return refused
+        return None
+
     def status(self) -> dict[str, Mapping[str, Any]]:
         shown: dict[str, Mapping[str, Any]] = {}
         for reactor in self._active:

@@ -35,17 +35,43 @@ def participant_key(report: Report) -> str:
     return f"{name}@{pid}" if pid else str(name)
 
 
+# How many participant names status lists; the rest are counted.
+STATUS_SAMPLE = 20
+
+
 @dataclass
 class Participant:
+    """A registration: the key belongs to ``uid`` (the registering peer's, from SO_PEERCRED), and counts
+    while the registering process (``pid``, started at ``started``) lives and it keeps reporting."""
+
     key: str
     pid: int | None
     last_seen: datetime
     client: Mapping[str, Any]
+    uid: int | None = None
+    started: float | None = None
 
     def alive(self, now: datetime, ttl: timedelta) -> bool:
         if now - self.last_seen > ttl:
             return False
-        return self.pid is None or psutil.pid_exists(self.pid)
+        if self.pid is None:
+            return True
+        try:
+            # The start time tells the registering process from a later one that got its pid.
+            if self.started is None:
+                return bool(psutil.pid_exists(self.pid))
+            return bool(psutil.Process(self.pid).create_time() == self.started)
+        except psutil.Error:
+            return False
+
+
+def _process_start(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
 
 
 @dataclass
@@ -55,6 +81,7 @@ class Pending:
     started: float
     cutoff_s: float
     done: dict[str, str] = field(default_factory=dict)
+    owners: dict[str, int] = field(default_factory=dict)
     ready_at: datetime | None = None
     data: dict[str, Any] = field(default_factory=dict)
     timer: asyncio.Task[Any] | None = None
@@ -68,10 +95,16 @@ class Pending:
             else "ready"
             if self.ready_at
             else "waiting",
-            "participants": sorted(self.expected),
-            "finished": sorted(k for k, v in self.done.items() if v == "finished"),
-            "failed": sorted(k for k, v in self.done.items() if v == "failed"),
-            "missing": sorted(self.expected - set(self.done)),
+            "participants": sorted(self.expected)[:STATUS_SAMPLE],
+            "finished": sorted(k for k, v in self.done.items() if v == "finished")[:STATUS_SAMPLE],
+            "failed": sorted(k for k, v in self.done.items() if v == "failed")[:STATUS_SAMPLE],
+            "missing": sorted(self.expected - set(self.done))[:STATUS_SAMPLE],
+            "counts": {
+                "participants": len(self.expected),
+                "finished": sum(1 for v in self.done.values() if v == "finished"),
+                "failed": sum(1 for v in self.done.values() if v == "failed"),
+                "missing": len(self.expected - set(self.done)),
+            },
             "grace_s": round(self.cutoff_s, 3),
         }
         if self.ready_at is not None:
@@ -122,13 +155,67 @@ class ReadyEngine:
 
     # --- inputs -------------------------------------------------------------------------------------
 
+    def refusal(self, report: Report, privileged: bool) -> tuple[int, str] | None:
+        """Why ``report`` must be refused, as (HTTP status, reason), or None. A participant belongs to the
+        uid that registered it: nobody else (but root and the admin group) may report for it or register it
+        again. Registrations are bounded per uid and in all."""
+        key = participant_key(report)
+        owner = self._owner(key)
+        if owner is not None and report.peer_uid is not None and owner != report.peer_uid and not privileged:
+            return 403, (
+                f"participant {key!r} belongs to uid {owner}; uid {report.peer_uid} may not report for it"
+                " or register it (only its owner, root and the admin group may)"
+            )
+        if report.client.get("participant") is not True or key in self._participants:
+            return None
+        cfg = self.config
+        if len(self._participants) >= cfg.max_participants:
+            self._prune(utcnow())
+            if len(self._participants) >= cfg.max_participants:
+                return 429, (
+                    f"{len(self._participants)} participants are registered, the limit is "
+                    f"{cfg.max_participants} (actions.ready.max_participants)"
+                )
+        mine = sum(1 for p in self._participants.values() if p.uid == report.peer_uid)
+        if mine >= cfg.max_participants_per_uid:
+            self._prune(utcnow())
+            mine = sum(1 for p in self._participants.values() if p.uid == report.peer_uid)
+            if mine >= cfg.max_participants_per_uid:
+                return 429, (
+                    f"uid {report.peer_uid} has {mine} participants registered, the limit is "
+                    f"{cfg.max_participants_per_uid} (actions.ready.max_participants_per_uid)"
+                )
+        return None
+
+    def _owner(self, key: str) -> int | None:
+        who = self._participants.get(key)
+        if who is not None and who.uid is not None:
+            return who.uid
+        for pending in self._pending.values():
+            if pending.ready_at is None and not pending.cleared and key in pending.owners:
+                return pending.owners[key]
+        return None
+
+    def _prune(self, now: datetime) -> None:
+        """Forget registrations whose process is gone or that lapsed."""
+        ttl = timedelta(seconds=self.config.participant_ttl_s)
+        for key, who in list(self._participants.items()):
+            if not who.alive(now, ttl):
+                del self._participants[key]
+
     def on_report(self, report: Report) -> None:
         key = participant_key(report)
         if report.client.get("participant") is True:
             # The peer's pid (SO_PEERCRED) is in the agent's PID namespace; the client's own may be a
             # container's.
             pid = report.peer_pid or report.client.get("pid")
-            self._participants[key] = Participant(key, pid, report.received_at, dict(report.client))
+            current = self._participants.get(key)
+            # A registration by root or the admin group for someone else's key keeps that key's owner.
+            uid = current.uid if current is not None and current.uid is not None else report.peer_uid
+            started = current.started if current is not None and current.pid == pid else _process_start(pid)
+            self._participants[key] = Participant(
+                key, pid, report.received_at, dict(report.client), uid=uid, started=started
+            )
         elif key in self._participants:
             self._participants[key].last_seen = report.received_at
         if report.phase not in ("finished", "failed") or not report.emergency:
@@ -170,20 +257,24 @@ class ReadyEngine:
 
     def _start(self, notice: Notice) -> None:
         now = utcnow()
-        ttl = timedelta(seconds=self.config.participant_ttl_s)
-        for key, who in list(self._participants.items()):
-            if not who.alive(now, ttl):
-                del self._participants[key]
+        self._prune(now)
         expected = set(self._participants)
+        owners = {k: p.uid for k, p in self._participants.items() if p.uid is not None}
         cutoff = self.config.grace_s
         if notice.deadline is not None:
             cutoff = min(cutoff, (notice.deadline - now).total_seconds() - self.config.deadline_margin_s)
         cutoff = max(0.0, cutoff)
-        pending = Pending(notice=notice, expected=expected, started=time.monotonic(), cutoff_s=cutoff)
+        pending = Pending(
+            notice=notice, expected=expected, started=time.monotonic(), cutoff_s=cutoff, owners=owners
+        )
         self._pending[notice.id] = pending
         self._trim()
         log.info(
-            "ready_waiting", notice_id=notice.id, participants=sorted(expected), grace_s=round(cutoff, 3)
+            "ready_waiting",
+            notice_id=notice.id,
+            participants=len(expected),
+            sample=sorted(expected)[:STATUS_SAMPLE],
+            grace_s=round(cutoff, 3),
         )
         # Even an immediate ready goes through a task: this runs inside the agent's dispatch of the notice
         # event, and every other listener must see the notice before anyone sees its ready.
@@ -232,13 +323,26 @@ class ReadyEngine:
         return self._pending.get(notice_id)
 
     def status(self) -> dict[str, Any]:
+        """A summary: counts per uid, and the first few participants by name; not thousands of entries."""
         now = utcnow()
+        ttl = timedelta(seconds=self.config.participant_ttl_s)
+        live = sorted(
+            (p for p in self._participants.values() if now - p.last_seen <= ttl), key=lambda p: p.key
+        )
+        by_uid: dict[str, int] = {}
+        for p in live:
+            by_uid[str(p.uid)] = by_uid.get(str(p.uid), 0) + 1
         return {
             "participants": [
-                {"key": p.key, "pid": p.pid, "last_seen": format_time(p.last_seen)}
-                for p in sorted(self._participants.values(), key=lambda p: p.key)
-                if now - p.last_seen <= timedelta(seconds=self.config.participant_ttl_s)
+                {"key": p.key, "pid": p.pid, "uid": p.uid, "last_seen": format_time(p.last_seen)}
+                for p in live[:STATUS_SAMPLE]
             ],
+            "participants_total": len(live),
+            "participants_by_uid": by_uid,
+            "limits": {
+                "max_participants": self.config.max_participants,
+                "max_participants_per_uid": self.config.max_participants_per_uid,
+            },
             "notices": {notice_id: pending.to_json() for notice_id, pending in self._pending.items()},
         }
 
