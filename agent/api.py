@@ -126,12 +126,13 @@ async def _read_json(request: web.Request) -> Any:
     limit = agent.config.api.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    # One read() returns what has arrived so far, not the whole body: read to the end, bounded.
-    raw = b""
-    while chunk := await request.content.read(limit + 1 - len(raw)):
-        raw += chunk
-        if len(raw) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    # One read() returns what has arrived so far, not the whole body: read to the end, bounded in size
+    # and in time (a body sent a byte at a time must not hold the connection).
+    timeout = agent.config.api.idle_timeout_s
+    try:
+        raw = await asyncio.wait_for(_read_body(request, limit), timeout)
+    except asyncio.TimeoutError as exc:
+        raise web.HTTPRequestTimeout(reason=f"the body did not arrive within {timeout:g}s") from exc
     if not raw.strip():
         return None
     try:
@@ -143,6 +144,15 @@ async def _read_json(request: web.Request) -> Any:
     except RecursionError as exc:
         # The decoder guards its own recursion; no request body of this API nests more than a few levels.
         raise ReportError("body is not valid JSON: arrays or objects nested too deeply") from exc
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    raw = b""
+    while chunk := await request.content.read(limit + 1 - len(raw)):
+        raw += chunk
+        if len(raw) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    return raw
 
 
 @web.middleware
@@ -167,6 +177,13 @@ async def error_middleware(
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
         return _error(405, f"{request.method} is not allowed on {request.path}; use {allowed}")
+    except web.HTTPRequestTimeout as exc:
+        request.app[MISTAKES_KEY].warning(
+            "bad_request", path=request.path, status=408, error=exc.reason, peer=_peer_doc(request)
+        )
+        answer = _error(408, exc.reason)
+        answer.force_close()  # the rest of the body is not waited for
+        return answer
     except web.HTTPException as exc:
         if exc.status >= 400:
             return _error(exc.status, exc.reason)
@@ -385,7 +402,26 @@ class AgentCollector:
             source_errors.add_metric([name], health.errors)
         state_ok = GaugeMetricFamily("preemptd_state_ok", "1 when the state directory is usable")
         state_ok.add_metric([], 1 if agent.state_ok else 0)
+        conn = agent.connections()
+        connections = GaugeMetricFamily("preemptd_connections", "Connections open on the API socket")
+        connections.add_metric([], conn["open"])
+        connections_max = GaugeMetricFamily("preemptd_connections_max", "Connections served at once")
+        connections_max.add_metric([], conn["max"])
+        refused = CounterMetricFamily("preemptd_connections_refused", "Connections answered 503: cap reached")
+        refused.add_metric([], conn["refused"])
+        accept_failed = CounterMetricFamily("preemptd_accept_failures", "Failed accepts (out of descriptors)")
+        accept_failed.add_metric([], conn["accept_failures"])
+        fds = GaugeMetricFamily("preemptd_open_fds", "Descriptors the agent has open")
+        fds.add_metric([], conn["descriptors"]["open"] or 0)
+        fds_max = GaugeMetricFamily("preemptd_max_fds", "The agent's descriptor limit (soft RLIMIT_NOFILE)")
+        fds_max.add_metric([], conn["descriptors"]["limit"])
         return [
+            connections,
+            connections_max,
+            refused,
+            accept_failed,
+            fds,
+            fds_max,
             info,
             active,
             seconds,

@@ -57,6 +57,12 @@ class ApiConfig:
     max_body_bytes: int = 65536
     backlog: int = 4096
     shutdown_timeout_s: float = 3.0
+    # A connection must complete a request head (and a body) within this long of being accepted or of its
+    # previous answer; event streams being served are exempt (they have heartbeats).
+    idle_timeout_s: float = 15.0
+    # Connections served at once; past it a connection is answered 503. Lowered to what the descriptor
+    # limit allows.
+    max_connections: int = 8192
 
 
 # --- actions (agent/actions/) --------------------------------------------------------------------------

@@ -30,7 +30,16 @@ import structlog
 from aiohttp import web
 
 from agent import __version__
+from agent.clientlog import ClientMistakes
 from agent.config import Config, load_config
+from agent.connections import (
+    RESERVED_FDS,
+    AcceptFailures,
+    CappedSockSite,
+    descriptor_limit,
+    open_descriptors,
+    raise_descriptor_limit,
+)
 from agent.errors import AlreadyRunningError, ConfigError, StateError
 from agent.fanout import Fanout
 from agent.hub import Hub, Subscriber
@@ -204,7 +213,10 @@ class Agent:
         self._report_checks: list[Callable[[Report, bool], tuple[int, str] | None]] = []
         self._source_tasks: dict[str, asyncio.Task[Any]] = {}
         self._runner: web.AppRunner | None = None
-        self._site: web.BaseSite | None = None
+        self._site: CappedSockSite | None = None
+        self._mistakes = ClientMistakes(self.log)
+        self._accept_failures = AcceptFailures(self._mistakes)
+        self._max_connections = config.api.max_connections
         self._lock_fd: int | None = None
         self._created_socket = False
         self._save_wanted = asyncio.Event()
@@ -474,6 +486,7 @@ class Agent:
                 "disconnected_slow": self.hub.kicked_total,
             },
             "events": {"seq": self.hub.seq, "published": dict(self.hub.published_total)},
+            "connections": self.connections(),
             "state": {"ok": self.state_ok, "error": self.state_error},
             "advice": None,
         }
@@ -483,6 +496,21 @@ class Agent:
             except Exception as exc:
                 doc[name] = {"error": repr(exc)}
         return doc
+
+    def connections(self) -> dict[str, Any]:
+        """Connections served and refused, and the process's descriptors (status and metrics)."""
+        site = self._site
+        return {
+            "open": site.open_connections if site is not None else 0,
+            "max": self._max_connections,
+            "refused": site.refused_total if site is not None else 0,
+            "accept_failures": self._accept_failures.total,
+            "idle_timeout_s": self.config.api.idle_timeout_s,
+            "descriptors": {"open": open_descriptors(), "limit": descriptor_limit()[0]},
+        }
+
+    def _on_refused(self, open_now: int) -> None:
+        self._mistakes.warning("connection_refused", open=open_now, max=self._max_connections)
 
     def _notify_status(self) -> None:
         notices = self.board.active()
@@ -635,6 +663,17 @@ class Agent:
             build_app,
         )  # the API module imports aiohttp web handlers; keep the order explicit
 
+        fd_limit = raise_descriptor_limit()
+        wanted = self.config.api.max_connections
+        self._max_connections = max(1, min(wanted, fd_limit - RESERVED_FDS))
+        if self._max_connections < wanted:
+            self.log.warning(
+                "connection_cap_lowered",
+                wanted=wanted,
+                max_connections=self._max_connections,
+                descriptor_limit=fd_limit,
+                fix="raise LimitNOFILE= in the unit (or ulimit -n)",
+            )
         activated = listen_fds()
         if activated:
             sock = activated[0]
@@ -689,11 +728,23 @@ class Agent:
             # A client that hangs up cancels its handler at once, so its stream is dropped without waiting
             # for the next event to fail to write.
             handler_cancellation=True,
+            # Also closes a connection that never completes a request head (idle or slowloris).
+            keepalive_timeout=self.config.api.idle_timeout_s,
+            # How long the unread rest of a refused body is drained before the connection is closed.
+            lingering_time=self.config.api.idle_timeout_s,
         )
         await self._runner.setup()
+        self._accept_failures.install(asyncio.get_running_loop())
         # asyncio's create_server calls listen() again with the site's backlog (aiohttp's default: 128),
-        # also on a socket from systemd: pass ours, or clients connecting at once get EAGAIN.
-        self._site = web.SockSite(self._runner, sock, backlog=self.config.api.backlog)
+        # also on a socket from systemd: pass ours, or clients connecting at once get EAGAIN. No longer than
+        # the connection cap: what waits beyond it would only be refused.
+        self._site = CappedSockSite(
+            self._runner,
+            sock,
+            backlog=min(self.config.api.backlog, self._max_connections),
+            max_connections=self._max_connections,
+            on_refuse=self._on_refused,
+        )
         await self._site.start()
         self.tasks.spawn("state-writer", self._state_writer())
         self.tasks.spawn("expiry", self._expire_loop())
@@ -817,6 +868,7 @@ class Agent:
         self._record({"type": "agent_stop", "boot_id": self.boot_id})
         await self._flush(clean=True)
         self._release_socket()
+        self._accept_failures.uninstall(asyncio.get_running_loop())
         self.notifier.close()
         self.log.info("agent_stopped")
 
