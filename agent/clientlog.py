@@ -52,11 +52,9 @@ class ClientMistakes:
         self._rate = burst / interval_s
         self._clock = clock
         self._budget: dict[str, tuple[float, float, int]] = {}  # event → (tokens, at, suppressed)
-        self.total: dict[str, int] = {}
 
     def warning(self, event: str, **fields: Any) -> bool:
         """Log ``event`` unless its budget is spent; returns whether it was logged."""
-        self.total[event] = self.total.get(event, 0) + 1
         now = self._clock()
         tokens, at, suppressed = self._budget.get(event, (float(self._burst), now, 0))
         tokens = min(float(self._burst), tokens + (now - at) * self._rate)

@@ -12,8 +12,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
+from agent.clientlog import ClientMistakes
 from tests.support import http_json, running_agent
 
 HUGE_INT = b"1" + b"0" * 400
@@ -111,3 +113,17 @@ async def test_a_request_aiohttp_cannot_parse_is_a_warning_without_traceback(
     warned = [e for e in logs if e["event"] == "bad_request"]
     assert [("warning", 400)] == [(e["log_level"], e["status"]) for e in warned]
     assert len(json.dumps(warned[0])) < 1000
+
+
+def test_past_the_burst_warnings_refill_over_the_interval_and_say_how_many_were_left_out() -> None:
+    now = [0.0]
+    mistakes = ClientMistakes(
+        structlog.get_logger("preemptd"), burst=2, interval_s=60.0, clock=lambda: now[0]
+    )
+    with capture_logs() as logs:
+        logged = [mistakes.warning("report_rejected", error="bad") for _ in range(5)]
+        now[0] = 30.0  # one warning's worth of budget back
+        logged.append(mistakes.warning("report_rejected", error="bad"))
+        logged.append(mistakes.warning("drill_rejected", error="other kinds have their own budget"))
+    assert [True, True, False, False, False, True, True] == logged
+    assert [None, None, 3, None] == [e.get("suppressed") for e in logs]
