@@ -144,13 +144,13 @@ async def measure(path: Path, pid: int, sub: GoodSubscriber, label: str) -> dict
         "status_p50_ms": statistics.median(status),
         "status_p99_ms": percentile(status, 99),
         **held,
-        "connections": doc["connections"]["open"],
+        "connections": doc.get("connections", {}).get("open"),
         "subscribers": doc["subscribers"]["connected"],
     }
     print(
         f"  {label:<7} drill p50 {row['drill_p50_ms']:7.2f} max {row['drill_max_ms']:7.2f} ms | status p50"
         f" {row['status_p50_ms']:6.2f} p99 {row['status_p99_ms']:6.2f} ms | RSS {row['rss_mib']:6.1f} MiB |"
-        f" fds {row['fds']:5d} | connections {row['connections']:5d} | subscribers {row['subscribers']}",
+        f" fds {row['fds']:5d} | connections {row['connections'] or '-':>5} | subscribers {row['subscribers']}",
         flush=True,
     )
     return row
@@ -219,7 +219,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="pd-hostile-", dir="/tmp"))
     path = base / "a.sock"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "NOTIFY_", "LISTEN_"))}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = str(args.agent_tree)
     notify_path = base / "notify.sock"
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(notify_path))
@@ -230,7 +230,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     ]  # fmt: skip
     with (base / "agent.log").open("wb") as log:
         agent = subprocess.Popen(  # noqa: ASYNC220 - once, before any client
-            argv, env={**env, "NOTIFY_SOCKET": str(notify_path)}, stdout=log, stderr=log
+            argv,
+            env={**env, "NOTIFY_SOCKET": str(notify_path)},
+            stdout=log,
+            stderr=log,
+            cwd=args.agent_tree,  # `python -m` puts the working directory first on the path
         )
     try:
         while b"READY=1" not in notify.recv(4096).split(b"\n"):
@@ -244,7 +248,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(1.0)  # the agent has accepted them and the never-reading streams are subscribed
         rows.append(await measure(path, agent.pid, sub, "during"))
         doc = json.loads((await http(path, STATUS)).split(b"\r\n\r\n", 1)[1])
-        idle_timeout = float(doc["connections"]["idle_timeout_s"])
+        # An agent from before the idle timeout existed: wait as long as the default would.
+        idle_timeout = float(doc.get("connections", {}).get("idle_timeout_s", 15.0))
         await asyncio.sleep(idle_timeout + 2.0)
         closed = hostile.closed_by_agent()
         print(f"  after the idle timeout ({idle_timeout:g} s) the agent had closed: {closed}", flush=True)
@@ -270,6 +275,12 @@ def main() -> int:
     parser.add_argument("--slowloris", type=int, default=200, help="slow request heads (default 200)")
     parser.add_argument("--never-reading", type=int, default=200, help="streams never read (default 200)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--agent-tree",
+        type=Path,
+        default=REPO,
+        help="run the agent package from this source tree (to compare commits: git worktree add DIR REV)",
+    )
     parser.add_argument("agent_args", nargs="*", help="extra `preemptd run` arguments (after --)")
     args = parser.parse_args()
     needed = args.idle + args.slowloris + args.never_reading + 512
@@ -292,7 +303,7 @@ def main() -> int:
     for row in result["rows"]:
         print(
             f"| {row['phase']} | {row['drill_p50_ms']:.2f} | {row['drill_max_ms']:.2f} | {row['status_p50_ms']:.2f} |"
-            f" {row['status_p99_ms']:.2f} | {row['rss_mib']:.1f} | {row['fds']} | {row['connections']} |"
+            f" {row['status_p99_ms']:.2f} | {row['rss_mib']:.1f} | {row['fds']} | {row['connections'] or '-'} |"
         )
     print(f"\nagent log: {result['log_bytes']} bytes")
     if args.json:
