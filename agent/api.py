@@ -9,12 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import grp
 import json
 import logging
-import os
-import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +23,7 @@ from agent.clientlog import BadRequestFilter, ClientMistakes
 from agent.errors import NoticeError, ReportError
 from agent.hub import CLOSE, HubFull
 from agent.notice import Kind, Severity
+from agent.peers import is_admin, peer_credentials, peer_doc
 from agent.reports import brief, parse_report, seconds
 
 if TYPE_CHECKING:
@@ -35,53 +32,6 @@ if TYPE_CHECKING:
 AGENT_KEY: web.AppKey[Agent] = web.AppKey("agent")
 MISTAKES_KEY: web.AppKey[ClientMistakes] = web.AppKey("mistakes")
 MAX_DRILL_S = 7 * 24 * 3600.0
-
-
-def peer_credentials(request: web.Request) -> tuple[int, int, int] | None:
-    """(pid, uid, gid) of the connected process, from SO_PEERCRED."""
-    transport = request.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family != socket.AF_UNIX:
-        return None
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return pid, uid, gid
-
-
-def _peer_doc(request: web.Request) -> dict[str, Any]:
-    creds = peer_credentials(request)
-    if creds is None:
-        return {}
-    return {"pid": creds[0], "uid": creds[1], "gid": creds[2]}
-
-
-def _process_groups(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
-    return set()
-
-
-def is_admin(creds: tuple[int, int, int] | None, admin_group: str | None) -> tuple[bool, str]:
-    """Root, the agent's own user, or a member of the admin group may use mutating endpoints."""
-    if creds is None:
-        return False, "peer credentials unavailable"
-    pid, uid, gid = creds
-    if uid == 0 or uid == os.geteuid():
-        return True, "owner"
-    if admin_group:
-        try:
-            admin_gid = grp.getgrnam(admin_group).gr_gid
-        except KeyError:
-            return False, f"admin group {admin_group!r} does not exist"
-        if gid == admin_gid or admin_gid in _process_groups(pid):
-            return True, f"member of {admin_group}"
-        return False, f"uid {uid} is not root and not in the admin group {admin_group!r}"
-    return False, f"uid {uid} is not root and no admin_group is configured"
 
 
 def parse_drill(doc: Any, default_in_s: float = 120.0) -> tuple[Kind, float, Severity | None, str]:
@@ -164,7 +114,7 @@ async def error_middleware(
         return await handler(request)
     except web.HTTPRequestEntityTooLarge as exc:
         request.app[MISTAKES_KEY].warning(
-            "bad_request", path=request.path, status=413, error="body too large", peer=_peer_doc(request)
+            "bad_request", path=request.path, status=413, error="body too large", peer=peer_doc(request)
         )
         return _error(
             413, f"body too large: the limit is {agent.config.api.max_body_bytes} bytes", limit=exc.text
@@ -179,7 +129,7 @@ async def error_middleware(
         return _error(405, f"{request.method} is not allowed on {request.path}; use {allowed}")
     except web.HTTPRequestTimeout as exc:
         request.app[MISTAKES_KEY].warning(
-            "bad_request", path=request.path, status=408, error=exc.reason, peer=_peer_doc(request)
+            "bad_request", path=request.path, status=408, error=exc.reason, peer=peer_doc(request)
         )
         answer = _error(408, exc.reason)
         answer.force_close()  # the rest of the body is not waited for
@@ -200,7 +150,7 @@ def _dumps(value: Any) -> str:
 
 async def events(request: web.Request) -> web.StreamResponse:
     agent = request.app[AGENT_KEY]
-    peer = _peer_doc(request)
+    peer = peer_doc(request)
     try:
         sub = agent.hub.subscribe(peer)
     except HubFull as exc:
@@ -301,13 +251,13 @@ async def reports(request: web.Request) -> web.Response:
         )
     except ReportError as exc:
         agent.reports_rejected += 1
-        request.app[MISTAKES_KEY].warning("report_rejected", error=str(exc), peer=_peer_doc(request))
+        request.app[MISTAKES_KEY].warning("report_rejected", error=str(exc), peer=peer_doc(request))
         return _error(400, str(exc))
     refusal = agent.check_report(report, is_admin(creds, agent.config.admin_group)[0])
     if refusal is not None:
         agent.reports_rejected += 1
         request.app[MISTAKES_KEY].warning(
-            "report_refused", status=refusal[0], error=refusal[1], peer=_peer_doc(request)
+            "report_refused", status=refusal[0], error=refusal[1], peer=peer_doc(request)
         )
         return _error(*refusal)
     agent.accept_report(report)
@@ -318,7 +268,7 @@ async def drills(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     creds = peer_credentials(request)
     allowed, why = is_admin(creds, agent.config.admin_group)
-    peer = _peer_doc(request)
+    peer = peer_doc(request)
     if not allowed:
         request.app[MISTAKES_KEY].warning("drill_refused", why=why, peer=peer)
         return _error(403, f"drills need an administrator: {why}")
