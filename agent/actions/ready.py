@@ -66,10 +66,8 @@ class Participant:
 
 
 def _process_start(pid: int | None) -> float | None:
-    if pid is None:
-        return None
     try:
-        return float(psutil.Process(pid).create_time())
+        return float(psutil.Process(pid).create_time()) if pid is not None else None
     except psutil.Error:
         return None
 
