@@ -233,6 +233,9 @@ class AzureConfig:
     # AzureSource.acknowledge(); "immediate": as soon as the event is seen (shortens the notice window).
     acknowledge: AzureAcknowledge = "never"
     backoff_max_s: float = 5.0
+    # Microsoft: the first Scheduled Events call after boot (which enables the service) can take up to two
+    # minutes; so may the first after a server error. Those calls get this long instead of timeout_s.
+    first_call_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)

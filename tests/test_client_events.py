@@ -105,3 +105,23 @@ def test_marked_handled_notice_does_not_trigger_when_it_arrives() -> None:
     state.mark_handled(["aws-1"])
     state.apply("snapshot", {"notices": [notice()]}, NOW)
     assert (None, True) == (state.first_trigger(), "aws-1" in state.notices)
+
+
+def test_notice_whose_deadline_passed_before_the_job_started_does_not_trigger() -> None:
+    state = NoticeState(started_at=NOW)
+    state.apply("snapshot", {"notices": [notice(deadline="2026-01-01T11:59:58Z", drill=True)]}, NOW)
+    assert (None, ["aws-1"]) == (state.first_trigger(), list(state.notices))
+
+
+def test_notice_whose_deadline_is_after_the_job_started_triggers() -> None:
+    state = NoticeState(started_at=NOW)
+    state.apply("snapshot", {"notices": [notice(deadline="2026-01-01T12:00:01Z")]}, NOW)
+    assert state.first_trigger() is not None
+
+
+def test_passed_notice_triggers_once_its_deadline_moves_after_the_start() -> None:
+    state = NoticeState(started_at=NOW)
+    state.apply("snapshot", {"notices": [notice(deadline="2026-01-01T11:59:00Z")]}, NOW)
+    state.apply("update", {"notice": notice(deadline="2026-01-01T12:30:00Z")}, NOW)
+    trigger = state.first_trigger()
+    assert trigger is not None and "aws-1" == trigger.notice_id

@@ -161,3 +161,22 @@ async def test_reconnect_with_last_event_id_replays_what_happened_while_disconne
             got = [await asyncio.wait_for(seen.get(), 10) for _ in range(2)]
     assert [("notice", notice.id), ("cleared", notice.id)] == got
     assert 2 == watcher.connects
+
+
+async def test_drill_past_its_deadline_does_not_trigger_a_job_started_after_it(base: Path) -> None:
+    """A drill lingers for drill_linger_s after its deadline; a job that starts then has nothing to save."""
+    seen: asyncio.Queue[Notice] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    async with running_agent(base, components=[], settings={"drill_linger_s": 30.0}):
+        with Watcher(base / "a.sock") as early:
+            assert await asyncio.to_thread(early.wait_connected, 10)
+            notice_id = await drill(base / "a.sock", in_s=0)
+            assert await asyncio.to_thread(early.wait, 10) is not None
+            late = Watcher(base / "a.sock", on_notice=lambda n: loop.call_soon_threadsafe(seen.put_nowait, n))
+            with late:
+                arrived = await asyncio.wait_for(seen.get(), 10)
+                assert (notice_id, False, True) == (
+                    arrived.id,
+                    late.should_checkpoint(),
+                    early.should_checkpoint(),
+                )

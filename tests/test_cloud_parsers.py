@@ -72,7 +72,6 @@ def test_aws_instance_action_key_does_not_depend_on_time() -> None:
     [
         b"",
         b"<html>404</html>",
-        b'{"action": "reboot", "time": "2017-09-18T08:22:00Z"}',
         b'{"action": "terminate"}',
         b'{"action": "terminate", "time": "18 Sep 2017"}',
         b"[]",

@@ -136,11 +136,14 @@ class NoticeState:
     """Active notices and pending triggers. Not thread-safe: the watchers guard it with their own lock.
 
     A trigger is raised once per notice id that the policy matches; :meth:`acknowledge` marks the pending
-    triggers handled so one notice causes one emergency checkpoint, however many updates follow.
+    triggers handled so one notice causes one emergency checkpoint, however many updates follow. A notice
+    whose deadline was already past when the job started (``started_at``; a drill lingers after its
+    deadline, a cloud may stay up past it) raises none: the job has nothing to save from before it.
     """
 
-    def __init__(self, policy: TriggerPolicy | None = None) -> None:
+    def __init__(self, policy: TriggerPolicy | None = None, started_at: datetime | None = None) -> None:
         self.policy = policy or TriggerPolicy()
+        self.started_at = started_at
         self.notices: dict[str, Notice] = {}
         self.pending: dict[str, Trigger] = {}
         self._handled: set[str] = set()
@@ -171,9 +174,16 @@ class NoticeState:
         self.notices[notice.id] = notice
         if notice.id in self.pending:
             self.pending[notice.id] = Trigger("notice", self.pending[notice.id].at, notice=notice)
-        elif notice.id not in self._handled and self.policy.matches(notice):
+        elif (
+            notice.id not in self._handled and self.policy.matches(notice) and not self._before_start(notice)
+        ):
             self.pending[notice.id] = Trigger("notice", now, notice=notice)
         return Change(UPDATE if known else NOTICE, notice)
+
+    def _before_start(self, notice: Notice) -> bool:
+        return (
+            self.started_at is not None and notice.deadline is not None and notice.deadline < self.started_at
+        )
 
     def _clear(self, notice: Notice) -> list[Change]:
         previous = self.notices.pop(notice.id, None)

@@ -96,7 +96,8 @@ class WatcherBase:
         self._backoff = backoff or Backoff()
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
-        self._state = NoticeState(policy)
+        # The watcher starts with the job: a notice whose deadline passed before then does not trigger it.
+        self._state = NoticeState(policy, started_at=clock())
         self._lock = threading.Lock()
         self._clock = clock
         self._on_notice = [on_notice] if on_notice else []

@@ -169,8 +169,11 @@ class AwsSimulator(Simulator):
         now = utcnow()
         if kind == "spot":
             action = event.get("action", "terminate")
-            if action not in SPOT_ACTIONS:
-                raise SimulatorError(f"spot action must be one of {', '.join(SPOT_ACTIONS)}")
+            # "raw": serve an action AWS does not document (yet), to test how a handler takes it.
+            if action not in SPOT_ACTIONS and not (event.get("raw") and isinstance(action, str) and action):
+                raise SimulatorError(
+                    f'spot action must be one of {", ".join(SPOT_ACTIONS)} (or any text with "raw": true)'
+                )
             self.spot = {"action": action, "time": now + in_s(event, 120), "drift": bool(event.get("drift"))}
         elif kind == "spot-clear":
             self.spot = None

@@ -19,7 +19,10 @@ from agent.notice import utcnow
 from agent.simulate.base import Scenario, Simulator, SimulatorError, in_s, scenario
 
 EVENTS_PATH = "/metadata/scheduledevents"
-EVENT_API_VERSIONS = ("2017-03-01", "2017-08-01", "2017-11-01", "2019-01-01", "2019-08-01", "2020-07-01")
+# As Microsoft lists them for Scheduled Events.
+EVENT_API_VERSIONS = (
+    "2017-03-01", "2017-08-01", "2017-11-01", "2019-01-01", "2019-04-01", "2019-08-01", "2020-07-01",
+)  # fmt: skip
 INSTANCE_API_VERSIONS = (
     "2017-03-01", "2017-04-02", "2017-08-01", "2017-12-01", "2018-02-01", "2018-04-02", "2018-10-01",
     "2019-02-01", "2019-03-11", "2019-04-30", "2019-06-01", "2019-06-04", "2019-08-01", "2019-08-15",

@@ -52,6 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vm-name", help="azure: this VM's name (default gpu-trainer-0)")
     p.add_argument("--not-before-format", choices=("rfc1123", "iso"), help="azure: NotBefore layout")
     p.add_argument("--no-upcoming", action="store_true", help="gcp: no upcoming-maintenance endpoint (404)")
+    p.add_argument(
+        "--upcoming-idle",
+        choices=("empty", "no-notifications", "no-notifications-503"),
+        help='gcp: upcoming-maintenance with nothing scheduled: {} (empty), or the "no notifications" error '
+        "with 200 or 503",
+    )
     p.add_argument("--hardened", action="store_true", help="alibaba: require a metadata token")
 
 
@@ -69,6 +75,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             options["not_before_format"] = args.not_before_format
     elif cloud == "gcp":
         options["offer_upcoming"] = not args.no_upcoming
+        if args.upcoming_idle:
+            options["upcoming_idle"] = args.upcoming_idle
     elif cloud == "alibaba":
         options["hardened"] = args.hardened
     return options

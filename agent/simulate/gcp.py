@@ -29,6 +29,10 @@ MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_
 MAX_TIMEOUT_SEC = 3600
 DEFAULT_TIMEOUT_SEC = 300
 _TEXT = "application/text"
+# What instance/upcoming-maintenance answers while nothing is scheduled: "empty" is {}, the others are the
+# metadata server's error document with 200 or with 503.
+UPCOMING_IDLE = ("empty", "no-notifications", "no-notifications-503")
+NO_NOTIFICATIONS_BODY = b'{ "error": "no notifications have been received yet, try again later" }'
 
 
 def etag_of(body: bytes) -> str:
@@ -38,6 +42,12 @@ def etag_of(body: bytes) -> str:
 def _camel(name: str) -> str:
     head, *rest = name.split("-")
     return head + "".join(part[:1].upper() + part[1:] for part in rest)
+
+
+def _check_idle(value: Any) -> str:
+    if value not in UPCOMING_IDLE:
+        raise SimulatorError(f"upcoming idle answer must be one of {', '.join(UPCOMING_IDLE)}, got {value!r}")
+    return str(value)
 
 
 def _forbidden(text: str) -> web.Response:
@@ -74,6 +84,12 @@ class GcpSimulator(Simulator):
                 (10, {"type": "upcoming", "status": "ONGOING", "in_s": 0}),
                 (20, {"type": "upcoming-clear"}),
             ),
+            scenario(
+                "upcoming-maintenance-503",
+                'a maintenance window, then "no notifications have been received yet" with 503',
+                (0, {"type": "upcoming", "status": "PENDING", "in_s": 3600}),
+                (10, {"type": "upcoming-clear", "answer": "no-notifications-503"}),
+            ),
         ]
     )
 
@@ -84,10 +100,13 @@ class GcpSimulator(Simulator):
         seed: int | None = None,
         offer_upcoming: bool = True,
         on_host_maintenance: str = "TERMINATE",
+        upcoming_idle: str = "empty",
     ) -> None:
         """``offer_upcoming``: whether ``instance/upcoming-maintenance`` exists (404 otherwise, as on machine
-        families without it)."""
+        families without it). ``upcoming_idle``: what it answers while nothing is scheduled, one of
+        ``UPCOMING_IDLE``."""
         self.offer_upcoming = offer_upcoming
+        self.upcoming_idle = _check_idle(upcoming_idle)
         self.on_host_maintenance = on_host_maintenance
         self._change = asyncio.Event()
         self._stopping = False
@@ -115,6 +134,7 @@ class GcpSimulator(Simulator):
             "preempted": self.preempted,
             "maintenance_event": self.maintenance_event,
             "upcoming": self.upcoming,
+            "upcoming_idle": self.upcoming_idle,
         }
 
     def apply(self, event: Mapping[str, Any]) -> None:
@@ -142,6 +162,8 @@ class GcpSimulator(Simulator):
             }
         elif kind == "upcoming-clear":
             self.upcoming = {}
+            if "answer" in event:
+                self.upcoming_idle = _check_idle(event["answer"])
         else:
             raise SimulatorError(
                 f"unknown GCP event {kind!r}; expected preempted, maintenance, upcoming, upcoming-clear or reset"
@@ -199,6 +221,8 @@ class GcpSimulator(Simulator):
         if key == "instance/upcoming-maintenance":
             if not self.offer_upcoming:
                 return None
+            if not self.upcoming and self.upcoming_idle != "empty":
+                return NO_NOTIFICATIONS_BODY, "application/json"
             return json.dumps(self.upcoming).encode(), "application/json"
         if key in leaves:
             if alt == "json":
@@ -263,6 +287,9 @@ class GcpSimulator(Simulator):
         found = self.resolve(path, recursive, alt)
         if found is None:
             return raw("Not Found\n", "text/html", 404)
+        if self._unavailable(found):
+            # Answered at once, without an ETag, whatever wait_for_change asks.
+            return raw(found[0], found[1], 503)
         if query.get("wait_for_change", "").lower() == "true":
             try:
                 timeout = min(MAX_TIMEOUT_SEC, int(query.get("timeout_sec", DEFAULT_TIMEOUT_SEC)))
@@ -272,8 +299,13 @@ class GcpSimulator(Simulator):
             current = etag_of(found[0])
             if last_etag is None or last_etag == current:
                 found = await self._wait_change(path, recursive, alt, current, max(0, timeout)) or found
+        if self._unavailable(found):
+            return raw(found[0], found[1], 503)
         body, content_type = found
         return raw(body, content_type, headers={"ETag": etag_of(body)})
+
+    def _unavailable(self, found: tuple[bytes, str]) -> bool:
+        return found[0] == NO_NOTIFICATIONS_BODY and self.upcoming_idle == "no-notifications-503"
 
     async def _wait_change(
         self, path: str, recursive: bool, alt: str | None, etag: str, timeout: float

@@ -86,11 +86,20 @@ def parse_instance_action(body: bytes, now: datetime | None = None) -> Observati
     doc = _json(body, "spot/instance-action")
     if not isinstance(doc, Mapping):
         raise ParseError(f"spot/instance-action: expected an object, got {doc!r}")
-    action = doc.get("action")
-    if not isinstance(action, str) or action.lower() not in _SPOT_ACTIONS:
-        raise ParseError(f"spot/instance-action: unknown action {action!r}")
-    action = action.lower()
+    raw_action = doc.get("action")
     deadline = _time(doc.get("time"), "spot/instance-action")
+    if not isinstance(raw_action, str) or raw_action.lower() not in _SPOT_ACTIONS:
+        # The document exists only when AWS has decided to interrupt the instance: an action this agent
+        # does not know (one AWS adds later, or a malformed one) is still the instance going away.
+        return Observation(
+            key=KEY_SPOT,
+            kind=Kind.TERMINATION,
+            severity=Severity.CRITICAL,
+            reason=f"EC2 spot interruption with an unknown action {raw_action!r}: treated as a termination",
+            deadline=deadline,
+            detail={"action": raw_action, "time": doc.get("time"), "unknown_action": True},
+        )
+    action = raw_action.lower()
     if action == "hibernate" and now is not None:
         deadline = min(deadline, now)
     return Observation(

@@ -212,6 +212,22 @@ class AzureSource(Source):
         self._deadlines: dict[str, datetime] = {}
         self._acknowledged: set[str] = set()
         self._ignored = 0
+        self._identity_error: str | None = None
+        self._held: set[str] = set()  # events not acknowledged for want of this VM's name (logged once)
+        # The next Scheduled Events call may be the one that enables the service (after boot, or after a
+        # server error): it gets first_call_timeout_s.
+        self.warming_up = True
+
+    @property
+    def acknowledge_blocked(self) -> str | None:
+        """Why no event may be acknowledged now, or None. Without this VM's name the events are not
+        filtered, and a StartRequests lets an event proceed for every VM it lists, not only this one."""
+        if self.vm_name:
+            return None
+        why = "this VM's name is unknown (set azure.vm_name, or let instance metadata answer"
+        if self._identity_error:
+            why += f"; it said: {self._identity_error}"
+        return why + "): acknowledging could start another VM's event"
 
     def capabilities(self) -> Mapping[str, Callable[..., Any]]:
         return {AZURE_ACK: self.acknowledge}
@@ -223,12 +239,21 @@ class AzureSource(Source):
             "document_incarnation": self._incarnation,
             "ignored_events": self._ignored,
             "acknowledged": sorted(self._acknowledged),
+            "acknowledge_blocked": self.acknowledge_blocked,
+            "warming_up": self.warming_up,
         }
 
-    async def _request(self, method: str, path: str, api_version: str, json_body: Any = None) -> bytes:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        api_version: str,
+        json_body: Any = None,
+        timeout_s: float | None = None,
+    ) -> bytes:
         await self._limiter.acquire()
         reply = await self._client.request(
-            method, path, params={"api-version": api_version}, json_body=json_body
+            method, path, params={"api-version": api_version}, json_body=json_body, timeout_s=timeout_s
         )
         if reply.status != 200:
             raise status_error(method, f"{self.config.endpoint}{path}?api-version={api_version}", reply)
@@ -236,21 +261,39 @@ class AzureSource(Source):
 
     async def acknowledge(self, event_id: str) -> None:
         """Tell Azure this VM is ready for ``event_id`` to start now (``StartRequests``). This shortens the
-        notice window, so only call it once the workload is safe. Raises CloudError if Azure refuses."""
+        notice window, so only call it once the workload is safe. Raises CloudError if Azure refuses, or
+        without sending anything while this VM's name is unknown (:attr:`acknowledge_blocked`)."""
+        blocked = self.acknowledge_blocked
+        if blocked is not None:
+            raise CloudError(f"not acknowledging Azure event {event_id}: {blocked}")
         body = {"StartRequests": [{"EventId": event_id}]}
         await self._request("POST", EVENTS_PATH, self.config.api_version, json_body=body)
         self._acknowledged.add(event_id)
         log.info("azure_event_acknowledged", source=self.name, event_id=event_id)
 
     async def _read_identity(self, sink: Sink) -> None:
-        identity = parse_instance(await self._request("GET", INSTANCE_PATH, self.config.instance_api_version))
+        try:
+            identity = parse_instance(
+                await self._request("GET", INSTANCE_PATH, self.config.instance_api_version)
+            )
+        except CloudError as exc:
+            self._identity_error = str(exc)
+            raise
         self._identity = identity
+        self._identity_error = None
         if self.vm_name is None:
             self.vm_name = identity["name"]
         sink.identify("azure", identity)
 
     async def poll_once(self, sink: Sink) -> ScheduledEvents:
-        body = await self._request("GET", EVENTS_PATH, self.config.api_version)
+        timeout = max(self.config.timeout_s, self.config.first_call_timeout_s) if self.warming_up else None
+        try:
+            body = await self._request("GET", EVENTS_PATH, self.config.api_version, timeout_s=timeout)
+        except CloudError as exc:
+            if exc.status is not None and exc.status >= 500:
+                self.warming_up = True
+            raise
+        self.warming_up = False
         events = parse_scheduled_events(body, self.vm_name, utcnow(), self._deadlines)
         self._deadlines = {
             obs.key[len(EVENT_KEY_PREFIX) :]: obs.deadline for obs in events.observations if obs.deadline
@@ -262,6 +305,15 @@ class AzureSource(Source):
         return events
 
     async def _acknowledge_new(self, events: ScheduledEvents) -> None:
+        if self.acknowledge_blocked is not None:
+            held = [obs.key[len(EVENT_KEY_PREFIX) :] for obs in events.observations]
+            fresh = [event_id for event_id in held if event_id not in self._held]
+            if fresh:
+                log.warning(
+                    "azure_acknowledge_blocked", source=self.name, events=fresh, why=self.acknowledge_blocked
+                )
+            self._held.update(fresh)
+            return
         for obs in events.observations:
             event_id = obs.key[len(EVENT_KEY_PREFIX) :]
             if event_id not in self._acknowledged and obs.detail.get("EventStatus") != "Started":

@@ -38,6 +38,9 @@ PREEMPTED = "instance/preempted"
 MAINTENANCE_EVENT = "instance/maintenance-event"
 UPCOMING = "instance/upcoming-maintenance"
 
+# The answer of instance/upcoming-maintenance while nothing is scheduled (with 200 or 503).
+NO_NOTIFICATIONS = "no notifications have been received yet"
+
 KEY_PREEMPTED = "instance/preempted"
 KEY_MAINTENANCE = "instance/maintenance-event"
 KEY_UPCOMING = "instance/upcoming-maintenance"
@@ -120,10 +123,24 @@ def parse_maintenance_event(body: bytes, now: datetime, notice_s: float = 60.0) 
     )
 
 
+def is_no_notifications(body: bytes) -> bool:
+    """Whether ``body`` is the metadata server's "nothing scheduled" answer for upcoming maintenance:
+    ``{"error": "no notifications have been received yet, try again later"}``. It comes with 200 or with
+    503, and means no maintenance is scheduled, not that the server failed."""
+    try:
+        doc = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return False
+    if not isinstance(doc, Mapping) or "maintenance_status" in doc:
+        return False
+    error = doc.get("error")
+    return isinstance(error, str) and NO_NOTIFICATIONS in error.lower()
+
+
 def parse_upcoming_maintenance(body: bytes, terminate_on_maintenance: bool = True) -> Observation | None:
-    """``instance/upcoming-maintenance?alt=json``: ``{}`` (or ``NONE``) when nothing is scheduled, else an
-    object with ``maintenance_status`` and the window. GPU VMs cannot live-migrate, so by default a window
-    means the VM stops: critical."""
+    """``instance/upcoming-maintenance?alt=json``: ``{}``, ``NONE`` or ``{"error": "no notifications have
+    been received yet, ..."}`` when nothing is scheduled, else an object with ``maintenance_status`` and the
+    window. GPU VMs cannot live-migrate, so by default a window means the VM stops: critical."""
     text = _text(body, UPCOMING)
     if text in ("", "{}", "NONE"):
         return None
@@ -133,8 +150,11 @@ def parse_upcoming_maintenance(body: bytes, terminate_on_maintenance: bool = Tru
         raise ParseError(f"{UPCOMING}: not JSON: {body[:60]!r}") from exc
     if not isinstance(doc, Mapping):
         raise ParseError(f"{UPCOMING}: expected an object, got {doc!r}")
-    if not doc:
+    if not doc or is_no_notifications(body):
         return None
+    if "error" in doc and "maintenance_status" not in doc and "window_start_time" not in doc:
+        # Some other error document: reading it as a window would raise a false alarm with no deadline.
+        raise ParseError(f"{UPCOMING}: the metadata server answered an error: {str(doc['error'])[:120]!r}")
     status = str(doc.get("maintenance_status") or "PENDING").upper()
     if status in ("COMPLETE", "COMPLETED", "NONE"):
         return None
@@ -253,11 +273,20 @@ class GcpSource(Source):
                     state.drop_part(path)
                     state.publish(sink)
                     return
-                if reply.status == 503 and path == UPCOMING and last_body is None:
-                    # Seen in the wild instead of {} on machine families without the API: nothing scheduled.
+                if (
+                    reply.status == 503
+                    and path == UPCOMING
+                    and (last_body is None or is_no_notifications(reply.body))
+                ):
+                    # "No notifications have been received yet" comes with 503 too, and a bare 503 before
+                    # any good read is seen instead of {} on machine families without the API: either way
+                    # nothing is scheduled, and a window seen earlier is over. A bare 503 after a good read
+                    # is a brief outage during host maintenance and keeps what was seen.
                     state.set(path, [])
                     state.publish(sink)
+                    last_body = reply.body
                     etag = None
+                    self._succeeded(path)
                     await asyncio.sleep(backoff.next_delay())
                     continue
                 if reply.status != 200:
