@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-from agent import __version__
+from agent import __version__, cli_help
 from agent.client.transport import AgentHTTPError, AgentUnavailable, EventStream, request_json
 from agent.config import CLOUDS
 from agent.durations import format_duration, parse_duration
@@ -420,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module_name in _EXTENSIONS:
         importlib.import_module(module_name).register(subparsers)
+    cli_help.apply(subparsers)
     return parser
 
 
@@ -430,7 +431,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return exec_main(args_in[1:])
     parser = build_parser()
-    args = parser.parse_args(args_in)
+    args, unknown = parser.parse_known_args(args_in)
+    if unknown:
+        # argparse would blame the top-level parser; the user needs the usage of the verb they typed.
+        cli_help.verb_parser(parser, getattr(args, "verb", None)).error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
@@ -438,8 +444,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.pop("PREEMPTD_SOCKET")
     try:
         result: int = args.func(args)
+        sys.stdout.flush()
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`preemptd status --json | head`): stop quietly, as cat would. Point stdout at
+        # /dev/null so that the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return cli_help.EXIT_BROKEN_PIPE
     return result
 
 

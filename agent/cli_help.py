@@ -1,0 +1,146 @@
+"""What ``preemptd VERB --help`` says beyond the flags: a description, examples and the exit statuses, kept
+in one table so that every verb (built-in or registered by an extension module) answers the same way."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool whose reader went away
+
+
+@dataclass(frozen=True)
+class VerbHelp:
+    description: str
+    examples: tuple[str, ...]
+    exits: tuple[tuple[int, str], ...]
+
+    def epilog(self) -> str:
+        lines = ["examples:", *(f"  {line}" for line in self.examples), "", "exit status:"]
+        lines += [f"  {code:<3} {meaning}" for code, meaning in self.exits]
+        return "\n".join(lines)
+
+
+USAGE = (2, "bad usage: an unknown flag or a bad value (the verb's usage is shown)")
+NO_AGENT = (69, "no agent answers on the socket (EX_UNAVAILABLE)")
+
+VERBS: Mapping[str, VerbHelp] = {
+    "run": VerbHelp(
+        "Run the agent: watch the cloud's metadata service, the GPUs and the host, and tell training "
+        "processes on the Unix socket before the host goes away. Normally started by systemd "
+        "(preemptd.socket, preemptd.service).",
+        (
+            "preemptd run",
+            "preemptd run --cloud aws --log-format console",
+            "preemptd run --set api.heartbeat_s=5 --print-config",
+        ),
+        (
+            (0, "stopped cleanly (SIGTERM, SIGINT)"),
+            (
+                2,
+                "bad usage or a configuration error (file, key and reason on stderr; systemd does not restart)",
+            ),
+            (3, "another agent already serves this socket"),
+        ),
+    ),
+    "status": VerbHelp(
+        "Show the running agent's overall state, active notices, sources, subscribers and advice.",
+        ("preemptd status", "preemptd status --json | jq .notices", "preemptd status || page-the-on-call"),
+        (
+            (0, "overall ok"),
+            (1, "overall warning or critical: a notice is active or a source is failing"),
+            USAGE,
+            NO_AGENT,
+        ),
+    ),
+    "watch": VerbHelp(
+        "Stream events as they happen, one line each, with a live countdown to the deadline on a terminal. "
+        "Waits for the agent if it is not running yet, and resumes after a restart.",
+        ("preemptd watch", "preemptd watch --json | jq .notice.deadline", "preemptd watch --count 1"),
+        ((0, "--count events shown, or interrupted (Ctrl-C)"), USAGE),
+    ),
+    "drill": VerbHelp(
+        "Inject a drill notice to rehearse a checkpoint flush end to end (root, the agent's own user or the "
+        "admin group). Drills are marked as such and never acknowledged to a cloud.",
+        ("preemptd drill --in 2m", "preemptd drill --kind maintenance --in 30s", "preemptd drill --clear ID"),
+        (
+            (0, "the drill was injected (or cleared)"),
+            (1, "the agent refused it (see the message)"),
+            USAGE,
+            NO_AGENT,
+        ),
+    ),
+    "version": VerbHelp(
+        "Print preemptd's version and the Python it runs on.",
+        ("preemptd version",),
+        ((0, "always"),),
+    ),
+    "demo": VerbHelp(
+        "Run the whole flow on this machine: the agent on a simulated EC2 metadata service that sends a "
+        "spot termination notice.",
+        ("preemptd demo", "preemptd demo --lead 30s", "preemptd demo --after 2s --keep"),
+        (
+            (0, "the demo ran to its end"),
+            (1, "it could not run (the message says why)"),
+            USAGE,
+            (130, "interrupted"),
+        ),
+    ),
+    "advise": VerbHelp(
+        "Advise the checkpoint interval that wastes the least GPU time: live from the agent's measurements, "
+        "or offline from a save time and a mean time between interruptions.",
+        (
+            "preemptd advise",
+            "preemptd advise --save-time 4m --mtbp 6h --current 30m",
+            "preemptd advise --save-time 90s --mtbp 2d --plot waste.png --json",
+        ),
+        ((0, "advice given"), (1, "nothing to plot or simulate, or the plot failed"), USAGE, NO_AGENT),
+    ),
+    "simulate": VerbHelp(
+        "Serve a cloud's metadata protocol on loopback (aws, gcp, azure, alibaba, tencent), play scenarios and "
+        "inject faults through the /_sim/ control API, to rehearse a preemption with your own training stack.",
+        (
+            "preemptd simulate aws --scenario spot-termination",
+            "preemptd simulate gcp --upcoming-idle no-notifications-503",
+            "preemptd simulate azure --list-scenarios",
+        ),
+        (
+            (0, "stopped (SIGINT, SIGTERM)"),
+            (1, "cannot listen on the address"),
+            (2, "bad usage or unknown scenario"),
+        ),
+    ),
+    "exec": VerbHelp(
+        "Run a job's launcher (torchrun, srun, python) under preemptd: signals are forwarded, and the job's "
+        "'preempted' status survives launchers that would turn it into 1.",
+        ("preemptd exec -- torchrun --nproc-per-node 8 train.py",),
+        (
+            (0, "the job finished"),
+            (75, "the job was preempted after a committed emergency checkpoint: requeue it (EX_TEMPFAIL)"),
+            (2, "bad usage"),
+        ),
+    ),
+}
+
+
+def apply(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Give every registered verb its description, examples and exit statuses."""
+    for name, parser in subparsers.choices.items():
+        verb = VERBS.get(name)
+        if verb is None:
+            continue
+        # The raw formatter keeps the epilog's layout, so the description is wrapped here for 80 columns.
+        parser.description = textwrap.fill(verb.description, width=78)
+        parser.epilog = verb.epilog()
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def verb_parser(parser: argparse.ArgumentParser, verb: str | None) -> argparse.ArgumentParser:
+    """The sub-parser of ``verb``, or ``parser`` itself when there is none."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and verb in action.choices:
+            found: argparse.ArgumentParser = action.choices[verb]
+            return found
+    return parser
