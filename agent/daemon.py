@@ -436,7 +436,8 @@ class Agent:
             detail=dict(detail) if detail is not None else (dict(old.detail) if old else {}),
         )
         self.health[name] = health
-        if old is not None and old.state is not state and state is HealthState.OK:
+        if old is not None and old.state is HealthState.DEGRADED and state is HealthState.OK:
+            # Only after a failure: a source's first good read at start is not a recovery.
             self.log.info("source_recovered", source=name, after_errors=old.errors)
 
     def overall(self) -> str:

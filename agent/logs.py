@@ -1,5 +1,6 @@
-"""Structured logging: one JSON object per line on stdout (with the syslog priority prefix journald reads
-when stdout is the journal), or structlog's console renderer on a terminal.
+"""Structured logging: one JSON object per line on stdout, structlog's console renderer on a terminal, and
+under systemd native journal fields (:mod:`agent.journal`) or, without the binding, JSON lines with the
+syslog priority prefix journald reads.
 
 The standard library's logging (aiohttp's access and error logs) is routed through the same processors.
 """
@@ -13,6 +14,9 @@ from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import structlog
+
+from agent import journal
+from agent.journal import JOURNAL_SOCKET, JournalSend, load_send
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 # syslog priorities understood by journald in a "<N>" line prefix (SyslogLevelPrefix=).
@@ -37,8 +41,24 @@ def _journal_prefix(_: Any, method: str, event: Any) -> Any:
     return f"<{PRIORITY.get(method, 6)}>{event}"
 
 
-def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> str:
-    """Set up structlog and stdlib logging; returns the format chosen (``json``, ``journal`` or ``console``)."""
+_DETECT: Any = object()
+
+
+def native_journal_send(journal_send: Any = _DETECT) -> JournalSend | None:
+    """The binding's ``send`` when entries can go to journald natively: the binding is installed (unless
+    ``journal_send`` says otherwise: None for "absent", a callable to use) and journald's socket exists."""
+    send = load_send() if journal_send is _DETECT else journal_send
+    if send is None or (journal_send is _DETECT and not os.path.exists(JOURNAL_SOCKET)):
+        return None
+    return send
+
+
+def configure_logging(
+    fmt: str = "auto", level: str = "info", stream: TextIO | None = None, journal_send: Any = _DETECT
+) -> str:
+    """Set up structlog and stdlib logging; returns the format chosen: ``json``, ``console``, ``journal``
+    (JSON lines with a priority prefix) or ``journal-native`` (fields through systemd's binding; see
+    :mod:`agent.journal`)."""
     out = stream or sys.stdout
     if fmt == "auto":
         if stream_is_journal(out):
@@ -56,6 +76,9 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    send = native_journal_send(journal_send) if chosen == "journal" else None
+    if send is not None:
+        return _configure_native(send, shared, level, out)
     final: list[Any]
     if chosen == "console":
         final = [structlog.dev.ConsoleRenderer(colors=out.isatty())]
@@ -76,6 +99,30 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
         )
     )
+    _install_root_handler(handler, level)
+    return chosen
+
+
+def _configure_native(send: JournalSend, shared: list[Any], level: str, out: TextIO) -> str:
+    def fallback(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    structlog.configure(
+        processors=[
+            *shared,
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            journal.render,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
+        logger_factory=journal.JournalLoggerFactory(send, fallback),
+        cache_logger_on_first_use=False,
+    )
+    _install_root_handler(journal.JournalHandler(send, fallback), level)
+    return "journal-native"
+
+
+def _install_root_handler(handler: logging.Handler, level: str) -> None:
     root = logging.getLogger()
     for old in list(root.handlers):
         if getattr(old, "_preemptd", False):
@@ -85,7 +132,6 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
     root.setLevel(LEVELS[level])
     # aiohttp logs every request at INFO on its access logger; the agent logs what matters itself.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    return chosen
 
 
 def get_logger(**context: Any) -> Any:

@@ -305,7 +305,7 @@ class ReadyEngine:
             "margin_s": round((notice.deadline - now).total_seconds(), 3) if notice.deadline else None,
         }
         pending.data = data
-        log.info("ready", notice_id=notice.id, **data)
+        # Logged once, as notice_ready, by the agent that publishes it.
         result = self._publish(notice.id, data)
         if inspect.isawaitable(result):
             self._tasks.spawn(_await(result), f"publish-ready:{notice.id}")
