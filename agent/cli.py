@@ -431,12 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return exec_main(args_in[1:])
     parser = build_parser()
-    args, unknown = parser.parse_known_args(args_in)
-    if unknown:
-        # argparse would blame the top-level parser; the user needs the usage of the verb they typed.
-        cli_help.verb_parser(parser, getattr(args, "verb", None)).error(
-            f"unrecognized arguments: {' '.join(unknown)}"
-        )
+    args = cli_help.parse(parser, args_in)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
@@ -447,12 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # The reader went away (`preemptd status --json | head`): stop quietly, as cat would. Point stdout at
-        # /dev/null so that the interpreter's final flush does not raise again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return cli_help.EXIT_BROKEN_PIPE
+    except BrokenPipeError:  # the reader went away (`preemptd status --json | head`)
+        return cli_help.reader_gone()
     return result
 
 

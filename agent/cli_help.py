@@ -4,8 +4,10 @@ in one table so that every verb (built-in or registered by an extension module) 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool whose reader went away
@@ -144,3 +146,20 @@ def verb_parser(parser: argparse.ArgumentParser, verb: str | None) -> argparse.A
             found: argparse.ArgumentParser = action.choices[verb]
             return found
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse the command line; an unknown flag is reported with the usage of the verb it follows (argparse
+    would blame the top-level parser)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        verb_parser(parser, getattr(args, "verb", None)).error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def reader_gone() -> int:
+    """Stop quietly once stdout's reader has gone, as cat would: point stdout at /dev/null so that the
+    interpreter's final flush does not raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
