@@ -115,13 +115,18 @@ VERBS: Mapping[str, VerbHelp] = {
         ),
     ),
     "exec": VerbHelp(
-        "Run a job's launcher (torchrun, srun, python) under preemptd: signals are forwarded, and the job's "
-        "'preempted' status survives launchers that would turn it into 1.",
-        ("preemptd exec -- torchrun --nproc-per-node 8 train.py",),
+        "Run a training command (torchrun, srun, python) in its own process group, forward signals to it and "
+        "exit with its status; when it fails after one of its processes committed an emergency checkpoint "
+        "for a notice, exit 75 so the scheduler requeues the job (torchrun alone would exit 1).",
         (
-            (0, "the job finished"),
-            (75, "the job was preempted after a committed emergency checkpoint: requeue it (EX_TEMPFAIL)"),
-            (2, "bad usage"),
+            "preemptd exec -- torchrun --nproc-per-node 8 train.py",
+            "preemptd exec --no-group -- python train.py",
+        ),
+        (
+            (0, "the command succeeded"),
+            (75, "it stopped for a notice after a committed emergency checkpoint: requeue it (EX_TEMPFAIL)"),
+            (2, "bad usage (no command)"),
+            (126, "the command cannot run; 127: not found; otherwise the command's own status"),
         ),
     ),
 }
@@ -130,13 +135,18 @@ VERBS: Mapping[str, VerbHelp] = {
 def apply(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Give every registered verb its description, examples and exit statuses."""
     for name, parser in subparsers.choices.items():
-        verb = VERBS.get(name)
-        if verb is None:
-            continue
-        # The raw formatter keeps the epilog's layout, so the description is wrapped here for 80 columns.
-        parser.description = textwrap.fill(verb.description, width=78)
-        parser.epilog = verb.epilog()
-        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        describe(name, parser)
+
+
+def describe(name: str, parser: argparse.ArgumentParser) -> None:
+    """Give one verb's parser (also one built outside the CLI, as ``preemptd exec`` does) its help."""
+    verb = VERBS.get(name)
+    if verb is None:
+        return
+    # The raw formatter keeps the epilog's layout, so the description is wrapped here for 80 columns.
+    parser.description = textwrap.fill(verb.description, width=78)
+    parser.epilog = verb.epilog()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
 def verb_parser(parser: argparse.ArgumentParser, verb: str | None) -> argparse.ArgumentParser:

@@ -73,8 +73,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str]) -> int:
     """``preemptd exec`` without building the whole CLI: the wrapper of a job should start in milliseconds
     and hold no more than it needs while the job runs."""
+    from agent import cli_help  # standard library only, like this module
+
     parser = argparse.ArgumentParser(prog="preemptd exec", description=_DESCRIPTION)
     _configure(parser)
+    cli_help.describe("exec", parser)
     return cmd_exec(parser.parse_args(argv))
 
 

@@ -71,3 +71,11 @@ async def test_status_json_into_a_closed_pipe_exits_quietly(base: Path) -> None:
     finally:
         os.close(write_end)
     assert (EXIT_BROKEN_PIPE, "") == (proc.returncode, err.decode())
+
+
+def test_exec_help_outside_the_cli_has_examples_and_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
+    """`preemptd exec` parses its own arguments (it must start fast) and still answers --help like the rest."""
+    with pytest.raises(SystemExit):
+        main(["exec", "--help"])
+    out = capsys.readouterr().out
+    assert (True, True) == ("examples:\n  preemptd exec -- torchrun" in out, "\n  75  " in out)
