@@ -337,8 +337,9 @@ class AgentCollector:
         )
         kicked.add_metric([], agent.hub.kicked_total)
         reports_metric = CounterMetricFamily("preemptd_reports", "Client reports accepted", labels=["phase"])
-        for phase, count in sorted(agent.reports_total.items()):
-            reports_metric.add_metric([phase], count)
+        # Every phase from the start, so that a rate() or an alert on failed reports has a series at 0.
+        for phase in sorted({"started", "finished", "failed"} | set(agent.reports_total)):
+            reports_metric.add_metric([phase], agent.reports_total.get(phase, 0))
         rejected = CounterMetricFamily("preemptd_reports_rejected", "Client reports rejected")
         rejected.add_metric([], agent.reports_rejected)
         source_up = GaugeMetricFamily(
@@ -406,6 +407,16 @@ async def _quiet_bad_requests(app: web.Application) -> AsyncIterator[None]:
         server_log.removeFilter(quiet)
 
 
+def build_registry(agent: Agent) -> CollectorRegistry:
+    """Every metric the agent exports: its own and its components' collectors (the Unix socket's /metrics and
+    the TCP metrics listener read the same)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(AgentCollector(agent))
+    for collector in agent._collectors:
+        registry.register(collector)
+    return registry
+
+
 def build_app(
     agent: Agent, extra_routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]]
 ) -> web.Application:
@@ -413,11 +424,7 @@ def build_app(
     app[AGENT_KEY] = agent
     app[MISTAKES_KEY] = ClientMistakes(agent.log)
     app.cleanup_ctx.append(_quiet_bad_requests)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(AgentCollector(agent))
-    for collector in agent._collectors:
-        registry.register(collector)
-    app[REGISTRY_KEY] = registry
+    app[REGISTRY_KEY] = build_registry(agent)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/v1/events", events)
     app.router.add_post("/v1/reports", reports)

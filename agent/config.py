@@ -239,6 +239,15 @@ class AzureConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics beyond the Unix socket's ``/metrics``."""
+
+    # "HOST:PORT" ("0.0.0.0:9464", "127.0.0.1:9464", "[::]:9464") to serve GET /metrics, and nothing else,
+    # over TCP for Prometheus to scrape; "" (the default): off.
+    listen: str = ""
+
+
+@dataclass(frozen=True)
 class AlibabaConfig:
     """Alibaba Cloud ECS metadata."""
 
@@ -385,6 +394,7 @@ class Config:
     advisor: AdvisorConfig = field(default_factory=AdvisorConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     host: HostConfig = field(default_factory=HostConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     config_file: Path | None = None
     # Plug-in tables by dotted name (``"actions.slurm"``), as written; read them with :meth:`table`.
     tables: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata=INTERNAL)

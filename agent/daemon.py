@@ -74,12 +74,14 @@ class Component(Protocol):
 def build_components(config: Config) -> list[Component]:
     """The components a configuration runs, in start order (they stop in reverse)."""
     from agent.actions import ActionsComponent
+    from agent.metrics_export import MetricsComponent
 
     components: list[Component] = [ActionsComponent(config)]
     if config.advisor.enabled:
         from agent.advisor.component import AdvisorComponent
 
         components.append(AdvisorComponent())
+    components.append(MetricsComponent(config.metrics.listen))
     return components
 
 
