@@ -411,9 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lead",
         type=_duration_arg,
-        default=120.0,
+        default=20.0,
         metavar="DURATION",
-        help="notice lead time (default 2m, as on AWS)",
+        help="notice lead time (default 20s; AWS gives 2m)",
     )
     p.add_argument("--keep", action="store_true", help="keep running after the notice's deadline")
     p.set_defaults(func=cmd_demo)

@@ -1,4 +1,4 @@
-"""The preemptd command against a real agent: status, watch, drill, version, demo."""
+"""The preemptd command against a real agent: status, watch, drill, version (the demo: test_demo.py)."""
 
 from __future__ import annotations
 
@@ -93,14 +93,6 @@ async def test_print_config_shows_the_effective_configuration(base: Path) -> Non
 
 
 @pytest.mark.slow
-async def test_demo_shows_a_termination_notice_and_its_clear(base: Path) -> None:
-    code, out, err = await cli(
-        "demo", "--after", "0.2s", "--lead", "1s", "--socket", str(base / "demo.sock"), timeout=60
-    )
-    assert 0 == code, err
-    assert "NOTICE" in out and "termination" in out and "CLEARED" in out
-
-
 def test_format_event_shows_kind_deadline_and_countdown() -> None:
     now = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
     deadline = (now + timedelta(seconds=90)).isoformat().replace("+00:00", "Z")
