@@ -46,6 +46,7 @@ class Report:
     client: Mapping[str, Any] = field(default_factory=dict)
     peer_pid: int | None = None
     peer_uid: int | None = None
+    flush: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,6 +62,7 @@ class Report:
             "client": dict(self.client),
             "peer_pid": self.peer_pid,
             "peer_uid": self.peer_uid,
+            **({"flush": dict(self.flush)} if self.flush else {}),
         }
 
 
@@ -70,7 +72,18 @@ def parse_report(
     """Validate a decoded JSON report; raise ReportError naming the field and what was expected."""
     if not isinstance(doc, Mapping):
         raise ReportError(f"a report must be a JSON object, got {_json_type(doc)}")
-    known = {"kind", "phase", "step", "duration_s", "bytes", "emergency", "notice_id", "path", "client"}
+    known = {
+        "kind",
+        "phase",
+        "step",
+        "duration_s",
+        "bytes",
+        "emergency",
+        "notice_id",
+        "path",
+        "client",
+        "flush",
+    }
     unknown = sorted(set(doc) - known)
     if unknown:
         shown = ", ".join(brief(name) for name in unknown[:5]) + (
@@ -108,6 +121,7 @@ def parse_report(
         if isinstance(value, str) and len(value) > MAX_TEXT:
             raise ReportError(f"field 'client.{key}' is longer than {MAX_TEXT} characters")
         checked[key] = value
+    flush = _flush(doc.get("flush"))
     return Report(
         kind=kind,
         phase=phase,
@@ -121,7 +135,41 @@ def parse_report(
         client=checked,
         peer_pid=peer_pid,
         peer_uid=peer_uid,
+        flush=flush,
     )
+
+
+# What a client says about a flush besides its timing (sharded saves, the deadline budget): name → type.
+_FLUSH_KEYS: dict[str, type] = {
+    "sharded": bool,
+    "world_size": int,
+    "predicted_s": float,
+    "time_left_s": float,
+    "predicted_miss": bool,
+    "async": str,
+}
+
+
+def _flush(value: Any) -> dict[str, Any]:
+    """The optional ``flush`` object of a report, checked key by key (unknown keys are dropped)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ReportError(f"field 'flush' must be an object, got {_json_type(value)}")
+    checked: dict[str, Any] = {}
+    for key, item in value.items():
+        expected = _FLUSH_KEYS.get(key)
+        if expected is None or item is None:
+            continue
+        if expected is float:
+            checked[key] = seconds(item, f"flush.{key}", MAX_DURATION_S, ReportError)
+            continue
+        if not isinstance(item, expected) or (expected is int and isinstance(item, bool)):
+            raise ReportError(f"field 'flush.{key}' must be {expected.__name__}, got {brief(item)}")
+        if isinstance(item, str) and len(item) > MAX_TEXT:
+            raise ReportError(f"field 'flush.{key}' is longer than {MAX_TEXT} characters")
+        checked[key] = item
+    return checked
 
 
 def _optional_int(doc: Mapping[str, Any], name: str) -> int | None:

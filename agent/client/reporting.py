@@ -95,8 +95,11 @@ class Reporter:
         emergency: bool = False,
         notice_id: str | None = None,
         path: str | Path | None = None,
+        flush: Mapping[str, Any] | None = None,
     ) -> None:
-        """Queue one checkpoint report (``phase``: started, finished or failed). Never blocks."""
+        """Queue one checkpoint report (``phase``: started, finished or failed). Never blocks. ``flush``:
+        what a sharded store adds (``sharded``, ``world_size``, ``predicted_s``, ``time_left_s``,
+        ``predicted_miss``, ``async``)."""
         body: dict[str, Any] = {"kind": "checkpoint", "phase": phase, "emergency": emergency}
         if step is not None:
             body["step"] = step
@@ -108,6 +111,8 @@ class Reporter:
             body["notice_id"] = notice_id
         if path is not None:
             body["path"] = str(path)[:4096]
+        if flush:
+            body["flush"] = {k: v for k, v in flush.items() if v is not None}
         body["client"] = dict(self.client)
         self.send(body)
 

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Sharded training on preemptd: a small transformer-like model under FSDP2 (``fully_shard``) that resumes
+from the newest committed sharded checkpoint — at any world size — checkpoints periodically at the agent's
+advised interval, flushes an emergency checkpoint when the host gets a notice (or SIGTERM/SIGUSR1), and exits
+75 so the scheduler requeues it.
+
+    torchrun --nproc-per-node 2 examples/sharded_training.py --checkpoint-dir /shared/ckpt --steps 1000
+    preemptd exec -- torchrun --nproc-per-node 2 examples/sharded_training.py --checkpoint-dir /shared/ckpt
+
+CPU with gloo anywhere, CUDA with NCCL when GPUs are present. Every rank writes its own shard through
+``torch.distributed.checkpoint`` into one step directory (``agent.client.dcp.ShardedStore``), committed once
+for all ranks. The global batch depends only on (seed, step) and each rank trains on its slice, so a run can
+resume on another number of ranks. Progress goes to stdout as JSON lines; ``checkpoint``, ``resumed`` and
+``done`` carry ``world_size`` and a ``digest`` of the full (unsharded) model and optimizer state, which is the
+same whatever the world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from agent.client import EXIT_PREEMPTED, CheckpointSchedule, Watcher
+from agent.client.dcp import Progress, ShardedStore, TrainState
+from agent.client.torch import Coordinator
+
+GLOBAL_BATCH = 16
+SEQUENCE = 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--checkpoint-dir", type=Path, required=True, help="shared by all ranks")
+    parser.add_argument("--steps", type=int, default=1000, help="train until this many steps are done")
+    parser.add_argument("--interval-s", type=float, default=600.0, help="periodic interval without advice")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0: all)")
+    parser.add_argument("--every", type=int, default=1, help="agree across ranks every this many steps")
+    parser.add_argument(
+        "--step-time", type=float, default=0.0, help="extra seconds per step (simulated work)"
+    )
+    parser.add_argument(
+        "--socket", default=None, help="the agent's socket (default: PREEMPTD_SOCKET or auto)"
+    )
+    parser.add_argument("--no-signals", action="store_true", help="do not treat SIGTERM/SIGUSR1 as a notice")
+    parser.add_argument(
+        "--async-saves", action="store_true", help="periodic saves in the background (dcp.async_save)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--width", type=int, default=32, help="model width (a multiple of --heads)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+class Block(nn.Module):
+    """Pre-norm self-attention and MLP, as in a transformer layer."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1).unbind(2)
+        attended = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, width: int, heads: int, layers: int, vocab: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))  # type: ignore[no-any-return]
+
+
+def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(args.seed)  # the same initial weights on every rank before sharding
+    model = TinyTransformer(args.width, args.heads, args.layers).to(device)
+    if dist.is_initialized():
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optimizer
+
+
+def batch(seed: int, step: int, rank: int, world_size: int, device: torch.device) -> torch.Tensor:
+    """This rank's slice of the global batch of ``step`` (the global batch depends only on seed and step)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(0, 64, (GLOBAL_BATCH, SEQUENCE + 1), generator=generator)
+    return tokens.tensor_split(world_size)[rank].to(device)
+
+
+def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """A fingerprint of the full (unsharded) model and optimizer state, the same at any world size; every
+    rank gets rank 0's (gathering the full state is a collective)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    hasher = hashlib.sha256()
+    for name, tensor in sorted(model_state.items()):
+        hasher.update(name.encode())
+        hasher.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    for name, state in sorted(optim_state.get("state", {}).items()):
+        for key, value in sorted(state.items()):
+            hasher.update(f"{name}.{key}".encode())
+            if isinstance(value, torch.Tensor):
+                hasher.update(value.detach().cpu().float().contiguous().numpy().tobytes())
+            else:
+                hasher.update(repr(value).encode())
+    if not dist.is_initialized():
+        return hasher.hexdigest()
+    box = [hasher.hexdigest()]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    # A one-rank run has a process group too, so that the same FSDP2 code and DCP paths run at any size.
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:  # plain `python examples/sharded_training.py`: a group of one, without a rendezvous
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    model, optimizer = build(args, device)
+    store = ShardedStore(args.checkpoint_dir, keep=args.keep, socket_path=args.socket)  # checks it is shared
+    signals = None if args.no_signals else (signal.SIGTERM, signal.SIGUSR1)
+    watcher = Watcher(args.socket, signals=signals).start()
+    schedule = CheckpointSchedule(args.interval_s, args.socket)
+    coordinator = Coordinator(watcher, schedule, every=args.every)
+    progress = Progress()
+    state = {"train": TrainState(model, optimizer), "progress": progress}
+
+    start = 0
+    resumed = store.latest()
+    if resumed is not None:
+        store.load(resumed, state)
+        start = resumed.step
+        watcher.mark_handled([resumed.notice_id])
+        emit(
+            "resumed",
+            rank=rank,
+            step=resumed.step,
+            next_step=start,
+            world_size=world_size,
+            saved_world_size=resumed.world_size,
+            digest=digest(model, optimizer),
+        )
+    else:
+        emit("fresh", rank=rank, world_size=world_size)
+
+    status = 0
+    was_connected = False
+    try:
+        for step in range(start, args.steps):
+            tokens = batch(args.seed, step, rank, world_size, device)
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+            )
+            loss.backward()
+            optimizer.step()
+            if args.step_time:
+                time.sleep(args.step_time)
+            if watcher.connected != was_connected:
+                was_connected = watcher.connected
+                emit("agent_connected" if was_connected else "agent_disconnected", rank=rank, step=step + 1)
+
+            decision = coordinator.check(step + 1)
+            if not decision.checkpoint:
+                continue
+            progress.step = step + 1
+            if args.async_saves and not decision.emergency:
+                pending = store.save_async(step + 1, state, metadata={"loss": loss.detach().item()})
+                coordinator.done(decision)
+                emit(
+                    "checkpoint",
+                    rank=rank,
+                    step=pending.step,
+                    emergency=False,
+                    blocked_s=round(pending.blocked_s, 4),
+                    world_size=world_size,
+                    digest=digest(model, optimizer),  # the state just staged
+                )
+                continue
+            saved = store.save(
+                step + 1,
+                state,
+                emergency=decision.emergency,
+                notice_id=decision.notice_id,
+                metadata={"loss": loss.detach().item()},
+                deadline=decision.deadline,
+            )
+            coordinator.done(decision)
+            budget = store.last_budget
+            emit(
+                "checkpoint",
+                rank=rank,
+                step=saved.step,
+                emergency=decision.emergency,
+                seconds=round(saved.checkpoint.duration_s or 0.0, 4),
+                bytes=saved.checkpoint.bytes,
+                time_left=decision.time_left(),
+                before_deadline=decision.deadline is None or datetime.now(timezone.utc) < decision.deadline,
+                predicted_s=budget.predicted_s if budget else None,
+                predicted_miss=budget.predicted_miss if budget else False,
+                world_size=world_size,
+                digest=digest(model, optimizer),
+            )
+            if decision.emergency:
+                emit("preempted", rank=rank, step=saved.step, notice_id=decision.notice_id)
+                status = EXIT_PREEMPTED
+                break
+        else:
+            store.wait_async()  # the last background save is committed before "done"
+            emit("done", rank=rank, step=args.steps, world_size=world_size, digest=digest(model, optimizer))
+    finally:
+        store.close(timeout=5.0)  # deferred checksums of an emergency save, queued reports
+        watcher.stop()
+        dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
