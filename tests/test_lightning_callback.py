@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +17,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
+from agent.client import EXIT_PREEMPTED, Checkpoint
 from agent.client.lightning import PreemptdCallback
-from tests.support import http_json, running_agent
+from tests.support import REPO, http_json, running_agent
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -103,3 +107,60 @@ def test_periodic_checkpoints_keep_the_newest(base: Path) -> None:
     preemptd = PreemptdCallback(base / "ckpt", keep=2, interval_s=1e-9, socket_path=base / "none.sock")
     trainer(4, preemptd).fit(Tiny(), loader())
     assert ([4, 3], [False] * 4) == (preemptd.store.steps(), [c.emergency for c in preemptd.saved])
+
+
+# -- a strategy that writes on every rank: ModelParallelStrategy (FSDP2) on CPU/gloo, two ranks
+
+
+async def _sharded_job(root: Path, sock: Path, max_steps: int, devices: int) -> asyncio.subprocess.Process:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+    env.update({"PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    job = [sys.executable, str(REPO / "tests" / "lightning_sharded_job.py")]
+    return await asyncio.create_subprocess_exec(
+        *job, str(root), str(sock), str(max_steps), str(devices), env=env, cwd=str(REPO),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+
+
+async def _lines(proc: asyncio.subprocess.Process, event: str, count: int) -> None:
+    async def read() -> None:
+        assert proc.stdout is not None
+        seen = 0
+        while seen < count:
+            line = await proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"the job ended before {count} {event!r} lines")
+            seen += line.decode().count(f'"event": "{event}"')
+
+    await asyncio.wait_for(read(), 240)
+
+
+def _events(out: bytes, event: str) -> list[dict[str, Any]]:
+    docs = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+    return [d for d in docs if d["event"] == event]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+async def test_model_parallel_drill_saves_every_rank_shard_once_and_resumes_on_one_rank(base: Path) -> None:
+    root = base / "ckpt"
+    async with running_agent(base):
+        sock = base / "a.sock"
+        job = await _sharded_job(root, sock, 100000, 2)
+        await _lines(job, "training", 2)
+        status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+        assert status == 201, body
+        out, err = await asyncio.wait_for(job.communicate(), 180)
+    stopped = _events(out, "stopped")
+    [committed] = [Checkpoint.load(p) for p in sorted(root.glob("step-*"))]
+    ranks = {f.path.split("/")[-1] for f in committed.files}
+    assert EXIT_PREEMPTED == job.returncode, err.decode()[-3000:]
+    assert [[committed.step], [committed.step]] == [s["saved"] for s in stopped]
+    assert (True, 2, {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= ranks) == (
+        committed.emergency, committed.metadata["world_size"], True,
+    )  # fmt: skip
+
+    resumed = await _sharded_job(root, base / "none.sock", committed.step + 2, 1)
+    out, err = await asyncio.wait_for(resumed.communicate(), 180)
+    assert 0 == resumed.returncode, err.decode()[-3000:]
+    assert [committed.step] == [s["step"] for s in _events(out, "start")]

@@ -287,6 +287,36 @@ class ShardedStore:
         and whether that misses the deadline (:attr:`last_budget`); it runs all the same. An emergency save
         while a background save is in flight follows the rule of :meth:`save_async`: it may return that
         save's (earlier) step instead."""
+
+        def write(directory: Path) -> None:
+            writer = FileSystemWriter(directory, sync_files=True, thread_count=self.thread_count)
+            dcp_save(dict(state), storage_writer=writer, process_group=self.group)
+
+        return self.save_files(
+            step,
+            write,
+            emergency=emergency,
+            notice_id=notice_id,
+            metadata=metadata,
+            deadline=deadline,
+            layout=_layout(state),
+        )
+
+    def save_files(
+        self,
+        step: int,
+        writer: Callable[[Path], Any],
+        *,
+        emergency: bool = False,
+        notice_id: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        deadline: datetime | None = None,
+        layout: Mapping[str, Any] | None = None,
+    ) -> ShardedCheckpoint:
+        """:meth:`save` for a framework that writes a sharded checkpoint itself on every rank (Lightning's
+        ``trainer.save_checkpoint`` under FSDP or ModelParallel): every rank calls ``writer(directory)``
+        with the same shared temporary directory; the commit is the same. Files named ``__<rank>_…`` belong
+        to that rank, the others to rank 0."""
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         choice = None
@@ -301,16 +331,14 @@ class ShardedStore:
         flush = self._budget(step, deadline, choice)
         self._report("started", step, emergency=emergency, notice_id=notice_id, flush=flush)
         tmp = self._agree_tmp()
-        layout = _layout(state)
         defer = emergency and self.checksum and self.defer_emergency_checksum
         try:
-            writer = FileSystemWriter(tmp, sync_files=True, thread_count=self.thread_count)
-            dcp_save(dict(state), storage_writer=writer, process_group=self.group)
+            writer(tmp)
             checkpoint = self._commit(
                 self.group,
                 tmp,
                 step,
-                layout,
+                layout or {},
                 started,
                 emergency,
                 notice_id,
@@ -670,6 +698,24 @@ class ShardedStore:
 # -- helpers ----------------------------------------------------------------------------------------------
 
 
+def latest_committed(
+    root: str | Path, verify: Verify = "checksum", *, require_dcp: bool = True
+) -> ShardedCheckpoint | None:
+    """The newest committed sharded step under ``root`` that verifies, read by this process alone (every
+    file's size and CRC): for choosing a resume path before the process group exists (Lightning's
+    ``ckpt_path``). Skipped steps raise a CheckpointWarning naming the file."""
+    local = CheckpointStore(root, keep=0, report=False)
+    for step in local.steps():
+        try:
+            checkpoint = _load_sharded(local.path_of(step), require_dcp=require_dcp)
+            checkpoint.verify(verify)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=2)
+            continue
+        return ShardedCheckpoint(checkpoint, int(checkpoint.metadata.get("world_size", 0) or 0))
+    return None
+
+
 def _seconds_to(deadline: datetime | None) -> float | None:
     if deadline is None:
         return None
@@ -680,6 +726,7 @@ def _seconds_to(deadline: datetime | None) -> float | None:
 def _owner(name: str, world_size: int) -> int:
     """Which rank makes a file durable and checksums it: DCP names a rank's data files ``__<rank>_<n>``;
     everything else (``.metadata``) belongs to rank 0."""
+    name = name.rsplit("/", 1)[-1]
     if name.startswith("__"):
         head = name[2:].split("_", 1)[0]
         if head.isdigit() and int(head) < world_size:
@@ -765,7 +812,7 @@ def _layout(state: Mapping[str, Any]) -> dict[str, Any]:
     return found
 
 
-def _load_sharded(directory: Path) -> Checkpoint:
+def _load_sharded(directory: Path, *, require_dcp: bool = True) -> Checkpoint:
     """The manifest, with the CRCs that ranks added after an emergency commit merged in."""
     checkpoint = Checkpoint.load(directory)
     sums: dict[str, int] = {}
@@ -780,7 +827,9 @@ def _load_sharded(directory: Path) -> Checkpoint:
             for f in checkpoint.files
         )
         checkpoint = replace(checkpoint, files=files)
-    if not (directory / DCP_METADATA).is_file() or DCP_METADATA not in {f.path for f in checkpoint.files}:
+    if require_dcp and (
+        not (directory / DCP_METADATA).is_file() or DCP_METADATA not in {f.path for f in checkpoint.files}
+    ):
         raise CheckpointError(f"{directory / DCP_METADATA}: missing (not a committed DCP checkpoint)")
     return checkpoint
 

@@ -6,8 +6,11 @@ gets a notice (or the process a signal) and stops training, plus periodic checkp
     trainer.fit(model, ckpt_path=callback.resume_path())
 
 All ranks agree through the strategy's own ``reduce_boolean_decision`` (the job's process group). Global rank
-zero writes the checkpoint (``trainer.save_checkpoint``, the usual case for single-device and DDP training);
-sharded strategies that write on every rank are not supported by this callback.
+zero writes the checkpoint (``trainer.save_checkpoint``, the usual case for single-device and DDP training).
+Under a strategy that writes a sharded checkpoint on every rank (``FSDPStrategy(state_dict_type="sharded")``,
+``ModelParallelStrategy``) every rank writes its shard in Lightning's own format into one shared step
+directory, committed once for all ranks by :class:`~agent.client.dcp.ShardedStore`; ``ckpt_path`` resumes it,
+at any world size.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
+from agent.client.dcp import ShardedStore, latest_committed
 from agent.client.events import TriggerPolicy
 from agent.client.reporting import CheckpointSchedule
 from agent.client.store import Checkpoint, CheckpointStore
@@ -51,6 +56,9 @@ class PreemptdCallback(Callback):
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
         self.store = CheckpointStore(dirpath, keep, socket_path=socket_path)
+        self.keep = keep
+        # Made in setup() when the strategy writes on every rank (it needs the process group).
+        self.sharded_store: ShardedStore | None = None
         self.every = every
         self.stop_on_notice = stop_on_notice
         self.socket_path = socket_path
@@ -67,22 +75,30 @@ class PreemptdCallback(Callback):
         """The newest valid checkpoint file in the store, for ``trainer.fit(ckpt_path=...)``; None if none.
 
         The notice that checkpoint was saved for (if any) will not stop the resumed run again."""
-        latest = self.store.latest()
+        # Read by this process alone (no process group yet); a sharded step verifies as any other, with the
+        # CRCs its ranks added after an emergency commit.
+        latest = latest_committed(self.store.root, require_dcp=False)
         if latest is None:
             return None
         self._handled.append(latest.notice_id)
-        return str(latest.file(self.filename))
+        return str(latest.checkpoint.file(self.filename))
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.watcher is None:
             self.watcher = Watcher(self.socket_path, policy=self.policy).start()
         self.watcher.mark_handled(self._handled)
+        if self.sharded_store is None and writes_on_every_rank(trainer.strategy):
+            self.sharded_store = ShardedStore(
+                self.store.root, self.keep, socket_path=self.socket_path
+            )  # a collective on every rank; checks that the directory is shared
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self._own_watcher and isinstance(self.watcher, Watcher):
             self.watcher.stop()
             self.watcher = None
         self.store.close()
+        if self.sharded_store is not None:
+            self.sharded_store.close()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -98,7 +114,7 @@ class PreemptdCallback(Callback):
         if not (emergency or periodic):
             return
         notice_id = trigger.notice_id if trigger is not None else None
-        self._save(trainer, step, emergency, notice_id)
+        self._save(trainer, step, emergency, notice_id, self.watcher.deadline if emergency else None)
         if emergency:
             self.watcher.acknowledge()
             if self.stop_on_notice:
@@ -107,7 +123,20 @@ class PreemptdCallback(Callback):
         if self.schedule is not None:
             self.schedule.mark()
 
-    def _save(self, trainer: Trainer, step: int, emergency: bool, notice_id: str | None) -> None:
+    def _save(
+        self, trainer: Trainer, step: int, emergency: bool, notice_id: str | None, deadline: Any = None
+    ) -> None:
+        if self.sharded_store is not None:
+            sharded = self.sharded_store.save_files(
+                step,
+                lambda directory: trainer.save_checkpoint(directory / self.filename),
+                emergency=emergency,
+                notice_id=notice_id,
+                metadata={"epoch": trainer.current_epoch},
+                deadline=deadline,
+            )
+            self.saved.append(sharded.checkpoint)
+            return
         if not trainer.is_global_zero:
             # Other ranks take part in the save's collectives; the strategy writes nothing for them.
             trainer.save_checkpoint(self.store.root / f".rank-{trainer.global_rank}-{self.filename}")
@@ -125,3 +154,12 @@ class PreemptdCallback(Callback):
                 metadata={"epoch": trainer.current_epoch},
             )
         )
+
+
+def writes_on_every_rank(strategy: Strategy) -> bool:
+    """Whether ``trainer.save_checkpoint`` writes a sharded checkpoint from every rank under ``strategy``."""
+    if isinstance(strategy, ModelParallelStrategy):
+        return bool(getattr(strategy, "_save_distributed_checkpoint", True))
+    if isinstance(strategy, FSDPStrategy):
+        return getattr(strategy, "_state_dict_type", "full") == "sharded"
+    return False
