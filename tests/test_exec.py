@@ -153,8 +153,8 @@ _FAMILY = textwrap.dedent(
     """
     import os, signal, subprocess, sys, time
     role = "child" if len(sys.argv) > 1 else "parent"
-    def say(*words):
-        print(*words, flush=True)
+    def say(*words):  # one write per line: parent and child share the pipe
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())
     def note(signum, frame):
         say(signum, role)
         if signum == signal.SIGTERM:
@@ -253,7 +253,7 @@ async def _lines_until(
             line = await proc.stdout.readline()  # type: ignore[union-attr]
             if not line:
                 raise AssertionError(f"torchrun ended before {count} {needle!r} lines")
-            seen += needle in line.decode()
+            seen += line.decode().count(needle)  # ranks share the pipe: lines may merge
 
     await asyncio.wait_for(read(), timeout)
 
