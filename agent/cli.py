@@ -174,6 +174,16 @@ def format_status(doc: dict[str, Any]) -> str:
     lines.append(
         f"Subscribers: {subs.get('connected', 0)} connected, {subs.get('disconnected_slow', 0)} dropped for not reading"
     )
+    risk = doc.get("flush_risk")
+    if isinstance(risk, dict):
+        who = ", ".join(f"{k} {v}" for k, v in (risk.get("client") or {}).items())
+        outcome = risk.get("outcome") or {}
+        lines.append(
+            printable(
+                f"Flush at risk: step {risk.get('step')} predicted to take {risk.get('predicted_s')} s with "
+                f"{risk.get('time_left_s')} s left ({who}); {outcome.get('phase', 'still saving')}"
+            )
+        )
     advice = doc.get("advice")
     if isinstance(advice, dict) and advice.get("interval_s"):
         lines.append(f"Advice: checkpoint every {format_duration(float(advice['interval_s']))}")

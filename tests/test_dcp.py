@@ -355,3 +355,30 @@ def test_reports_carry_the_flush_budget_and_bad_values_are_refused() -> None:
             "predicted_miss": True} == dict(report.flush)  # fmt: skip
     with pytest.raises(ReportError, match=r"flush\.world_size"):
         parse_report({**doc, "flush": {"world_size": "8"}}, now)
+
+
+@pytest.mark.timeout(60)
+async def test_a_save_predicted_to_miss_its_deadline_shows_in_status_before_it_ends(
+    group_of_one: None, base: Path
+) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from agent.cli import format_status
+    from agent.client import Reporter
+    from agent.client.dcp import ShardedStore
+
+    async with running_agent(base):
+        sock = base / "a.sock"
+        reporter = Reporter(sock)
+        store = ShardedStore(base / "ckpt", reporter=reporter)
+        await asyncio.to_thread(store.save, 1, _state())
+        late = datetime.now(timezone.utc) - timedelta(seconds=1)
+        await asyncio.to_thread(store.save, 2, _state(), emergency=True, notice_id="n-9", deadline=late)
+        assert await asyncio.to_thread(reporter.flush, 10.0)
+        status, doc = await http_json(sock, "GET", "/v1/status")
+        await asyncio.to_thread(store.close)
+    risk = doc["flush_risk"]
+    assert (200, 2, "n-9", 0.0, "finished") == (
+        status, risk["step"], risk["notice_id"], risk["time_left_s"], risk["outcome"]["phase"],
+    )  # fmt: skip
+    assert "Flush at risk: step 2 predicted to take" in format_status(doc)

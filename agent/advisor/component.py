@@ -98,6 +98,7 @@ class AdvisorComponent:
         self._snapshot: list[tuple[Path, int]] = []
         self._task: asyncio.Task[Any] | None = None
         self._record_task: asyncio.Task[Any] | None = None
+        self._flush_risk: dict[str, Any] | None = None
 
     @property
     def config(self) -> AdvisorConfig:
@@ -115,6 +116,7 @@ class AdvisorComponent:
         agent.add_route("GET", "/v1/advice", self.handle_advice)
         agent.add_status_section("advice", self.status_advice)
         agent.add_status_section("goodput", self.status_goodput)
+        agent.add_status_section("flush_risk", self.status_flush_risk)
         agent.add_metrics_collector(AdvisorCollector(self))
         agent.on_event(self._on_event)
         agent.on_report(self._on_report)
@@ -186,6 +188,34 @@ class AdvisorComponent:
 
     def _on_report(self, report: Report) -> None:
         self._add({"time": format_time(report.received_at), "type": "report", "report": report.to_json()})
+        self._track_flush_risk(report)
+
+    def _track_flush_risk(self, report: Report) -> None:
+        """The newest save a client predicted to miss its deadline (the client's ``flush`` budget), shown in
+        status while it is the newest; its outcome is added when the same client reports it finished."""
+        who = {
+            k: report.client.get(k)
+            for k in ("job", "host", "rank", "pid")
+            if report.client.get(k) is not None
+        }
+        if report.phase == "started" and report.flush.get("predicted_miss"):
+            self._flush_risk = {
+                "time": format_time(report.received_at),
+                "step": report.step,
+                "notice_id": report.notice_id,
+                "predicted_s": report.flush.get("predicted_s"),
+                "time_left_s": report.flush.get("time_left_s"),
+                "world_size": report.flush.get("world_size"),
+                "client": who,
+                "outcome": None,
+            }
+        elif (
+            self._flush_risk is not None
+            and report.phase in ("finished", "failed")
+            and report.step == self._flush_risk["step"]
+            and who == self._flush_risk["client"]
+        ):
+            self._flush_risk["outcome"] = {"phase": report.phase, "duration_s": report.duration_s}
 
     # ----- computing -----
 
@@ -260,6 +290,9 @@ class AdvisorComponent:
             "reason": doc.get("reason"),
             "computed_at": doc.get("computed_at"),
         }
+
+    def status_flush_risk(self) -> dict[str, Any] | None:
+        return self._flush_risk
 
     def status_goodput(self) -> dict[str, Any] | None:
         obs = self._observations
