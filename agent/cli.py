@@ -184,6 +184,13 @@ def format_status(doc: dict[str, Any]) -> str:
                 f"{risk.get('time_left_s')} s left ({who}); {outcome.get('phase', 'still saving')}"
             )
         )
+    conn = doc.get("connections")
+    if isinstance(conn, dict):
+        fds = conn.get("descriptors") or {}
+        lines.append(
+            f"Connections: {conn.get('open')} open of {conn.get('max')}, {conn.get('refused')} refused;"
+            f" descriptors {fds.get('open')} of {fds.get('limit')}"
+        )
     advice = doc.get("advice")
     if isinstance(advice, dict) and advice.get("interval_s"):
         lines.append(f"Advice: checkpoint every {format_duration(float(advice['interval_s']))}")

@@ -16,6 +16,7 @@ from structlog.testing import capture_logs
 
 from agent.notice import Kind
 from tests.support import SSEClient, eventually, http_json, running_agent
+from tests.test_cli import cli
 
 SHORT = {"api.idle_timeout_s": 0.5}
 
@@ -160,3 +161,13 @@ async def test_accept_failures_out_of_descriptors_are_logged_at_a_bounded_rate(b
     assert "Too many open files" in warned[0]["error"]
     assert doc["connections"]["accept_failures"] >= 3
     assert all(len(json.dumps(e)) < 1000 for e in warned)
+
+
+async def test_preemptd_status_shows_connections_and_descriptors(base: Path) -> None:
+    async with running_agent(base, {"api.max_connections": 100}) as agent:
+        code, out, _ = await cli("status", socket=agent.config.socket)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    line = next(line for line in out.splitlines() if line.startswith("Connections:"))
+    assert 0 == code
+    assert line.startswith("Connections: 1 open of 100, 0 refused; descriptors ")
+    assert line.endswith(f" of {soft}")
