@@ -1,0 +1,489 @@
+"""The Slurm bridge (``[actions.slurm]``): on a notice it drains this host's Slurm node, and once the training
+processes on the host have flushed (the ``ready`` event) or the deadline minus a margin comes, requeues the
+node's requeueable jobs and optionally signals their steps; when the notice clears it resumes the node, but
+only a drain that is still the agent's own. docs/slurm.md has the timeline and the configuration.
+
+Slurm is reached through its own tools (:mod:`agent.bridges.slurm_commands`); every call is an owned task, so
+a slow or missing controller never delays an event on its way to clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal as signals
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from agent.actions.common import Recent, TaskSet, applies
+from agent.bridges.slurm_commands import SlurmCommands, SlurmError, SlurmJob, host_names, match_node
+from agent.errors import ConfigError
+from agent.notice import Event, EventType, Notice, format_time, utcnow
+
+log = structlog.get_logger("preemptd.slurm")
+
+# Every drain reason the agent writes starts with this, so that an administrator sees who drained the node.
+REASON_PREFIX = "preemptd:"
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """``[actions.slurm]``."""
+
+    enabled: bool = False
+    # The node's name in Slurm; empty: the node whose NodeHostname or NodeAddr is this host's.
+    node: str = ""
+    kinds: tuple[str, ...] = ("termination",)
+    min_severity: Literal["info", "warning", "critical"] = "info"
+    drills: bool = True
+    requeue: bool = True
+    # A signal for the jobs' steps (``"USR1"``, ``"SIGTERM"``, a number); empty: none.
+    signal: str = ""
+    # When to send it: at the notice (programs without the client get the whole window) or with the requeue.
+    signal_at: Literal["notice", "ready"] = "notice"
+    # Act this many seconds before the deadline at the latest, even if the host is not ready yet.
+    margin_s: float = 30.0
+    # After ready, how long a running job may take to exit on its own (75) before it is requeued running.
+    stop_wait_s: float = 15.0
+    resume: bool = True
+    bin_dir: str = ""
+    slurm_conf: str = ""
+    timeout_s: float = 10.0
+    retries: int = 2
+    history_size: int = 50
+
+
+def parse_signal(value: str, key: str = "actions.slurm.signal") -> str:
+    """The signal as scancel takes it (a name without ``SIG``, or a number); ConfigError naming ``key``."""
+    text = value.strip()
+    if not text:
+        return ""
+    if text.isdigit():
+        number = int(text)
+        if number in {int(s) for s in signals.Signals}:
+            return str(number)
+    else:
+        name = text.upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name in signals.Signals.__members__:
+            return name.removeprefix("SIG")
+    raise ConfigError(
+        f"{key}: {value!r} is not a signal; use a name such as 'USR1' or 'TERM', or a number, or '' for none"
+    )
+
+
+def drain_reason(notice: Notice) -> str:
+    """The reason the agent drains a node with: who, what, from where, until when, and which notice."""
+    deadline = format_time(notice.deadline) if notice.deadline else "none"
+    drill = " drill" if notice.drill else ""
+    return (
+        f"{REASON_PREFIX} {notice.kind.value}{drill} from {notice.source}, deadline {deadline} "
+        f"(notice {notice.id})"
+    )
+
+
+@dataclass
+class _Work:
+    """What the bridge did and is doing for one notice."""
+
+    notice: Notice
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    cleared: bool = False
+    phase: str = "starting"
+    node: str | None = None
+    owned_reason: str | None = None
+    drain: str = "pending"
+    acted_on: str | None = None
+    jobs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    found: dict[int, SlurmJob] = field(default_factory=dict)
+    run: asyncio.Task[Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "kind": self.notice.kind.value,
+            "phase": self.phase,
+            "node": self.node,
+            "drain": self.drain,
+            "drained_by_agent": self.owned_reason is not None,
+            "jobs": [self.jobs[k] for k in sorted(self.jobs)],
+        }
+        if self.acted_on is not None:
+            doc["acted_on"] = self.acted_on
+        return doc
+
+
+class SlurmBridge:
+    """A reactor: ``handle(event)`` never blocks; the work runs in tasks the bridge owns."""
+
+    name = "slurm"
+
+    def __init__(
+        self,
+        config: SlurmConfig,
+        *,
+        commands: SlurmCommands | None = None,
+        names: Callable[[], list[str]] = host_names,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.config = config
+        self.signal = parse_signal(config.signal)
+        self.commands = commands or SlurmCommands(
+            bin_dir=config.bin_dir,
+            slurm_conf=config.slurm_conf,
+            timeout_s=config.timeout_s,
+            retries=config.retries,
+        )
+        self._names = names
+        self._clock = clock
+        self.tasks = TaskSet("slurm")
+        self.recent = Recent(config.history_size)
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.node: str | None = config.node or None
+        self.degraded: str | None = None
+        self._work: dict[str, _Work] = {}
+        self._lock = asyncio.Lock()
+
+    # --- reactor --------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check the tools and find the node in the background: start never waits on the controller."""
+        self.tasks.spawn(self._probe(), "probe")
+
+    async def stop(self, timeout: float) -> None:
+        await self.tasks.close(timeout)
+
+    def handle(self, event: Event) -> None:
+        if event.type is EventType.READY:
+            notice_id = str(event.data.get("notice_id") or (event.notice.id if event.notice else ""))
+            work = self._work.get(notice_id)
+            if work is not None:
+                work.ready.set()
+            return
+        notice = event.notice
+        if notice is None:
+            return
+        work = self._work.get(notice.id)
+        if event.type is EventType.CLEARED:
+            if work is not None and not work.cleared:
+                work.cleared = True
+                work.changed.set()
+                self.tasks.spawn(self._on_cleared(work), f"clear:{notice.id}")
+            return
+        if event.type not in (EventType.NOTICE, EventType.UPDATE):
+            return
+        if work is not None:
+            work.notice = notice  # a moved deadline moves the latest moment to act
+            work.changed.set()
+            return
+        cfg = self.config
+        if not applies(notice, cfg.kinds, cfg.min_severity, cfg.drills):
+            return
+        work = _Work(notice)
+        self._work[notice.id] = work
+        self._trim()
+        work.run = self.tasks.spawn(self._on_notice(work), f"notice:{notice.id}")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "state": "degraded" if self.degraded else "ok",
+            "degraded_reason": self.degraded,
+            "node": self.node,
+            "requeue": self.config.requeue,
+            "signal": self.signal or None,
+            "notices": {notice_id: work.to_json() for notice_id, work in self._work.items()},
+            "actions": self.recent.to_json(),
+        }
+
+    def collector(self) -> _Collector:
+        return _Collector(self)
+
+    async def drain_tasks(self) -> None:
+        """Wait until everything started so far has finished (tests)."""
+        await self.tasks.drain()
+
+    # --- the steps ------------------------------------------------------------------------------------
+
+    async def _probe(self) -> None:
+        try:
+            for tool in ("sinfo", "squeue", "scontrol", "scancel"):
+                self.commands.tool(tool)
+            node = await self._resolve()
+        except SlurmError as exc:
+            self._degrade(str(exc))
+            return
+        log.info("slurm_ready", node=node)
+
+    async def _resolve(self) -> str:
+        """This host's node name: the configured one, else the node matched by NodeHostname/NodeAddr."""
+        if self.node is not None:
+            return self.node
+        names = self._names()
+        nodes = await self.commands.nodes()
+        node = match_node(nodes, names)
+        if node is None:
+            known = ", ".join(f"{n.name} ({n.hostname}/{n.address})" for n in nodes[:10]) or "none"
+            raise SlurmError(
+                f"no Slurm node has this host's name or address as NodeHostname/NodeAddr "
+                f"(this host: {', '.join(names[:6])}; nodes: {known}); set actions.slurm.node"
+            )
+        self.node = node.name
+        return node.name
+
+    async def _on_notice(self, work: _Work) -> None:
+        notice = work.notice
+        try:
+            node = await self._resolve()
+        except SlurmError as exc:
+            self._degrade(str(exc))
+            work.phase, work.drain = "failed", "failed: node unknown"
+            self._outcome(work, "drain", "-", "failed", exc)
+            return
+        work.node = node
+        async with self._lock:
+            await self._drain(work, node)
+            jobs = await self._call(work, "list_jobs", node, self.commands.jobs_on(node))
+        for job in jobs or []:
+            work.jobs[job.job_id] = job.to_json()
+            work.found[job.job_id] = job
+        if self.signal and self.config.signal_at == "notice":
+            await self._signal_all(work, jobs or [])
+        work.phase = "waiting"
+        reason = await self._wait(work)
+        if reason == "cleared":
+            work.phase = "cleared before acting"
+            return
+        work.acted_on = reason
+        work.phase = "acting"
+        log.info("slurm_acting", notice_id=notice.id, node=node, on=reason, jobs=sorted(work.jobs))
+        if self.signal and self.config.signal_at == "ready":
+            await self._signal_all(work, jobs or [])
+        if self.config.requeue and work.jobs:
+            await self._requeue_all(work)
+        work.phase = "done"
+
+    async def _drain(self, work: _Work, node: str) -> None:
+        reason = drain_reason(work.notice)
+        current = await self._call(work, "read_node", node, self.commands.node(node))
+        if current is None:
+            work.drain = "failed: node state unknown"
+            return
+        owner = self._owner_of(current.reason)
+        if current.drained and current.reason == reason:
+            work.owned_reason, work.drain = reason, "drained by the agent (found after a restart)"
+        elif current.drained and owner is not None:
+            work.drain = f"already drained by the agent for notice {owner.notice.id}"
+        elif current.drained:
+            work.drain = (
+                f"left alone: already drained by {current.reason_set_by or 'someone'}: {current.reason}"
+            )
+            self._outcome(work, "drain", node, "skipped", detail=work.drain)
+        else:
+            done = await self._call(work, "drain", node, self.commands.drain(node, reason), record=True)
+            if done is not None:
+                work.owned_reason, work.drain = reason, "drained"
+            else:
+                work.drain = "failed"
+
+    def _owner_of(self, reason: str) -> _Work | None:
+        for work in self._work.values():
+            if work.owned_reason == reason and not work.cleared:
+                return work
+        return None
+
+    async def _wait(self, work: _Work) -> str:
+        """Wait for ``ready``, for the deadline minus the margin, or for the notice to clear."""
+        while True:
+            if work.cleared:
+                return "cleared"
+            if work.ready.is_set():
+                return "ready"
+            work.changed.clear()
+            timeout: float | None = None
+            if work.notice.deadline is not None:
+                latest = (work.notice.deadline - self._clock()).total_seconds() - self.config.margin_s
+                if latest <= 0:
+                    return "deadline"
+                timeout = latest
+            waiters = {asyncio.ensure_future(work.ready.wait()), asyncio.ensure_future(work.changed.wait())}
+            try:
+                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+                await asyncio.gather(*waiters, return_exceptions=True)
+
+    async def _signal_all(self, work: _Work, jobs: list[SlurmJob]) -> None:
+        async with self._lock:
+            for job in jobs:
+                done = await self._call(
+                    work,
+                    "signal",
+                    str(job.job_id),
+                    self.commands.signal(job.job_id, self.signal),
+                    record=True,
+                )
+                work.jobs[job.job_id]["signal"] = self.signal if done else "failed"
+
+    async def _requeue_all(self, work: _Work) -> None:
+        ids = set(work.jobs)
+        latest = time.monotonic() + self.config.stop_wait_s
+        if work.notice.deadline is not None:
+            left = (work.notice.deadline - self._clock()).total_seconds() - self.config.margin_s
+            latest = min(latest, time.monotonic() + max(0.0, left))
+        # A job that stops itself after its flush (exit 75 through `preemptd exec`) is requeued from its
+        # finished state; only one still running at the latest moment is stopped by the requeue.
+        jobs = dict(work.found)
+        while True:
+            found = await self._call(work, "read_jobs", "-", self.commands.jobs(ids))
+            if found is not None:
+                jobs = {job.job_id: job for job in found}
+            if not any(j.active for j in jobs.values()) or time.monotonic() >= latest or work.cleared:
+                break
+            await asyncio.sleep(min(1.0, max(0.0, latest - time.monotonic())))
+        async with self._lock:
+            for job_id in sorted(ids):
+                entry = work.jobs[job_id]
+                job = jobs.get(job_id)
+                if job is None:
+                    entry["outcome"] = "gone: the controller no longer knows the job"
+                    continue
+                entry["state"] = job.state
+                if job.exit_code is not None:
+                    entry["exit_code"] = job.exit_code
+                if not job.requeue:
+                    entry["outcome"] = "left alone: not requeueable (submitted with --no-requeue)"
+                    self._outcome(work, "requeue", str(job_id), "not_requeueable", detail=entry["outcome"])
+                elif job.state == "PENDING":
+                    entry["outcome"] = "already pending"
+                    self._outcome(work, "requeue", str(job_id), "skipped", detail="already pending")
+                else:
+                    done = await self._call(
+                        work, "requeue", str(job_id), self.commands.requeue(job_id), record=True
+                    )
+                    entry["outcome"] = "requeued" if done else "requeue failed"
+
+    async def _on_cleared(self, work: _Work) -> None:
+        if work.run is not None and not work.run.done():
+            # Let the drain and any Slurm call in flight finish; the waiting step sees `cleared` and ends.
+            await asyncio.wait({work.run})
+        work.phase = "cleared"
+        if work.owned_reason is None or work.node is None:
+            return
+        node = work.node
+        async with self._lock:
+            current = await self._call(work, "read_node", node, self.commands.node(node))
+            if current is None:
+                return
+            if not current.drained or current.reason != work.owned_reason:
+                what = f"{current.reason!r}" if current.drained else "not drained"
+                work.drain = f"not resumed: the node is now {what}"
+                self._outcome(work, "resume", node, "skipped", detail=work.drain)
+                work.owned_reason = None
+                return
+            heir = next((w for w in self._work.values() if not w.cleared and w.node == node), None)
+            if heir is not None:
+                # Another notice still wants the node drained: hand the drain over rather than resume.
+                reason = drain_reason(heir.notice)
+                if await self._call(heir, "drain", node, self.commands.drain(node, reason), record=True):
+                    heir.owned_reason, heir.drain = (
+                        reason,
+                        f"drained (taken over from notice {work.notice.id})",
+                    )
+                work.owned_reason, work.drain = None, f"drain handed to notice {heir.notice.id}"
+                return
+            if not self.config.resume:
+                work.drain = "left drained (actions.slurm.resume = false)"
+                return
+            if await self._call(work, "resume", node, self.commands.resume(node), record=True) is not None:
+                work.owned_reason, work.drain = None, "resumed"
+
+    # --- bookkeeping ----------------------------------------------------------------------------------
+
+    async def _call(self, work: _Work, action: str, target: str, call: Any, *, record: bool = False) -> Any:
+        """Await one Slurm call; a failure is recorded (with stderr), degrades the bridge and returns None."""
+        try:
+            result = await call
+        except SlurmError as exc:
+            self._outcome(work, action, target, "failed", exc)
+            self._degrade(str(exc))
+            return None
+        if record:
+            self._outcome(work, action, target, "ok")
+        if self.degraded and self.node is not None:
+            log.info("slurm_recovered", was=self.degraded)
+            self.degraded = None  # the controller answers again
+        return result if result is not None else True
+
+    def _outcome(
+        self,
+        work: _Work,
+        action: str,
+        target: str,
+        outcome: str,
+        error: SlurmError | None = None,
+        detail: str | None = None,
+    ) -> None:
+        record: dict[str, Any] = {
+            "at": format_time(self._clock()),
+            "notice_id": work.notice.id,
+            "action": action,
+            "target": target,
+            "outcome": outcome,
+        }
+        if error is not None:
+            record["error"] = str(error)
+            if error.stderr:
+                record["stderr"] = error.stderr[-2000:]
+        if detail is not None:
+            record["detail"] = detail
+        self.recent.add(record)
+        self.counts[(action, outcome)] += 1
+        fields = {k: v for k, v in record.items() if k != "at"}
+        if outcome in ("ok", "skipped", "not_requeueable"):
+            log.info(f"slurm_{action}", **fields)
+        else:
+            log.warning(f"slurm_{action}_failed", **fields)
+
+    def _degrade(self, why: str) -> None:
+        if self.degraded != why:
+            log.error("slurm_degraded", why=why, effect="notices still reach local clients")
+        self.degraded = why
+
+    def _trim(self) -> None:
+        size = max(1, self.config.history_size)
+        for notice_id in list(self._work):
+            if len(self._work) <= size:
+                break
+            work = self._work[notice_id]
+            if work.cleared and (work.run is None or work.run.done()):
+                del self._work[notice_id]
+
+
+class _Collector:
+    """``preemptd_slurm_actions_total{action,outcome}`` and ``preemptd_slurm_degraded``."""
+
+    def __init__(self, bridge: SlurmBridge) -> None:
+        self._bridge = bridge
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        counts = CounterMetricFamily(
+            "preemptd_slurm_actions",
+            "Slurm calls made on notices, by action and outcome",
+            labels=["action", "outcome"],
+        )
+        for (action, outcome), value in sorted(self._bridge.counts.items()):
+            counts.add_metric([action, outcome], value)
+        yield counts
+        degraded = GaugeMetricFamily("preemptd_slurm_degraded", "1 while the Slurm bridge cannot act")
+        degraded.add_metric([], 1.0 if self._bridge.degraded else 0.0)
+        yield degraded

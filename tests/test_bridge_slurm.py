@@ -1,0 +1,360 @@
+"""The Slurm bridge against a real one-node Slurm (tests/slurm_cluster.py): drain with the agent's reason,
+requeue after ready or at the deadline minus the margin, signals, resume only of the agent's own drain, and
+the degraded state when Slurm's tools are missing or failing. Parsers are tested on real sinfo/squeue JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from agent.bridges.slurm import REASON_PREFIX, SlurmBridge, SlurmConfig, drain_reason, parse_signal
+from agent.bridges.slurm_commands import match_node, parse_jobs, parse_nodes
+from agent.errors import ConfigError
+from agent.notice import EventType
+from tests.actions_support import event, make_notice
+from tests.slurm_cluster import NODE, SlurmCluster, Unavailable
+
+pytestmark = pytest.mark.timeout(120)
+
+DATA = Path(__file__).parent / "data" / "slurm"
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[SlurmCluster]:
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+    except Unavailable as exc:
+        cluster.stop()
+        pytest.skip(f"no Slurm on this machine: {exc}")
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster(slurm: SlurmCluster) -> Iterator[SlurmCluster]:
+    """The module's cluster, with no job left and the node back in service after each test."""
+    yield slurm
+    slurm.cancel_all()
+    slurm.wait_node(lambda n: not n["states"] & {"DRAIN", "DRAINED", "DRAINING", "ALLOCATED", "MIXED"})
+
+
+def bridge_for(cluster: SlurmCluster, **settings: Any) -> SlurmBridge:
+    config = SlurmConfig(enabled=True, slurm_conf=str(cluster.conf), timeout_s=10, retries=1, **settings)
+    return SlurmBridge(config)
+
+
+async def until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll ``predicate`` (the state of an external system) until it holds; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = await asyncio.to_thread(predicate)
+        if value:
+            return value
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def running(cluster: SlurmCluster, *options: str, script: str = "sleep 300") -> int:
+    job_id = cluster.submit(script, *options)
+    cluster.wait_job(job_id, lambda j: j["state"] == "RUNNING")
+    return job_id
+
+
+def drained_with(cluster: SlurmCluster, reason: str) -> Callable[[], bool]:
+    def check() -> bool:
+        state = cluster.node_state()
+        return bool(state["states"] & {"DRAIN", "DRAINED", "DRAINING"}) and state["reason"] == reason
+
+    return check
+
+
+# --- pure: parsers, reason, config ---------------------------------------------------------------------
+
+
+def test_parse_nodes_of_slurm_22_05() -> None:
+    """sinfo --json of Slurm 22.05 (openapi/v0.0.38): the state is a string, DRAIN a flag."""
+    nodes = parse_nodes((DATA / "sinfo-22.05-drained.json").read_text())
+    assert [(n.name, n.hostname, n.address, n.drained, n.reason) for n in nodes] == [
+        ("spot-a", "vm", "127.0.0.1", True, "maintenance by the admin")
+    ]
+
+
+def test_parse_nodes_of_data_parser_shape() -> None:
+    """Slurm 23.02 and later (data_parser): the state is a list that holds DRAIN itself."""
+    doc = {
+        "nodes": [
+            {
+                "name": "n1",
+                "hostname": "h1",
+                "address": "10.0.0.1",
+                "state": ["IDLE", "DRAIN"],
+                "reason": "x",
+            },
+            {"name": "n2", "hostname": "h2", "address": "10.0.0.2", "state": ["ALLOCATED"], "reason": ""},
+        ],
+        "errors": [],
+    }
+    nodes = parse_nodes(json.dumps(doc))
+    assert [(n.name, n.drained) for n in nodes] == [("n1", True), ("n2", False)]
+
+
+def test_parse_jobs_of_slurm_22_05() -> None:
+    jobs = parse_jobs((DATA / "squeue-22.05.json").read_text())
+    assert [(j.job_id, j.state, j.requeue, j.active) for j in jobs] == [
+        (1, "RUNNING", True, True),
+        (2, "RUNNING", False, True),
+    ]
+
+
+def test_parse_jobs_of_data_parser_shape() -> None:
+    doc = {
+        "jobs": [
+            {
+                "job_id": 7,
+                "name": "train",
+                "job_state": ["FAILED"],
+                "requeue": True,
+                "nodes": "n1",
+                "exit_code": {"status": ["EXITED"], "return_code": {"set": True, "number": 75}},
+                "restart_cnt": 1,
+            }
+        ]
+    }
+    (job,) = parse_jobs(json.dumps(doc))
+    assert (job.job_id, job.state, job.requeue, job.exit_code, job.restarts, job.active) == (
+        7,
+        "FAILED",
+        True,
+        75,
+        1,
+        False,
+    )
+
+
+def test_parse_rejects_output_without_json() -> None:
+    with pytest.raises(Exception, match="printed no JSON"):
+        parse_nodes("sinfo: unrecognized option '--json'")
+
+
+def test_match_prefers_hostname_then_address() -> None:
+    nodes = parse_nodes((DATA / "sinfo-22.05-drained.json").read_text())
+    assert match_node(nodes, ["vm"]) is not None
+    assert match_node(nodes, ["127.0.0.1"]) is not None
+    assert match_node(nodes, ["other", "10.9.9.9"]) is None
+
+
+def test_drain_reason_names_agent_kind_source_deadline() -> None:
+    notice = make_notice(source="aws", drill=False)
+    reason = drain_reason(notice)
+    assert reason.startswith(REASON_PREFIX)
+    assert "termination from aws" in reason and notice.id in reason
+    assert notice.deadline is not None and notice.deadline.strftime("%Y-%m-%dT%H:%M:%S") in reason
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("USR1", "USR1"), ("sigterm", "TERM"), ("10", "10"), ("", "")]
+)
+def test_parse_signal(value: str, expected: str) -> None:
+    assert parse_signal(value) == expected
+
+
+def test_unknown_signal_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"actions\.slurm\.signal: 'USR9' is not a signal"):
+        SlurmBridge(SlurmConfig(enabled=True, signal="USR9"))
+
+
+# --- degraded ------------------------------------------------------------------------------------------
+
+
+async def test_missing_tools_degrade_with_the_reason(tmp_path: Path) -> None:
+    """No scontrol where the config says: degraded, and status and the log say why."""
+    bridge = SlurmBridge(SlurmConfig(enabled=True, bin_dir=str(tmp_path)))
+    with capture_logs() as logs:
+        await bridge.start()
+        await bridge.drain_tasks()
+    status = bridge.status()
+    assert status["state"] == "degraded"
+    assert f"sinfo not found in {tmp_path}" in status["degraded_reason"]
+    assert any(e["event"] == "slurm_degraded" for e in logs)
+    await bridge.stop(1)
+
+
+async def test_failing_controller_degrades_with_stderr(tmp_path: Path) -> None:
+    """Slurm's tools fail (here: a slurm.conf they cannot read): degraded, and the stderr is kept."""
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=none\nSlurmctldHost=localhost(127.0.0.1)\nNoSuchKey=1\n")
+    bridge = SlurmBridge(SlurmConfig(enabled=True, slurm_conf=str(conf), timeout_s=5, retries=0))
+    if not bridge.commands.env.get("PATH") or _missing("sinfo"):
+        pytest.skip("Slurm's client tools are not installed")
+    notice = make_notice()
+    bridge.handle(event(EventType.NOTICE, notice))
+    await bridge.drain_tasks()
+    status = bridge.status()
+    assert status["state"] == "degraded"
+    (failed,) = [a for a in status["actions"] if a["outcome"] == "failed"]
+    assert failed["action"] == "drain"
+    assert "unrecognized key: NoSuchKey" in failed["stderr"]
+    assert "exited with status 1" in status["degraded_reason"]
+    assert status["notices"][notice.id]["phase"] == "failed"
+    await bridge.stop(1)
+
+
+def _missing(tool: str) -> bool:
+    import shutil
+
+    return shutil.which(tool) is None
+
+
+# --- against the real Slurm ----------------------------------------------------------------------------
+
+
+async def test_node_found_through_hostname(cluster: SlurmCluster) -> None:
+    """The node's Slurm name differs from the hostname; the bridge finds it through NodeHostname."""
+    bridge = bridge_for(cluster)
+    await bridge.start()
+    await bridge.drain_tasks()
+    assert (bridge.status()["state"], bridge.node) == ("ok", NODE)
+    await bridge.stop(1)
+
+
+async def test_notice_drains_then_ready_requeues(cluster: SlurmCluster) -> None:
+    """Notice: DRAIN with the agent's reason; ready: the requeueable job is requeued, the other left alone."""
+    requeueable = running(cluster, "--requeue")
+    pinned = running(cluster, "--no-requeue")
+    bridge = bridge_for(cluster, stop_wait_s=0.5)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await until(drained_with(cluster, drain_reason(notice)), what="the agent's drain")
+    await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "waiting", what="waiting for ready")
+    assert cluster.job(requeueable)["state"] == "RUNNING"  # nothing moves before the flush
+    bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
+    await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "done", what="the requeue")
+    requeued = cluster.job(requeueable)
+    assert (requeued["state"], requeued["restart_cnt"]) == ("PENDING", 1)
+    assert cluster.job(pinned)["state"] == "RUNNING"
+    jobs = {j["job_id"]: j for j in bridge.status()["notices"][notice.id]["jobs"]}
+    assert jobs[requeueable]["outcome"] == "requeued"
+    assert jobs[pinned]["outcome"] == "left alone: not requeueable (submitted with --no-requeue)"
+    assert bridge.status()["notices"][notice.id]["acted_on"] == "ready"
+    await bridge.stop(1)
+
+
+async def test_deadline_minus_margin_acts_without_ready(cluster: SlurmCluster) -> None:
+    job_id = running(cluster, "--requeue")
+    bridge = bridge_for(cluster, margin_s=598.0, stop_wait_s=0.5)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await until(
+        lambda: bridge.status()["notices"][notice.id]["phase"] == "done", what="acting at the deadline"
+    )
+    assert bridge.status()["notices"][notice.id]["acted_on"] == "deadline"
+    assert cluster.job(job_id)["state"] == "PENDING"
+    await bridge.stop(1)
+
+
+async def test_cleared_notice_resumes_the_agents_drain(cluster: SlurmCluster) -> None:
+    bridge = bridge_for(cluster)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await until(drained_with(cluster, drain_reason(notice)), what="the agent's drain")
+    bridge.handle(event(EventType.CLEARED, notice))
+    await bridge.drain_tasks()
+    state = cluster.node_state()
+    assert not state["states"] & {"DRAIN", "DRAINED", "DRAINING"}
+    assert bridge.status()["notices"][notice.id]["drain"] == "resumed"
+    await bridge.stop(1)
+
+
+async def test_administrators_drain_survives_a_cleared_notice(cluster: SlurmCluster) -> None:
+    """A node an administrator drained is neither re-drained nor resumed by the agent."""
+    cluster.run("scontrol", "update", f"NodeName={NODE}", "State=DRAIN", "Reason=disk replacement")
+    bridge = bridge_for(cluster)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "waiting", what="the drain step")
+    bridge.handle(event(EventType.CLEARED, notice))
+    await bridge.drain_tasks()
+    state = cluster.node_state()
+    assert (bool(state["states"] & {"DRAIN", "DRAINED"}), state["reason"]) == (True, "disk replacement")
+    assert bridge.status()["notices"][notice.id]["drain"].startswith("left alone: already drained by root")
+    await bridge.stop(1)
+
+
+async def test_reason_changed_by_administrator_is_not_resumed(cluster: SlurmCluster) -> None:
+    bridge = bridge_for(cluster)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await until(drained_with(cluster, drain_reason(notice)), what="the agent's drain")
+    cluster.run("scontrol", "update", f"NodeName={NODE}", "State=DRAIN", "Reason=keep it down")
+    bridge.handle(event(EventType.CLEARED, notice))
+    await bridge.drain_tasks()
+    assert cluster.node_state()["reason"] == "keep it down"
+    assert bridge.status()["notices"][notice.id]["drain"] == "not resumed: the node is now 'keep it down'"
+    await bridge.stop(1)
+
+
+async def test_second_notice_keeps_the_node_drained(cluster: SlurmCluster) -> None:
+    """Two notices: clearing the first hands the drain to the second instead of resuming."""
+    bridge = bridge_for(cluster)
+    first, second = make_notice(deadline_in=600), make_notice(deadline_in=900)
+    bridge.handle(event(EventType.NOTICE, first))
+    await until(drained_with(cluster, drain_reason(first)), what="the first drain")
+    bridge.handle(event(EventType.NOTICE, second))
+    await until(lambda: bridge.status()["notices"][second.id]["phase"] == "waiting", what="the second notice")
+    bridge.handle(event(EventType.CLEARED, first))
+    await until(drained_with(cluster, drain_reason(second)), what="the drain handed over")
+    bridge.handle(event(EventType.CLEARED, second))
+    await bridge.drain_tasks()
+    assert not cluster.node_state()["states"] & {"DRAIN", "DRAINED", "DRAINING"}
+    await bridge.stop(1)
+
+
+async def test_signal_reaches_the_job_steps_at_the_notice(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """``signal = "USR1"``: the steps get it at the notice, like ``sbatch --signal`` would send it."""
+    out = cluster.root / f"signal-{time.monotonic_ns()}.txt"
+    ready = cluster.root / f"ready-{time.monotonic_ns()}.txt"
+    handler = (
+        "import pathlib, signal, sys\n"
+        f"out = pathlib.Path({str(out)!r})\n"
+        "signal.signal(signal.SIGUSR1, lambda s, f: (out.write_text(signal.Signals(s).name), sys.exit(0)))\n"
+        f"pathlib.Path({str(ready)!r}).write_text('ready')\n"
+        "while True: signal.pause()\n"
+    )
+    script_path = cluster.root / f"handler-{time.monotonic_ns()}.py"
+    script_path.write_text(handler)
+    job_id = running(cluster, "--no-requeue", script=f"srun {sys.executable} {script_path}")
+    await until(ready.exists, what="the step's signal handler")
+    bridge = bridge_for(cluster, signal="USR1", requeue=False)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await until(out.exists, what="the signal in the job step")
+    assert out.read_text() == "SIGUSR1"
+    jobs = bridge.status()["notices"][notice.id]["jobs"]
+    assert [(j["job_id"], j["signal"]) for j in jobs] == [(job_id, "USR1")]
+    await bridge.stop(1)
+
+
+async def test_metrics_count_the_calls(cluster: SlurmCluster) -> None:
+    bridge = bridge_for(cluster)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await until(drained_with(cluster, drain_reason(notice)), what="the agent's drain")
+    bridge.handle(event(EventType.CLEARED, notice))
+    await bridge.drain_tasks()
+    samples = {
+        (s.labels.get("action"), s.labels.get("outcome")): s.value
+        for metric in bridge.collector().collect()
+        for s in metric.samples
+        if s.name == "preemptd_slurm_actions_total"
+    }
+    assert samples == {("drain", "ok"): 1.0, ("resume", "ok"): 1.0}
+    await bridge.stop(1)
