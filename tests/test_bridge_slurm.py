@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.bridges.slurm import REASON_PREFIX, SlurmBridge, SlurmConfig, drain_reason, parse_signal
+from agent.bridges.reason import REASON_PREFIX, drain_reason
+from agent.bridges.slurm import SlurmBridge, SlurmConfig, parse_signal
 from agent.bridges.slurm_commands import match_node, parse_jobs, parse_nodes
 from agent.errors import ConfigError
 from agent.notice import EventType

@@ -22,14 +22,12 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent.actions.common import Recent, TaskSet, applies
+from agent.bridges.reason import drain_reason
 from agent.bridges.slurm_commands import SlurmCommands, SlurmError, SlurmJob, host_names, match_node
 from agent.errors import ConfigError
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 
 log = structlog.get_logger("preemptd.slurm")
-
-# Every drain reason the agent writes starts with this, so that an administrator sees who drained the node.
-REASON_PREFIX = "preemptd:"
 
 
 @dataclass(frozen=True)
@@ -75,16 +73,6 @@ def parse_signal(value: str, key: str = "actions.slurm.signal") -> str:
             return name.removeprefix("SIG")
     raise ConfigError(
         f"{key}: {value!r} is not a signal; use a name such as 'USR1' or 'TERM', or a number, or '' for none"
-    )
-
-
-def drain_reason(notice: Notice) -> str:
-    """The reason the agent drains a node with: who, what, from where, until when, and which notice."""
-    deadline = format_time(notice.deadline) if notice.deadline else "none"
-    drill = " drill" if notice.drill else ""
-    return (
-        f"{REASON_PREFIX} {notice.kind.value}{drill} from {notice.source}, deadline {deadline} "
-        f"(notice {notice.id})"
     )
 
 

@@ -1,0 +1,176 @@
+"""The Ray bridge against a real Ray (a head and a worker on this machine, tests/ray_cluster.py): the worker is
+drained with reason preemption, the agent's message and the notice's deadline; the head is refused; several
+raylets on one address need ``node_id``; without Ray installed the bridge says so at start."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agent.bridges.ray import NOT_INSTALLED, RayBridge, RayConfig, RayError, RayNode, pick_node
+from agent.bridges.reason import drain_reason
+from agent.notice import EventType
+from tests.actions_support import event, make_notice
+from tests.ray_cluster import RayCluster, Unavailable
+
+pytestmark = pytest.mark.timeout(180)
+
+# A driver that keeps an actor on the worker (resource pd_worker), so the drained worker stays up, draining,
+# until the driver ends; prints the worker's node id once the actor runs.
+HOLDER = textwrap.dedent(
+    """
+    import sys, ray
+    ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+    @ray.remote(resources={"pd_worker": 1}, num_cpus=0)
+    class Hold:
+        def node(self):
+            return ray.get_runtime_context().get_node_id()
+    hold = Hold.remote()
+    print(ray.get(hold.node.remote()), flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'preemptd[ray]')")
+    cluster = RayCluster()
+    try:
+        cluster.start()
+    except Unavailable as exc:
+        cluster.stop()
+        pytest.skip(f"no Ray cluster could start here: {exc}")
+    yield cluster
+    cluster.stop()
+
+
+def bridge_for(cluster: RayCluster, node_id: str = "") -> RayBridge:
+    return RayBridge(RayConfig(enabled=True, address=cluster.address, node_id=node_id, retries=1))
+
+
+# --- pure ----------------------------------------------------------------------------------------------
+
+
+def test_pick_node_by_address() -> None:
+    nodes = [RayNode("aa", "10.0.0.1", True, True), RayNode("bb", "10.0.0.2", False, True)]
+    assert pick_node(nodes, ["10.0.0.2", "host"]).node_id == "bb"
+
+
+def test_pick_node_ignores_dead_nodes() -> None:
+    nodes = [RayNode("aa", "10.0.0.2", False, False), RayNode("bb", "10.0.0.2", False, True)]
+    assert pick_node(nodes, ["10.0.0.2"]).node_id == "bb"
+
+
+def test_pick_node_needs_node_id_when_one_address_has_several() -> None:
+    nodes = [RayNode("aa", "10.0.0.2", True, True), RayNode("bb", "10.0.0.2", False, True)]
+    with pytest.raises(
+        RayError, match=r"2 live Ray nodes run at this host's address .* set actions\.ray\.node_id"
+    ):
+        pick_node(nodes, ["10.0.0.2"])
+
+
+def test_pick_node_unknown_id() -> None:
+    with pytest.raises(RayError, match=r"no live node cc \(actions\.ray\.node_id\)"):
+        pick_node([RayNode("aa", "10.0.0.2", False, True)], [], "cc")
+
+
+def test_without_ray_the_bridge_says_so_at_start() -> None:
+    """Ray not importable (as on a host without the extra): degraded at start, with what to install."""
+    script = textwrap.dedent(
+        """
+        import asyncio, json, sys
+        sys.modules["ray"] = None  # as if Ray were not installed
+        from structlog.testing import capture_logs
+        from agent.bridges.ray import RayBridge, RayConfig
+        async def main():
+            bridge = RayBridge(RayConfig(enabled=True))
+            with capture_logs() as logs:
+                await bridge.start()
+            await bridge.stop(1)
+            print(json.dumps({"status": bridge.status(), "events": [e["event"] for e in logs]}))
+        asyncio.run(main())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    doc = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (doc["status"]["state"], doc["status"]["degraded_reason"]) == ("degraded", NOT_INSTALLED)
+    assert "ray_degraded" in doc["events"]
+
+
+# --- against the real Ray ------------------------------------------------------------------------------
+
+
+async def test_one_address_with_two_raylets_needs_node_id(ray_cluster: RayCluster) -> None:
+    """Head and worker share 127.0.0.1 here: matching by address cannot choose, and says what to set."""
+    bridge = RayBridge(RayConfig(enabled=True, address=ray_cluster.address), names=lambda: ["127.0.0.1"])
+    await bridge.start()
+    await bridge.drain_tasks()
+    assert bridge.status()["state"] == "degraded"
+    assert "set actions.ray.node_id" in bridge.status()["degraded_reason"]
+    await bridge.stop(1)
+
+
+async def test_head_node_is_refused(ray_cluster: RayCluster) -> None:
+    head, _ = ray_cluster.node_ids()
+    bridge = bridge_for(ray_cluster, node_id=head)
+    await bridge.start()
+    notice = make_notice(deadline_in=300)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await bridge.drain_tasks()
+    entry = bridge.status()["notices"][notice.id]
+    assert entry["state"] == "refused"
+    assert f"this host's Ray node {head} is the head node" in entry["error"]
+    assert head not in ray_cluster.gcs().get_draining_nodes(timeout=10)
+    assert ray_cluster.nodes()[head].state == 0  # still alive
+    await bridge.stop(1)
+
+
+async def test_notice_drains_the_worker_with_reason_and_deadline(ray_cluster: RayCluster) -> None:
+    """Drill → the worker is draining with the notice's deadline; once idle it dies with the agent's reason."""
+    _, worker = ray_cluster.node_ids()
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        HOLDER,
+        ray_cluster.address,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        env=ray_cluster.env,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        placed = await asyncio.wait_for(holder.stdout.readline(), 90)
+        assert placed.decode().strip() == worker
+        bridge = bridge_for(ray_cluster, node_id=worker)
+        await bridge.start()
+        notice = make_notice(deadline_in=300)
+        bridge.handle(event(EventType.NOTICE, notice))
+        await bridge.drain_tasks()
+        assert notice.deadline is not None
+        deadline_ms = int(notice.deadline.timestamp() * 1000)
+        assert bridge.status()["notices"][notice.id]["state"] == "drained"
+        assert ray_cluster.gcs().get_draining_nodes(timeout=10).get(worker) == deadline_ms
+        await bridge.stop(1)
+    finally:
+        holder.stdin.close()
+        await asyncio.wait_for(holder.wait(), 60)
+    dead = None
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        dead = ray_cluster.nodes()[worker]
+        if dead.state != 0:
+            break
+        await asyncio.sleep(0.5)
+    assert dead is not None and dead.state != 0, "the drained worker did not stop once idle"
+    assert dead.death_info.reason_message == drain_reason(notice)
+    assert "PREEMPTED" in type(dead.death_info).Reason.Name(dead.death_info.reason)
