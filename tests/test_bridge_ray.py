@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from agent.bridges.common import drain_reason
 from agent.bridges.ray import NOT_INSTALLED, RayBridge, RayConfig, RayError, RayNode, pick_node
-from agent.bridges.reason import drain_reason
 from agent.notice import EventType
 from tests.actions_support import event, make_notice
 from tests.ray_cluster import RayCluster, Unavailable

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.bridges.reason import REASON_PREFIX, drain_reason
-from agent.bridges.slurm import SlurmBridge, SlurmConfig, parse_signal
-from agent.bridges.slurm_commands import match_node, parse_jobs, parse_nodes
+from agent.bridges.common import REASON_PREFIX, drain_reason
+from agent.bridges.slurm import SlurmBridge, SlurmConfig
+from agent.bridges.slurm_commands import match_node, parse_jobs, parse_nodes, parse_signal
 from agent.errors import ConfigError
 from agent.notice import EventType
 from tests.actions_support import event, make_notice

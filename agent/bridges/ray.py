@@ -13,16 +13,15 @@ import asyncio
 import importlib
 import os
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 import structlog
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent.actions.common import Recent, TaskSet, applies
-from agent.bridges.reason import drain_reason
+from agent.bridges.common import BridgeCollector, drain_reason
 from agent.bridges.slurm_commands import host_names
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 
@@ -195,8 +194,8 @@ class RayBridge:
             "actions": self.recent.to_json(),
         }
 
-    def collector(self) -> _Collector:
-        return _Collector(self)
+    def collector(self) -> BridgeCollector:
+        return BridgeCollector("ray", "Ray", self.counts, self)
 
     async def drain_tasks(self) -> None:
         """Wait until everything started so far has finished (tests)."""
@@ -307,26 +306,3 @@ def _head_refusal(node: RayNode) -> str:
         "control plane, so the agent refuses; run the agent's Ray bridge on worker nodes only "
         "(or set actions.ray.node_id to a worker's id)"
     )
-
-
-class _Collector:
-    """``preemptd_ray_actions_total{action,outcome}`` and ``preemptd_ray_degraded``."""
-
-    def __init__(self, bridge: RayBridge) -> None:
-        self._bridge = bridge
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        counts = CounterMetricFamily(
-            "preemptd_ray_actions",
-            "Ray calls made on notices, by action and outcome",
-            labels=["action", "outcome"],
-        )
-        for (action, outcome), value in sorted(self._bridge.counts.items()):
-            counts.add_metric([action, outcome], value)
-        yield counts
-        degraded = GaugeMetricFamily("preemptd_ray_degraded", "1 while the Ray bridge cannot act")
-        degraded.add_metric([], 1.0 if self._bridge.degraded else 0.0)
-        yield degraded

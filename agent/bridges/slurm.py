@@ -10,21 +10,25 @@ a slow or missing controller never delays an event on its way to clients.
 from __future__ import annotations
 
 import asyncio
-import signal as signals
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
 import structlog
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent.actions.common import Recent, TaskSet, applies
-from agent.bridges.reason import drain_reason
-from agent.bridges.slurm_commands import SlurmCommands, SlurmError, SlurmJob, host_names, match_node
-from agent.errors import ConfigError
+from agent.bridges.common import BridgeCollector, drain_reason
+from agent.bridges.slurm_commands import (
+    SlurmCommands,
+    SlurmError,
+    SlurmJob,
+    host_names,
+    match_node,
+    parse_signal,
+)
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 
 log = structlog.get_logger("preemptd.slurm")
@@ -55,25 +59,6 @@ class SlurmConfig:
     timeout_s: float = 10.0
     retries: int = 2
     history_size: int = 50
-
-
-def parse_signal(value: str, key: str = "actions.slurm.signal") -> str:
-    """The signal as scancel takes it (a name without ``SIG``, or a number); ConfigError naming ``key``."""
-    text = value.strip()
-    if not text:
-        return ""
-    if text.isdigit():
-        number = int(text)
-        if number in {int(s) for s in signals.Signals}:
-            return str(number)
-    else:
-        name = text.upper()
-        name = name if name.startswith("SIG") else "SIG" + name
-        if name in signals.Signals.__members__:
-            return name.removeprefix("SIG")
-    raise ConfigError(
-        f"{key}: {value!r} is not a signal; use a name such as 'USR1' or 'TERM', or a number, or '' for none"
-    )
 
 
 @dataclass
@@ -189,8 +174,8 @@ class SlurmBridge:
             "actions": self.recent.to_json(),
         }
 
-    def collector(self) -> _Collector:
-        return _Collector(self)
+    def collector(self) -> BridgeCollector:
+        return BridgeCollector("slurm", "Slurm", self.counts, self)
 
     async def drain_tasks(self) -> None:
         """Wait until everything started so far has finished (tests)."""
@@ -452,26 +437,3 @@ class SlurmBridge:
             work = self._work[notice_id]
             if work.cleared and (work.run is None or work.run.done()):
                 del self._work[notice_id]
-
-
-class _Collector:
-    """``preemptd_slurm_actions_total{action,outcome}`` and ``preemptd_slurm_degraded``."""
-
-    def __init__(self, bridge: SlurmBridge) -> None:
-        self._bridge = bridge
-
-    def describe(self) -> list[Metric]:
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        counts = CounterMetricFamily(
-            "preemptd_slurm_actions",
-            "Slurm calls made on notices, by action and outcome",
-            labels=["action", "outcome"],
-        )
-        for (action, outcome), value in sorted(self._bridge.counts.items()):
-            counts.add_metric([action, outcome], value)
-        yield counts
-        degraded = GaugeMetricFamily("preemptd_slurm_degraded", "1 while the Slurm bridge cannot act")
-        degraded.add_metric([], 1.0 if self._bridge.degraded else 0.0)
-        yield degraded

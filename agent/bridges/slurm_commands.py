@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal as signals
 import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from agent.errors import ConfigError
 
 # Job states in which a job holds the node's resources and has (or is about to have) steps there.
 ACTIVE_JOB_STATES = frozenset({"RUNNING", "CONFIGURING", "SUSPENDED", "COMPLETING", "STAGE_OUT"})
@@ -223,6 +226,25 @@ def host_names() -> list[str]:
             if address.family in (socket.AF_INET, socket.AF_INET6):
                 names.add(address.address.split("%")[0])
     return sorted(n for n in names if n)
+
+
+def parse_signal(value: str, key: str = "actions.slurm.signal") -> str:
+    """The signal as scancel takes it (a name without ``SIG``, or a number); ConfigError naming ``key``."""
+    text = value.strip()
+    if not text:
+        return ""
+    if text.isdigit():
+        number = int(text)
+        if number in {int(s) for s in signals.Signals}:
+            return str(number)
+    else:
+        name = text.upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name in signals.Signals.__members__:
+            return name.removeprefix("SIG")
+    raise ConfigError(
+        f"{key}: {value!r} is not a signal; use a name such as 'USR1' or 'TERM', or a number, or '' for none"
+    )
 
 
 # --- running the tools ---------------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""What the scheduler bridges share: the drain reason they leave on a node (who drained it, for which notice,
+from which source, until when — administrators read it in ``sinfo -R`` or ``ray list nodes``, and the Slurm
+bridge compares it to know whether a drain is still the agent's own), and their metrics collector."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from agent.notice import Notice, format_time
+
+# Every reason the agent writes starts with this, so that an administrator sees who drained the node.
+REASON_PREFIX = "preemptd:"
+
+
+def drain_reason(notice: Notice) -> str:
+    """``preemptd: termination from aws, deadline 2026-12-03T07:40:00Z (notice aws-…)``; drills say so."""
+    deadline = format_time(notice.deadline) if notice.deadline else "none"
+    drill = " drill" if notice.drill else ""
+    return (
+        f"{REASON_PREFIX} {notice.kind.value}{drill} from {notice.source}, deadline {deadline} "
+        f"(notice {notice.id})"
+    )
+
+
+class BridgeCollector:
+    """``preemptd_<name>_actions_total{action,outcome}`` and ``preemptd_<name>_degraded`` for one bridge,
+    read at scrape time from its ``counts`` and ``degraded``."""
+
+    def __init__(self, name: str, label: str, counts: Counter[tuple[str, str]], degraded: object) -> None:
+        self._name = name
+        self._label = label
+        self._counts = counts
+        self._degraded = degraded
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        counts = CounterMetricFamily(
+            f"preemptd_{self._name}_actions",
+            f"{self._label} calls made on notices, by action and outcome",
+            labels=["action", "outcome"],
+        )
+        for (action, outcome), value in sorted(self._counts.items()):
+            counts.add_metric([action, outcome], value)
+        yield counts
+        degraded = GaugeMetricFamily(
+            f"preemptd_{self._name}_degraded", f"1 while the {self._label} bridge cannot act"
+        )
+        degraded.add_metric([], 1.0 if getattr(self._degraded, "degraded", None) else 0.0)
+        yield degraded
