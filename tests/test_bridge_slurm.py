@@ -239,8 +239,9 @@ async def test_notice_drains_then_ready_requeues(cluster: SlurmCluster) -> None:
     assert cluster.job(requeueable)["state"] == "RUNNING"  # nothing moves before the flush
     bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
     await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "done", what="the requeue")
-    requeued = cluster.job(requeueable)
-    assert (requeued["state"], requeued["restart_cnt"]) == ("PENDING", 1)
+    # A requeued running job passes through COMPLETING (its processes are stopped) on its way to PENDING.
+    requeued = await asyncio.to_thread(cluster.wait_job, requeueable, lambda j: j["state"] == "PENDING")
+    assert requeued["restart_cnt"] == 1
     assert cluster.job(pinned)["state"] == "RUNNING"
     jobs = {j["job_id"]: j for j in bridge.status()["notices"][notice.id]["jobs"]}
     assert jobs[requeueable]["outcome"] == "requeued"
@@ -258,7 +259,8 @@ async def test_deadline_minus_margin_acts_without_ready(cluster: SlurmCluster) -
         lambda: bridge.status()["notices"][notice.id]["phase"] == "done", what="acting at the deadline"
     )
     assert bridge.status()["notices"][notice.id]["acted_on"] == "deadline"
-    assert cluster.job(job_id)["state"] == "PENDING"
+    requeued = await asyncio.to_thread(cluster.wait_job, job_id, lambda j: j["state"] == "PENDING")
+    assert requeued["restart_cnt"] == 1
     await bridge.stop(1)
 
 
