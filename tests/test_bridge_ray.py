@@ -11,14 +11,16 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from agent.bridges.common import drain_reason
 from agent.bridges.ray import NOT_INSTALLED, RayBridge, RayConfig, RayError, RayNode, pick_node
-from agent.notice import EventType
+from agent.notice import EventType, Notice
 from tests.actions_support import event, make_notice
 from tests.ray_cluster import RayCluster, Unavailable
+from tests.support import http_json, running_agent
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -135,8 +137,9 @@ async def test_head_node_is_refused(ray_cluster: RayCluster) -> None:
     await bridge.stop(1)
 
 
-async def test_notice_drains_the_worker_with_reason_and_deadline(ray_cluster: RayCluster) -> None:
-    """Drill → the worker is draining with the notice's deadline; once idle it dies with the agent's reason."""
+async def test_drill_drains_the_worker_with_reason_and_deadline(ray_cluster: RayCluster, base: Path) -> None:
+    """Through the agent: a drill → the worker is draining with the notice's deadline; once idle it dies with
+    the agent's reason (Ray's DRAIN_NODE_REASON_PREEMPTION)."""
     _, worker = ray_cluster.node_ids()
     holder = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -148,19 +151,29 @@ async def test_notice_drains_the_worker_with_reason_and_deadline(ray_cluster: Ra
         env=ray_cluster.env,
     )
     assert holder.stdin is not None and holder.stdout is not None
+    settings = {
+        "actions.ray.enabled": True,
+        "actions.ray.address": ray_cluster.address,
+        "actions.ray.node_id": worker,
+    }
     try:
         placed = await asyncio.wait_for(holder.stdout.readline(), 90)
         assert placed.decode().strip() == worker
-        bridge = bridge_for(ray_cluster, node_id=worker)
-        await bridge.start()
-        notice = make_notice(deadline_in=300)
-        bridge.handle(event(EventType.NOTICE, notice))
-        await bridge.drain_tasks()
+        async with running_agent(base, settings):
+            sock = base / "a.sock"
+            status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 300})
+            assert status == 201, body
+            notice = Notice.from_json(body["notice"])
+            for _ in range(300):
+                _, doc = await http_json(sock, "GET", "/v1/status")
+                shown = doc["actions"]["reactors"]["ray"]["notices"].get(notice.id, {})
+                if shown.get("state") not in (None, "pending"):
+                    break
+                await asyncio.sleep(0.2)
+        assert shown["state"] == "drained", shown
         assert notice.deadline is not None
-        deadline_ms = int(notice.deadline.timestamp() * 1000)
-        assert bridge.status()["notices"][notice.id]["state"] == "drained"
-        assert ray_cluster.gcs().get_draining_nodes(timeout=10).get(worker) == deadline_ms
-        await bridge.stop(1)
+        draining = await asyncio.to_thread(ray_cluster.gcs().get_draining_nodes, timeout=10)
+        assert abs(draining[worker] - notice.deadline.timestamp() * 1000) <= 1
     finally:
         holder.stdin.close()
         await asyncio.wait_for(holder.wait(), 60)

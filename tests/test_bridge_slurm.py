@@ -5,6 +5,7 @@ the degraded state when Slurm's tools are missing or failing. Parsers are tested
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -18,10 +19,12 @@ from structlog.testing import capture_logs
 from agent.bridges.common import REASON_PREFIX, drain_reason
 from agent.bridges.slurm import SlurmBridge, SlurmConfig
 from agent.bridges.slurm_commands import match_node, parse_jobs, parse_nodes, parse_signal
+from agent.config import load_config
 from agent.errors import ConfigError
 from agent.notice import EventType
 from tests.actions_support import event, make_notice
 from tests.slurm_cluster import NODE, SlurmCluster, Unavailable
+from tests.support import REPO, http_json, running_agent
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,6 +117,12 @@ def test_parse_jobs_of_slurm_22_05() -> None:
         (1, "RUNNING", True, True),
         (2, "RUNNING", False, True),
     ]
+
+
+def test_parse_jobs_exit_code_from_a_wait_status() -> None:
+    """Slurm 22.05 gives the raw wait status: 19200 is an exit with 75, 9 a kill by SIGKILL."""
+    doc = {"jobs": [{"job_id": 1, "job_state": "FAILED", "exit_code": 19200}, {"job_id": 2, "exit_code": 9}]}
+    assert [j.exit_code for j in parse_jobs(json.dumps(doc))] == [75, 137]
 
 
 def test_parse_jobs_of_data_parser_shape() -> None:
@@ -361,3 +370,145 @@ async def test_metrics_count_the_calls(cluster: SlurmCluster) -> None:
     }
     assert samples == {("drain", "ok"): 1.0, ("resume", "ok"): 1.0}
     await bridge.stop(1)
+
+
+# --- end to end: the agent, the example under `preemptd exec`, a real Slurm --------------------------------
+
+EXAMPLE = REPO / "examples" / "fault_tolerant_training.py"
+
+
+def job_events(cluster: SlurmCluster, job_id: int) -> list[dict[str, Any]]:
+    """The example's JSON progress lines in the job's output (both runs: the output is appended)."""
+    events = []
+    for line in cluster.output(job_id).splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+    return events
+
+
+def has_event(cluster: SlurmCluster, job_id: int, name: str) -> Callable[[], dict[str, Any] | None]:
+    def check() -> dict[str, Any] | None:
+        return next((e for e in job_events(cluster, job_id) if e.get("event") == name), None)
+
+    return check
+
+
+def agent_settings(cluster: SlurmCluster, **extra: Any) -> dict[str, Any]:
+    return {
+        "actions.slurm.enabled": True,
+        "actions.slurm.slurm_conf": str(cluster.conf),
+        "actions.slurm.margin_s": 5.0,
+        "actions.slurm.stop_wait_s": 30.0,
+        **extra,
+    }
+
+
+def slurm_status(doc: dict[str, Any]) -> dict[str, Any]:
+    return dict(doc["actions"]["reactors"]["slurm"])
+
+
+async def notice_phase(sock: Path, notice_id: str, phase: str, timeout: float = 60.0) -> dict[str, Any]:
+    """What ``/v1/status`` shows of the bridge's work on the notice, once it reached ``phase``."""
+    end = time.monotonic() + timeout
+    for _ in range(int(timeout / 0.2) + 1):
+        _, doc = await http_json(sock, "GET", "/v1/status")
+        shown = dict(slurm_status(doc)["notices"][notice_id])
+        if shown["phase"] == phase or time.monotonic() > end:
+            break
+        await asyncio.sleep(0.2)
+    assert shown["phase"] == phase, shown
+    return shown
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_drill_drains_flushes_requeues_and_resumes(cluster: SlurmCluster, base: Path) -> None:
+    """sbatch --requeue job under `preemptd exec` → drill → DRAIN with the agent's reason → the job flushes and
+    exits 75 → requeued → the drill clears, the node resumes → the job resumes at the next step."""
+    sock = base / "a.sock"
+    ckpt = cluster.root / f"ckpt-{time.monotonic_ns()}"
+    script = (
+        f"cd {REPO}\n"
+        f"export PYTHONPATH={REPO} PREEMPTD_SOCKET={sock}\n"
+        f"exec {sys.executable} -m agent exec -- {sys.executable} {EXAMPLE} --checkpoint-dir {ckpt} "
+        f"--steps 100000 --step-time 0.05 --interval-s 0.05 --socket {sock}"
+    )
+    async with running_agent(base, agent_settings(cluster)):
+        job_id = cluster.submit(script, "--requeue", "--open-mode=append")
+        await until(has_event(cluster, job_id, "checkpoint"), 90, "a periodic checkpoint (a participant)")
+        status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+        assert status == 201, body
+        notice_id = body["notice"]["id"]
+        await until(
+            lambda: (
+                (s := cluster.node_state())["reason"].startswith("preemptd: termination drill from drill")
+                and notice_id in s["reason"]
+                and bool(s["states"] & {"DRAIN", "DRAINING", "DRAINED"})
+            ),
+            what="the agent's drain",
+        )
+        preempted = await until(has_event(cluster, job_id, "preempted"), 60, "the flush")
+        requeued = await asyncio.to_thread(
+            cluster.wait_job, job_id, lambda j: j["state"] == "PENDING" and j["restart_cnt"] == 1, 60.0
+        )
+        _, doc = await http_json(sock, "GET", "/v1/status")
+        (job,) = slurm_status(doc)["notices"][notice_id]["jobs"]
+        assert (job["job_id"], job["exit_code"], job["outcome"]) == (job_id, 75, "requeued")
+        assert slurm_status(doc)["notices"][notice_id]["acted_on"] == "ready"
+        status, _ = await http_json(sock, "DELETE", f"/v1/drills/{notice_id}")
+        assert status == 200
+        await until(
+            lambda: not cluster.node_state()["states"] & {"DRAIN", "DRAINING", "DRAINED"},
+            what="the node resumed",
+        )
+        cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        resumed = await until(has_event(cluster, job_id, "resumed"), 90, "the requeued run")
+    assert requeued["requeue"] is True
+    assert resumed["next_step"] == preempted["step"]
+
+
+async def test_agent_leaves_an_administrators_drain_and_a_pinned_job(
+    cluster: SlurmCluster, base: Path
+) -> None:
+    """Through the agent: a non-requeueable job is left alone and the status says so; the administrator's
+    drain (set while the job ran) is still there after the drill clears."""
+    job_id = running(cluster, "--no-requeue")
+    cluster.run("scontrol", "update", f"NodeName={NODE}", "State=DRAIN", "Reason=bad DIMM")
+    sock = base / "a.sock"
+    settings = agent_settings(cluster, **{"actions.ready.without_participants": "immediately"})
+    async with running_agent(base, settings):
+        status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+        assert status == 201, body
+        notice_id = body["notice"]["id"]
+
+        await notice_phase(sock, notice_id, "done")
+        await http_json(sock, "DELETE", f"/v1/drills/{notice_id}")
+        shown = await notice_phase(sock, notice_id, "cleared")
+    (job,) = shown["jobs"]
+    assert (job["job_id"], job["outcome"]) == (
+        job_id,
+        "left alone: not requeueable (submitted with --no-requeue)",
+    )
+    assert shown["drain"] == "left alone: already drained by root: bad DIMM"
+    assert cluster.node_state()["reason"] == "bad DIMM"
+    assert cluster.job(job_id)["state"] == "RUNNING"
+
+
+def test_a_bad_slurm_table_is_the_loaders_error(base: Path) -> None:
+    """A wrong value in [actions.slurm] is the loader's error: the file, the key and what was expected."""
+    config = tmp_config(base, "[actions.slurm]\nenabled = true\nmargin_s = 'soon'\n")
+    with pytest.raises(ConfigError, match=r"actions\.slurm\.margin_s"):
+        config.table("actions.slurm", SlurmConfig)
+
+
+def test_an_unknown_signal_in_the_table_names_the_key(base: Path) -> None:
+    config = tmp_config(base, "[actions.slurm]\nenabled = true\nsignal = 'USR9'\n")
+    with pytest.raises(ConfigError, match=r"actions\.slurm\.signal: 'USR9' is not a signal"):
+        SlurmBridge(config.table("actions.slurm", SlurmConfig))
+
+
+def tmp_config(base: Path, text: str) -> Any:
+    path = base / "preemptd.toml"
+    path.write_text(text)
+    return load_config(path=path, env={})

@@ -16,14 +16,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 
-from agent.actions.common import Recent, TaskSet, applies
-from agent.bridges.common import BridgeCollector, drain_reason
+from agent.actions.common import Recent, applies
+from agent.bridges.common import BridgeCollector, drain_reason, register_metrics
 from agent.bridges.slurm_commands import host_names
+from agent.config import NoticeKindName, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
+from agent.ports import Host
+from agent.tasks import TaskSet
 
 log = structlog.get_logger("preemptd.ray")
 
@@ -43,8 +46,8 @@ class RayConfig:
     # This host's Ray node (hex); empty: the node whose address is this host's. Set it when one host runs
     # several raylets.
     node_id: str = ""
-    kinds: tuple[str, ...] = ("termination",)
-    min_severity: Literal["info", "warning", "critical"] = "info"
+    kinds: tuple[NoticeKindName, ...] = ("termination",)
+    min_severity: SeverityName = "info"
     drills: bool = True
     timeout_s: float = 10.0
     retries: int = 2
@@ -194,8 +197,15 @@ class RayBridge:
             "actions": self.recent.to_json(),
         }
 
+    def carry_over(self, previous: object) -> None:
+        """After a reload: a notice the previous instance drained for is not drained again."""
+        if isinstance(previous, RayBridge):
+            self._done = previous._done
+            self.counts = previous.counts
+            self.recent = previous.recent
+
     def collector(self) -> BridgeCollector:
-        return BridgeCollector("ray", "Ray", self.counts, self)
+        return BridgeCollector("ray", "Ray", lambda: self)
 
     async def drain_tasks(self) -> None:
         """Wait until everything started so far has finished (tests)."""
@@ -306,3 +316,13 @@ def _head_refusal(node: RayNode) -> str:
         "control plane, so the agent refuses; run the agent's Ray bridge on worker nodes only "
         "(or set actions.ray.node_id to a worker's id)"
     )
+
+
+def build_reactor(host: Host) -> RayBridge | None:
+    """The bridge for ``[actions.ray]``, or None when it is not enabled."""
+    config = host.config.table("actions.ray", RayConfig)
+    if not config.enabled:
+        return None
+    bridge = RayBridge(config)
+    register_metrics(host, "ray", "Ray", bridge)
+    return bridge

@@ -19,17 +19,13 @@ from typing import Any, Literal
 
 import structlog
 
-from agent.actions.common import Recent, TaskSet, applies
-from agent.bridges.common import BridgeCollector, drain_reason
-from agent.bridges.slurm_commands import (
-    SlurmCommands,
-    SlurmError,
-    SlurmJob,
-    host_names,
-    match_node,
-    parse_signal,
-)
+from agent.actions.common import Recent, applies
+from agent.bridges.common import BridgeCollector, drain_reason, register_metrics
+from agent.bridges.slurm_commands import SlurmCommands, SlurmError, SlurmJob, host_names, parse_signal
+from agent.config import NoticeKindName, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
+from agent.ports import Host
+from agent.tasks import TaskSet
 
 log = structlog.get_logger("preemptd.slurm")
 
@@ -41,8 +37,8 @@ class SlurmConfig:
     enabled: bool = False
     # The node's name in Slurm; empty: the node whose NodeHostname or NodeAddr is this host's.
     node: str = ""
-    kinds: tuple[str, ...] = ("termination",)
-    min_severity: Literal["info", "warning", "critical"] = "info"
+    kinds: tuple[NoticeKindName, ...] = ("termination",)
+    min_severity: SeverityName = "info"
     drills: bool = True
     requeue: bool = True
     # A signal for the jobs' steps (``"USR1"``, ``"SIGTERM"``, a number); empty: none.
@@ -174,8 +170,20 @@ class SlurmBridge:
             "actions": self.recent.to_json(),
         }
 
+    def carry_over(self, previous: object) -> None:
+        """After a reload: keep what the previous instance drained and is waiting for (its tasks finish under
+        the old settings, woken by the events this instance now receives), its counts and its node."""
+        if not isinstance(previous, SlurmBridge):
+            return
+        self._work = previous._work
+        self._lock = previous._lock
+        self.counts = previous.counts
+        self.recent = previous.recent
+        if not self.config.node and previous.config.node == self.config.node:
+            self.node = previous.node
+
     def collector(self) -> BridgeCollector:
-        return BridgeCollector("slurm", "Slurm", self.counts, self)
+        return BridgeCollector("slurm", "Slurm", lambda: self)
 
     async def drain_tasks(self) -> None:
         """Wait until everything started so far has finished (tests)."""
@@ -197,15 +205,7 @@ class SlurmBridge:
         """This host's node name: the configured one, else the node matched by NodeHostname/NodeAddr."""
         if self.node is not None:
             return self.node
-        names = self._names()
-        nodes = await self.commands.nodes()
-        node = match_node(nodes, names)
-        if node is None:
-            known = ", ".join(f"{n.name} ({n.hostname}/{n.address})" for n in nodes[:10]) or "none"
-            raise SlurmError(
-                f"no Slurm node has this host's name or address as NodeHostname/NodeAddr "
-                f"(this host: {', '.join(names[:6])}; nodes: {known}); set actions.slurm.node"
-            )
+        node = await self.commands.find_node(self._names())
         self.node = node.name
         return node.name
 
@@ -317,7 +317,11 @@ class SlurmBridge:
             found = await self._call(work, "read_jobs", "-", self.commands.jobs(ids))
             if found is not None:
                 jobs = {job.job_id: job for job in found}
-            if not any(j.active for j in jobs.values()) or time.monotonic() >= latest or work.cleared:
+            if (
+                not any(j.active and j.requeue for j in jobs.values())
+                or time.monotonic() >= latest
+                or work.cleared
+            ):
                 break
             await asyncio.sleep(min(1.0, max(0.0, latest - time.monotonic())))
         async with self._lock:
@@ -437,3 +441,13 @@ class SlurmBridge:
             work = self._work[notice_id]
             if work.cleared and (work.run is None or work.run.done()):
                 del self._work[notice_id]
+
+
+def build_reactor(host: Host) -> SlurmBridge | None:
+    """The bridge for ``[actions.slurm]``, or None when it is not enabled."""
+    config = host.config.table("actions.slurm", SlurmConfig)
+    if not config.enabled:
+        return None
+    bridge = SlurmBridge(config)
+    register_metrics(host, "slurm", "Slurm", bridge)
+    return bridge

@@ -120,6 +120,13 @@ def _number(value: Any) -> int | None:
     return None
 
 
+def _wait_status(raw: int | None) -> int | None:
+    """A wait status as a shell shows it: the exit status, or 128 + the signal that killed the process."""
+    if raw is None:
+        return None
+    return os.WEXITSTATUS(raw) if os.WIFEXITED(raw) else 128 + os.WTERMSIG(raw)
+
+
 def _document(text: str, what: str, key: str) -> list[Mapping[str, Any]]:
     try:
         doc = json.loads(text)
@@ -166,7 +173,10 @@ def parse_jobs(text: str) -> list[SlurmJob]:
             _states(item.get("job_state"))
         )
         exit_code = item.get("exit_code")
-        code = _number(exit_code.get("return_code")) if isinstance(exit_code, Mapping) else _number(exit_code)
+        if isinstance(exit_code, Mapping):  # data_parser: {"status": [...], "return_code": N}
+            code = _number(exit_code.get("return_code"))
+        else:  # openapi/v0.0.3x: the raw wait status (75 << 8 for an exit with 75)
+            code = _wait_status(_number(exit_code))
         jobs.append(
             SlurmJob(
                 job_id=job_id,
@@ -320,6 +330,18 @@ class SlurmCommands:
 
     async def nodes(self) -> list[SlurmNode]:
         return parse_nodes((await self.run("sinfo", "--json")).stdout)
+
+    async def find_node(self, names: list[str]) -> SlurmNode:
+        """The node whose NodeHostname/NodeAddr is one of ``names`` (this host's names and addresses)."""
+        nodes = await self.nodes()
+        node = match_node(nodes, names)
+        if node is None:
+            known = ", ".join(f"{n.name} ({n.hostname}/{n.address})" for n in nodes[:10]) or "none"
+            raise SlurmError(
+                f"no Slurm node has this host's name or address as NodeHostname/NodeAddr "
+                f"(this host: {', '.join(names[:6])}; nodes: {known}); set actions.slurm.node"
+            )
+        return node
 
     async def node(self, name: str) -> SlurmNode:
         result = await self.run("sinfo", "--json", "--nodes", name)
