@@ -405,21 +405,13 @@ class SlurmBridge:
         target: str,
         outcome: str,
         error: SlurmError | None = None,
-        detail: str | None = None,
+        **more: str,
     ) -> None:
-        record: dict[str, Any] = {
-            "at": format_time(self._clock()),
-            "notice_id": work.notice.id,
-            "action": action,
-            "target": target,
-            "outcome": outcome,
-        }
+        """Keep, count and log one call's outcome (with the command's stderr when it failed)."""
+        record: dict[str, Any] = {"at": format_time(self._clock()), "notice_id": work.notice.id}
+        record.update(action=action, target=target, outcome=outcome, **more)
         if error is not None:
-            record["error"] = str(error)
-            if error.stderr:
-                record["stderr"] = error.stderr[-2000:]
-        if detail is not None:
-            record["detail"] = detail
+            record.update(error=str(error), **({"stderr": error.stderr[-2000:]} if error.stderr else {}))
         self.recent.add(record)
         self.counts[(action, outcome)] += 1
         fields = {k: v for k, v in record.items() if k != "at"}
