@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
@@ -24,7 +25,7 @@ from agent.errors import ConfigError
 from agent.notice import EventType
 from tests.actions_support import event, make_notice
 from tests.slurm_cluster import NODE, SlurmCluster, Unavailable
-from tests.support import REPO, http_json, running_agent
+from tests.support import REPO, SSEClient, http_json, running_agent
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -512,3 +513,35 @@ def tmp_config(base: Path, text: str) -> Any:
     path = base / "preemptd.toml"
     path.write_text(text)
     return load_config(path=path, env={})
+
+
+async def test_without_slurm_tools_clients_still_get_the_notice(base: Path, tmp_path: Path) -> None:
+    """scontrol and friends missing: the bridge is degraded and says why (status, metrics), and the notice
+    still reaches the clients on the socket."""
+    sock = base / "a.sock"
+    settings = {"actions.slurm.enabled": True, "actions.slurm.bin_dir": str(tmp_path)}
+    async with running_agent(base, settings):
+        events = await SSEClient.connect(sock)
+        try:
+            status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+            assert status == 201, body
+            got = await events.until(lambda e: e["type"] == "notice", timeout=10)
+        finally:
+            await events.close()
+        shown = await notice_phase(sock, body["notice"]["id"], "failed")
+        _, doc = await http_json(sock, "GET", "/v1/status")
+        metrics = await raw_get(sock, "/metrics")
+    assert got["notice"]["id"] == body["notice"]["id"]
+    assert shown["drain"] == "failed: node unknown"
+    assert f"sinfo not found in {tmp_path}" in slurm_status(doc)["degraded_reason"]
+    assert "preemptd_slurm_degraded 1.0" in metrics
+    assert 'preemptd_slurm_actions_total{action="drain",outcome="failed"} 1.0' in metrics
+
+
+async def raw_get(sock: Path, path: str) -> str:
+    connector = aiohttp.UnixConnector(path=str(sock))
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        session.get(f"http://localhost{path}") as got,
+    ):
+        return await got.text()
