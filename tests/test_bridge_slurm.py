@@ -21,11 +21,12 @@ from agent.bridges.common import REASON_PREFIX, drain_reason
 from agent.bridges.slurm import SlurmBridge, SlurmConfig
 from agent.bridges.slurm_commands import match_node, parse_jobs, parse_nodes, parse_signal
 from agent.config import load_config
+from agent.daemon import Agent
 from agent.errors import ConfigError
 from agent.notice import EventType
 from tests.actions_support import event, make_notice
 from tests.slurm_cluster import NODE, SlurmCluster, Unavailable
-from tests.support import REPO, SSEClient, http_json, running_agent
+from tests.support import REPO, SSEClient, agent_config, http_json, running_agent
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -545,3 +546,50 @@ async def raw_get(sock: Path, path: str) -> str:
         session.get(f"http://localhost{path}") as got,
     ):
         return await got.text()
+
+
+async def test_a_reload_keeps_the_agents_drain_its_own(cluster: SlurmCluster, base: Path) -> None:
+    """SIGHUP between the drain and the clear: the new bridge still resumes the node; metrics count once."""
+    settings = agent_settings(cluster)
+    agent = Agent(agent_config(base, settings), reload_config=lambda: agent_config(base, settings))
+    await agent.start()
+    try:
+        sock = agent.config.socket
+        _, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 600})
+        notice_id = body["notice"]["id"]
+        await notice_phase(sock, notice_id, "waiting")
+        settings["actions.slurm.margin_s"] = 10.0
+        await agent.reload()
+        await http_json(sock, "DELETE", f"/v1/drills/{notice_id}")
+        shown = await notice_phase(sock, notice_id, "cleared")
+        metrics = await raw_get(sock, "/metrics")
+    finally:
+        await agent.stop()
+    assert shown["drain"] == "resumed"
+    assert not cluster.node_state()["states"] & {"DRAIN", "DRAINED", "DRAINING"}
+    assert metrics.count('preemptd_slurm_actions_total{action="resume",outcome="ok"} 1.0') == 1
+
+
+async def test_signal_at_ready_waits_for_the_flush(cluster: SlurmCluster) -> None:
+    """``signal_at = "ready"``: the steps get the signal with the requeue step, not at the notice."""
+    out = cluster.root / f"signal-{time.monotonic_ns()}.txt"
+    ready = cluster.root / f"ready-{time.monotonic_ns()}.txt"
+    script_path = cluster.root / f"handler-{time.monotonic_ns()}.py"
+    script_path.write_text(
+        "import pathlib, signal, sys\n"
+        f"out = pathlib.Path({str(out)!r})\n"
+        "signal.signal(signal.SIGUSR1, lambda s, f: (out.write_text(signal.Signals(s).name), sys.exit(0)))\n"
+        f"pathlib.Path({str(ready)!r}).write_text('ready')\n"
+        "while True: signal.pause()\n"
+    )
+    running(cluster, "--no-requeue", script=f"srun {sys.executable} {script_path}")
+    await until(ready.exists, what="the step's signal handler")
+    bridge = bridge_for(cluster, signal="USR1", signal_at="ready", requeue=False)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "waiting", what="waiting for ready")
+    assert not out.exists()
+    bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
+    await until(out.exists, what="the signal in the job step")
+    assert out.read_text() == "SIGUSR1"
+    await bridge.stop(1)

@@ -75,17 +75,15 @@ class _Work:
     run: asyncio.Task[Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
+        return {
             "kind": self.notice.kind.value,
             "phase": self.phase,
             "node": self.node,
             "drain": self.drain,
             "drained_by_agent": self.owned_reason is not None,
             "jobs": [self.jobs[k] for k in sorted(self.jobs)],
+            "acted_on": self.acted_on,
         }
-        if self.acted_on is not None:
-            doc["acted_on"] = self.acted_on
-        return doc
 
 
 class SlurmBridge:
@@ -143,7 +141,7 @@ class SlurmBridge:
             if work is not None and not work.cleared:
                 work.cleared = True
                 work.changed.set()
-                self.tasks.spawn(self._on_cleared(work), f"clear:{notice.id}")
+                self.tasks.spawn(self._cleared(work), f"clear:{notice.id}")
             return
         if event.type not in (EventType.NOTICE, EventType.UPDATE):
             return
@@ -346,11 +344,17 @@ class SlurmBridge:
                     )
                     entry["outcome"] = "requeued" if done else "requeue failed"
 
+    async def _cleared(self, work: _Work) -> None:
+        work.phase = "clearing"
+        try:
+            await self._on_cleared(work)
+        finally:
+            work.phase = "cleared"
+
     async def _on_cleared(self, work: _Work) -> None:
         if work.run is not None and not work.run.done():
             # Let the drain and any Slurm call in flight finish; the waiting step sees `cleared` and ends.
             await asyncio.wait({work.run})
-        work.phase = "cleared"
         if work.owned_reason is None or work.node is None:
             return
         node = work.node
