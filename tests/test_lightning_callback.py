@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -118,8 +120,14 @@ async def _sharded_job(root: Path, sock: Path, max_steps: int, devices: int) -> 
     job = [sys.executable, str(REPO / "tests" / "lightning_sharded_job.py")]
     return await asyncio.create_subprocess_exec(
         *job, str(root), str(sock), str(max_steps), str(devices), env=env, cwd=str(REPO),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
+
+
+def _stop(job: asyncio.subprocess.Process) -> None:
+    """Whatever failed, leave no rank behind (Lightning's second rank is a child of the first)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
 
 
 async def _lines(proc: asyncio.subprocess.Process, event: str, count: int) -> None:
@@ -147,10 +155,13 @@ async def test_model_parallel_drill_saves_every_rank_shard_once_and_resumes_on_o
     async with running_agent(base):
         sock = base / "a.sock"
         job = await _sharded_job(root, sock, 100000, 2)
-        await _lines(job, "training", 2)
-        status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
-        assert status == 201, body
-        out, err = await asyncio.wait_for(job.communicate(), 180)
+        try:
+            await _lines(job, "training", 2)
+            status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+            assert status == 201, body
+            out, err = await asyncio.wait_for(job.communicate(), 180)
+        finally:
+            _stop(job)
     stopped = _events(out, "stopped")
     [committed] = [Checkpoint.load(p) for p in sorted(root.glob("step-*"))]
     ranks = {f.path.split("/")[-1] for f in committed.files}
@@ -161,6 +172,9 @@ async def test_model_parallel_drill_saves_every_rank_shard_once_and_resumes_on_o
     )  # fmt: skip
 
     resumed = await _sharded_job(root, base / "none.sock", committed.step + 2, 1)
-    out, err = await asyncio.wait_for(resumed.communicate(), 180)
+    try:
+        out, err = await asyncio.wait_for(resumed.communicate(), 180)
+    finally:
+        _stop(resumed)
     assert 0 == resumed.returncode, err.decode()[-3000:]
     assert [committed.step] == [s["step"] for s in _events(out, "start")]
