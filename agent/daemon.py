@@ -21,7 +21,7 @@ import signal
 import socket
 import stat
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,6 +49,7 @@ from agent.sdnotify import Notifier, listen_fds
 from agent.sources import build_sources
 from agent.sources.base import HealthState, Source, SourceHealth
 from agent.state import History, LoadedState, load_state, prepare_dir, save_state, state_document
+from agent.tasks import TaskSet
 
 DRILL_SOURCE = "drill"
 # Sequence numbers are leased ahead of use: the state file holds a mark above every number handed out, and a
@@ -83,40 +84,6 @@ def build_components(config: Config) -> list[Component]:
         components.append(AdvisorComponent())
     components.append(MetricsComponent(config.metrics.listen))
     return components
-
-
-class TaskOwner:
-    """Owns background tasks: starts them with a name, cancels and awaits them with a bounded wait."""
-
-    def __init__(self, log: Any) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._log = log
-
-    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self._log.error("task_failed", task=task.get_name(), error=repr(task.exception()))
-
-    async def cancel(self, task: asyncio.Task[Any], timeout: float) -> None:
-        task.cancel()
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-        if not done:
-            self._log.warning("task_stuck", task=task.get_name(), waited_s=timeout)
-
-    async def close(self, timeout: float) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout)
-            for task in pending:
-                self._log.warning("task_stuck", task=task.get_name(), waited_s=timeout)
 
 
 class _SourceSink:
@@ -195,7 +162,7 @@ class Agent:
         self.health: dict[str, SourceHealth] = {}
         self.cloud: str | None = None if config.cloud in ("auto",) else config.cloud
         self.instance: dict[str, Any] = {}
-        self.tasks = TaskOwner(self.log)
+        self.tasks = TaskSet("agent", failure_event="task_failed")
         self.history = History(config.state_dir, config.history_max_bytes)
         self.state_ok = True
         self.state_error: str | None = None
@@ -749,11 +716,11 @@ class Agent:
             on_refuse=self._on_refused,
         )
         await self._site.start()
-        self.tasks.spawn("state-writer", self._state_writer())
-        self.tasks.spawn("expiry", self._expire_loop())
-        self.tasks.spawn("heartbeat", self._heartbeat_loop())
+        self.tasks.spawn(self._state_writer(), "state-writer")
+        self.tasks.spawn(self._expire_loop(), "expiry")
+        self.tasks.spawn(self._heartbeat_loop(), "heartbeat")
         if self.notifier.watchdog_s:
-            self.tasks.spawn("watchdog", self._watchdog_loop(self.notifier.watchdog_s))
+            self.tasks.spawn(self._watchdog_loop(self.notifier.watchdog_s), "watchdog")
         for source in self.sources.values():
             self._start_source(source)
         for component in self.components:
@@ -775,7 +742,9 @@ class Agent:
 
     def _start_source(self, source: Source) -> None:
         self._set_health(source.name, HealthState.STARTING)
-        self._source_tasks[source.name] = self.tasks.spawn(f"source:{source.name}", self._run_source(source))
+        task = self.tasks.spawn(self._run_source(source), f"source:{source.name}")
+        if task is not None:
+            self._source_tasks[source.name] = task
 
     async def _run_source(self, source: Source) -> None:
         sink = _SourceSink(self, source.name)
@@ -867,7 +836,7 @@ class Agent:
         self.hub.close_all()
         if self._runner is not None:
             await self._runner.cleanup()
-        await self.tasks.close(timeout)
+        await self.tasks.close(timeout, grace=0)  # the agent's loops never end by themselves
         self._record({"type": "agent_stop", "boot_id": self.boot_id})
         await self._flush(clean=True)
         self._release_socket()

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
 from agent.notice import Event, EventType, Notice, Severity, format_time, utcnow
+from agent.tasks import TaskSet
 
 log = structlog.get_logger("preemptd.actions")
 
@@ -37,6 +38,64 @@ def applies(notice: Notice | None, kinds: Iterable[str], min_severity: str, dril
 
 def trigger_of(event: Event) -> str | None:
     return TRIGGERS.get(event.type)
+
+
+class TriggeredRule(Protocol):
+    """A configured action that runs on some events (a hook, a webhook)."""
+
+    @property
+    def on(self) -> Sequence[str]: ...
+
+    @property
+    def kinds(self) -> Sequence[str]: ...
+
+    @property
+    def min_severity(self) -> str: ...
+
+    @property
+    def drills(self) -> bool: ...
+
+
+R = TypeVar("R", bound=TriggeredRule)
+
+
+def wanting(rules: Iterable[R], event: Event, notice: Notice | None) -> Iterator[tuple[R, str]]:
+    """The rules that want this event (its trigger in ``on``, the notice passing their filters), each with
+    the trigger's name."""
+    trigger = trigger_of(event)
+    if trigger is None:
+        return
+    for rule in rules:
+        if trigger in rule.on and applies(notice, rule.kinds, rule.min_severity, rule.drills):
+            yield rule, trigger
+
+
+C = TypeVar("C")
+
+
+def checked_each(items: Iterable[C], check: Callable[[C, str], None], key: str) -> tuple[C, ...]:
+    """``items`` after ``check(item, "<key>[<index>]")`` passed for each (it raises ConfigError)."""
+    kept = tuple(items)
+    for index, item in enumerate(kept):
+        check(item, f"{key}[{index}]")
+    return kept
+
+
+class OwnedTasks:
+    """The reactor lifecycle of an action whose work is the tasks it spawned: nothing to start, stopping
+    lets them finish for the timeout and then cancels them."""
+
+    _tasks: TaskSet
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self, timeout: float) -> None:
+        await self._tasks.close(timeout)
+
+    async def drain(self) -> None:
+        """Wait until every action started so far has finished (tests)."""
+        await self._tasks.drain()
 
 
 def event_document(event: Event, notice: Notice | None) -> dict[str, Any]:

@@ -16,7 +16,16 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from agent.actions.common import Outcomes, Recent, applies, event_document, log, record_outcome, trigger_of
+from agent.actions.common import (
+    Outcomes,
+    OwnedTasks,
+    Recent,
+    checked_each,
+    event_document,
+    log,
+    record_outcome,
+    wanting,
+)
 from agent.actions.validate import check_hook
 from agent.config import HookConfig
 from agent.errors import ConfigError
@@ -33,11 +42,7 @@ KILL_WAIT_S = 5.0
 
 
 def validate_hooks(hooks: Iterable[HookConfig]) -> tuple[HookConfig, ...]:
-    checked = []
-    for index, hook in enumerate(hooks):
-        check_hook(hook, f"actions.hooks[{index}]")
-        checked.append(hook)
-    return tuple(checked)
+    return checked_each(hooks, check_hook, "actions.hooks")
 
 
 def hook_name(hook: HookConfig) -> str:
@@ -66,7 +71,7 @@ def hook_environment(
     return env
 
 
-class HookEngine:
+class HookEngine(OwnedTasks):
     """Starts the configured hooks for each event, at most ``concurrency`` at a time. A
     :class:`agent.ports.Reactor` named ``hooks``."""
 
@@ -96,26 +101,12 @@ class HookEngine:
     def status(self) -> dict[str, Any]:
         return {"hooks": len(self.hooks), "running": len(self._tasks), "outcomes": dict(self.outcomes.counts)}
 
-    async def start(self) -> None:
-        pass
-
-    async def stop(self, timeout: float) -> None:
-        await self._tasks.close(timeout)
-
-    async def drain(self) -> None:
-        await self._tasks.drain()
-
     def handle(
         self, event: Event, notice: Notice | None = None, doc: Mapping[str, Any] | None = None
     ) -> None:
         """Start every hook that wants this event; ``doc`` (default: the event JSON) is given on stdin."""
-        trigger = trigger_of(event)
-        if trigger is None:
-            return
         notice = notice or event.notice
-        for hook in self.hooks:
-            if trigger not in hook.on or not applies(notice, hook.kinds, hook.min_severity, hook.drills):
-                continue
+        for hook, trigger in wanting(self.hooks, event, notice):
             doc = doc if doc is not None else event_document(event, notice)
             name = hook_name(hook)
             self._tasks.spawn(self._run(hook, name, notice, doc), f"hook:{name}:{trigger}")

@@ -16,7 +16,7 @@ from typing import Any
 
 import psutil
 
-from agent.actions.common import Recent, applies, log
+from agent.actions.common import OwnedTasks, Recent, applies, log
 from agent.config import ReadyConfig
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 from agent.reports import Report
@@ -113,7 +113,7 @@ class Pending:
         return doc
 
 
-class ReadyEngine:
+class ReadyEngine(OwnedTasks):
     """Tracks participants and, per matching notice, who has saved; publishes ``ready`` once per notice.
     A :class:`agent.ports.Reactor` named ``ready``."""
 
@@ -135,9 +135,6 @@ class ReadyEngine:
         if event.type is EventType.READY:
             self.last_ready = dict(event.data)
         self.on_event(event)
-
-    async def start(self) -> None:
-        pass
 
     async def stop(self, timeout: float) -> None:
         # Grace timers only wait: nothing is lost by cancelling them at once.
@@ -365,7 +362,7 @@ def azure_event_id(notice: Notice) -> str | None:
 Acknowledge = Callable[[str], Any]
 
 
-class AzureAcknowledger:
+class AzureAcknowledger(OwnedTasks):
     """Sends ``StartRequests`` once per notice, through the ``azure_ack`` capability (``ack``: returns it,
     or None when no Azure source offers it now) or a source object's ``acknowledge(event_id)``. A
     :class:`agent.ports.Reactor` named ``azure_acknowledgement``."""
@@ -390,15 +387,6 @@ class AzureAcknowledger:
 
     def status(self) -> dict[str, Any]:
         return {"mode": self.mode, "running": len(self._tasks), "acknowledged": len(self._done)}
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self, timeout: float) -> None:
-        await self._tasks.close(timeout)
-
-    async def drain(self) -> None:
-        await self._tasks.drain()
 
     def carry_over(self, previous: object) -> None:
         if isinstance(previous, AzureAcknowledger):

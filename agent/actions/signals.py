@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from agent.actions.common import Outcomes, Recent, applies, log
+from agent.actions.common import Outcomes, OwnedTasks, Recent, applies, log
 from agent.actions.validate import check_signal_rule, parse_signal
 from agent.config import SignalRuleConfig
 from agent.notice import Event, EventType, Notice, format_time, utcnow
@@ -152,7 +152,7 @@ def _process_identity(pid: int) -> tuple[str, float] | None:
 # --- the engine ----------------------------------------------------------------------------------------
 
 
-class SignalEngine:
+class SignalEngine(OwnedTasks):
     """Applies the signal rules to events: once per (notice, rule), escalation cancelled when it clears.
     A :class:`agent.ports.Reactor` named ``signals``."""
 
@@ -197,15 +197,6 @@ class SignalEngine:
             "running": len(self._tasks),
             "outcomes": dict(self.outcomes.counts),
         }
-
-    async def start(self) -> None:
-        pass
-
-    async def stop(self, timeout: float) -> None:
-        await self._tasks.close(timeout)
-
-    async def drain(self) -> None:
-        await self._tasks.drain()
 
     def handle(self, event: Event) -> None:
         notice = event.notice

@@ -14,7 +14,16 @@ from typing import Any
 
 import aiohttp
 
-from agent.actions.common import Outcomes, Recent, applies, event_document, log, record_outcome, trigger_of
+from agent.actions.common import (
+    Outcomes,
+    OwnedTasks,
+    Recent,
+    checked_each,
+    event_document,
+    log,
+    record_outcome,
+    wanting,
+)
 from agent.actions.validate import check_webhook, redact
 from agent.config import WebhookConfig
 from agent.notice import Event, Notice, format_time, utcnow
@@ -22,11 +31,7 @@ from agent.tasks import TaskSet
 
 
 def validate_webhooks(hooks: Iterable[WebhookConfig]) -> tuple[WebhookConfig, ...]:
-    checked = []
-    for index, hook in enumerate(hooks):
-        check_webhook(hook, f"actions.webhooks[{index}]")
-        checked.append(hook)
-    return tuple(checked)
+    return checked_each(hooks, check_webhook, "actions.webhooks")
 
 
 def webhook_name(hook: WebhookConfig) -> str:
@@ -61,7 +66,7 @@ class _Retry(Exception):
     pass
 
 
-class WebhookEngine:
+class WebhookEngine(OwnedTasks):
     """Delivers events to the configured webhooks; each delivery is an owned task with its own retries. A
     :class:`agent.ports.Reactor` named ``webhooks``."""
 
@@ -93,11 +98,8 @@ class WebhookEngine:
             self._session = None
 
     async def stop(self, timeout: float) -> None:
-        await self._tasks.close(timeout)
+        await super().stop(timeout)
         await self.close()
-
-    async def drain(self) -> None:
-        await self._tasks.drain()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -109,13 +111,8 @@ class WebhookEngine:
     def handle(
         self, event: Event, notice: Notice | None = None, doc: Mapping[str, Any] | None = None
     ) -> None:
-        trigger = trigger_of(event)
-        if trigger is None:
-            return
         notice = notice or event.notice
-        for hook in self.hooks:
-            if trigger not in hook.on or not applies(notice, hook.kinds, hook.min_severity, hook.drills):
-                continue
+        for hook, trigger in wanting(self.hooks, event, notice):
             doc = doc if doc is not None else event_document(event, notice)
             payload = render_payload(hook, doc, notice, self._host)
             name = webhook_name(hook)

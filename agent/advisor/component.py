@@ -139,9 +139,9 @@ class AdvisorComponent:
         self._records.extend(live)
         self._version += 1
         agent.log.info("advisor_loaded", records=len(loaded))
-        self._task = agent.tasks.spawn("advisor-refresh", self._refresh_loop())
+        self._task = agent.tasks.spawn(self._refresh_loop(), "advisor-refresh")
         if self.config.record_interval_s > 0:
-            self._record_task = agent.tasks.spawn("advisor-record", self._record_loop())
+            self._record_task = agent.tasks.spawn(self._record_loop(), "advisor-record")
 
     async def stop(self) -> None:
         agent = self._require_agent()

@@ -24,6 +24,7 @@ from agent.notice import Kind, Observation
 from agent.reports import Report
 from agent.sources.base import Sink, Source
 from agent.sources.gpu_health import Hysteresis
+from agent.threads import run_for
 
 log = structlog.get_logger("preemptd.host")
 
@@ -129,24 +130,9 @@ def _call_in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T
     """Run ``fn`` on a new daemon thread; unlike the default executor, a stuck call never delays exit."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def work() -> None:
-        try:
-            result, error = fn(*args), None
-        except BaseException as exc:
-            result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=work, name="preemptd-host-read", daemon=True).start()
+    threading.Thread(
+        target=run_for, args=(loop, future, fn, *args), name="preemptd-host-read", daemon=True
+    ).start()
     return future
 
 

@@ -42,6 +42,7 @@ from agent.sources.gpu_health import (
 )
 from agent.sources.gpu_xid import KmsgXid, XidClass, pci_key
 from agent.sources.kmsg import KmsgFollower
+from agent.threads import deliver, run_for
 
 log = structlog.get_logger("preemptd.nvml")
 
@@ -135,21 +136,6 @@ class _CallWatch:
         return now - self.started if self.call is not None else 0.0
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
-    """Hand a result to the loop; the loop may be gone already (a thread stuck past shutdown)."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(callback, *args)
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
 class _Worker:
     """A daemon thread running NVML jobs one after another. A job that hangs leaves only this thread stuck;
     the process can still exit (daemon) and nobody joins it without a bound."""
@@ -185,11 +171,7 @@ class _Worker:
                 if not self._jobs:
                     return
                 job, future, loop = self._jobs.pop(0)
-            try:
-                result, error = job(self.watch), None
-            except BaseException as exc:
-                result, error = None, exc
-            _deliver(loop, _settle, future, result, error)
+            run_for(loop, future, job, self.watch)
 
 
 @dataclass
@@ -501,8 +483,8 @@ class NvmlSource(Source):
             if self.config.kmsg:
                 kmsg = KmsgFollower(
                     self.config.kmsg_path,
-                    on_xid=lambda xid: _deliver(loop, self._on_kmsg_xid, xid),
-                    on_state=lambda state, why: _deliver(loop, self._on_kmsg_state, state, why),
+                    on_xid=lambda xid: deliver(loop, self._on_kmsg_xid, xid),
+                    on_state=lambda state, why: deliver(loop, self._on_kmsg_state, state, why),
                 )
                 kmsg.start()
             while True:
@@ -734,7 +716,7 @@ class NvmlSource(Source):
         try:
             self._watch_events(loop)
         finally:
-            _deliver(loop, self._events_done.set)
+            deliver(loop, self._events_done.set)
 
     def _watch_events(self, loop: asyncio.AbstractEventLoop) -> None:
         pynvml = _pynvml()
@@ -744,7 +726,7 @@ class NvmlSource(Source):
         try:
             event_set = watch.run("nvmlEventSetCreate", pynvml.nvmlEventSetCreate)
         except Exception as exc:
-            _deliver(loop, self._on_events_state, "unavailable", None, f"nvmlEventSetCreate: {exc!r}")
+            deliver(loop, self._on_events_state, "unavailable", None, f"nvmlEventSetCreate: {exc!r}")
             return
         registered = 0
         for gpu_uuid, handle in gpus:
@@ -759,18 +741,16 @@ class NvmlSource(Source):
                     "nvmlDeviceRegisterEvents", pynvml.nvmlDeviceRegisterEvents, handle, mask, event_set
                 )
                 registered += 1
-                _deliver(loop, self._on_events_state, "registered", gpu_uuid, f"mask=0x{mask:x}")
+                deliver(loop, self._on_events_state, "registered", gpu_uuid, f"mask=0x{mask:x}")
             except Exception as exc:
                 code = error_code(exc)
                 state = "not_supported" if code in (NOT_SUPPORTED, FUNCTION_NOT_FOUND) else "error"
-                _deliver(
-                    loop, self._on_events_state, state, gpu_uuid, error_text(code) if code else repr(exc)
-                )
+                deliver(loop, self._on_events_state, state, gpu_uuid, error_text(code) if code else repr(exc))
         if not registered:
-            _deliver(loop, self._on_events_state, "unavailable", None, "no GPU supports the events")
+            deliver(loop, self._on_events_state, "unavailable", None, "no GPU supports the events")
             watch.run("nvmlEventSetFree", pynvml.nvmlEventSetFree, event_set)
             return
-        _deliver(loop, self._on_events_state, "waiting", None, None)
+        deliver(loop, self._on_events_state, "waiting", None, None)
         try:
             while not self._stop.is_set():
                 try:
@@ -786,7 +766,7 @@ class NvmlSource(Source):
                         continue
                     if code is None:
                         raise
-                    _deliver(loop, self._on_events_state, "error", None, error_text(code))
+                    deliver(loop, self._on_events_state, "error", None, error_text(code))
                     self._stop.wait(1.0)
                     continue
                 uuid: str | None
@@ -798,7 +778,7 @@ class NvmlSource(Source):
                         raise
                     # A lost GPU cannot say its UUID: fall back to the handle's address.
                     uuid = by_address.get(_address(data.device))
-                _deliver(loop, self._on_event, uuid, int(data.eventType), int(data.eventData))
+                deliver(loop, self._on_event, uuid, int(data.eventType), int(data.eventData))
         finally:
             try:
                 watch.run("nvmlEventSetFree", pynvml.nvmlEventSetFree, event_set)
