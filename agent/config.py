@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
+from agent.actions.validate import check_hook, check_signal_rule, check_webhook
 from agent.errors import ConfigError
 from agent.paths import default_socket_path, default_state_dir
 
@@ -97,8 +98,6 @@ class SignalRuleConfig:
     def __post_init__(self) -> None:
         # Checked when the file is loaded, so a bad rule fails `preemptd run` and a reload before anything
         # starts; agent/actions/validate.py holds the checks.
-        from agent.actions.validate import check_signal_rule
-
         check_signal_rule(self)
 
 
@@ -116,8 +115,6 @@ class HookConfig:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from agent.actions.validate import check_hook
-
         check_hook(self)
 
 
@@ -142,8 +139,6 @@ class WebhookConfig:
     backoff_max_s: float = 30.0
 
     def __post_init__(self) -> None:
-        from agent.actions.validate import check_webhook
-
         check_webhook(self)
 
 

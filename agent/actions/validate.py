@@ -6,13 +6,57 @@ from __future__ import annotations
 
 import re
 import signal
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from agent.errors import ConfigError
 
-if TYPE_CHECKING:
-    from agent.config import HookConfig, SignalRuleConfig, WebhookConfig
+# What the checks read of the section classes in agent/config.py, which call them from __post_init__ (the
+# config module imports this one, never the other way round).
+
+
+class SignalRuleConfig(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def signal(self) -> str: ...
+    @property
+    def escalate_signal(self) -> str: ...
+    @property
+    def escalate_after_s(self) -> float: ...
+    @property
+    def cmdline(self) -> Sequence[str]: ...
+    @property
+    def gpu_processes(self) -> bool: ...
+    @property
+    def units(self) -> Sequence[str]: ...
+    @property
+    def cgroups(self) -> Sequence[str]: ...
+    @property
+    def pid_files(self) -> Sequence[object]: ...
+
+
+class HookConfig(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def argv(self) -> Sequence[str]: ...
+    @property
+    def timeout_s(self) -> float: ...
+
+
+class WebhookConfig(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def retries(self) -> int: ...
+    @property
+    def backoff_s(self) -> float: ...
 
 
 def parse_signal(value: str, where: str) -> signal.Signals:
