@@ -11,16 +11,19 @@ as TOML values when they parse as one (numbers, booleans, arrays) and as plain s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
+from urllib.parse import urlsplit
 
 from agent.actions.validate import check_hook, check_signal_rule, check_webhook
 from agent.errors import ConfigError
@@ -48,22 +51,84 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class Range:
+    """A bound on a numeric key, declared on its type and checked by the loader:
+    ``heartbeat_s: Annotated[float, Range(gt=0)]``. NaN and infinities are refused unless ``finite`` is
+    False."""
+
+    gt: float | None = None
+    ge: float | None = None
+    le: float | None = None
+    finite: bool = True
+    # What the error says was expected; by default "a number > 0", "an integer >= 1", ...
+    text: str = ""
+
+    def problem(self, value: Any) -> str | None:
+        """What was expected, when ``value`` is out of range; None when it is fine."""
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None
+        bad = (
+            (self.finite and not math.isfinite(value))
+            or (self.gt is not None and not value > self.gt)
+            or (self.ge is not None and not value >= self.ge)
+            or (self.le is not None and not value <= self.le)
+        )
+        if not bad:
+            return None
+        if self.text:
+            return self.text
+        bounds = [
+            f"{op} {bound:g}"
+            for op, bound in ((">", self.gt), (">=", self.ge), ("<=", self.le))
+            if bound is not None
+        ]
+        noun = "an integer" if isinstance(value, int) else "a finite number" if self.finite else "a number"
+        return f"{noun} {' and '.join(bounds)}".rstrip()
+
+
+@dataclass(frozen=True)
+class Url:
+    """A key that holds an http:// or https:// URL with a host (or, with ``empty``, nothing)."""
+
+    empty: bool = False
+
+    def problem(self, value: Any) -> str | None:
+        if not isinstance(value, str) or (self.empty and value == ""):
+            return None
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError for a bad port
+        except ValueError:
+            return "an http:// or https:// URL"
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return "an http:// or https:// URL"
+        return None
+
+
+# The ranges most keys need (issue: a heartbeat of 0 busy-loops, a queue of 0 is unbounded, ...).
+Positive = Annotated[float, Range(gt=0)]
+NonNegative = Annotated[float, Range(ge=0)]
+AtLeastOne = Annotated[int, Range(ge=1)]
+HttpUrl = Annotated[str, Url()]
+
+
+@dataclass(frozen=True)
 class ApiConfig:
     """The Unix-socket API and its event hub."""
 
-    heartbeat_s: float = 15.0
-    queue_size: int = 256
-    ring_size: int = 1024
-    max_subscribers: int = 4096
-    max_body_bytes: int = 65536
-    backlog: int = 4096
-    shutdown_timeout_s: float = 3.0
+    heartbeat_s: Positive = 15.0
+    queue_size: AtLeastOne = 256
+    ring_size: AtLeastOne = 1024
+    max_subscribers: AtLeastOne = 4096
+    max_body_bytes: AtLeastOne = 65536
+    backlog: AtLeastOne = 4096
+    shutdown_timeout_s: Positive = 3.0
     # A connection must complete a request head (and a body) within this long of being accepted or of its
     # previous answer; event streams being served are exempt (they have heartbeats).
-    idle_timeout_s: float = 15.0
+    idle_timeout_s: Positive = 15.0
     # Connections served at once; past it a connection is answered 503. Lowered to what the descriptor
     # limit allows.
-    max_connections: int = 8192
+    max_connections: AtLeastOne = 8192
 
 
 # --- actions (agent/actions/) --------------------------------------------------------------------------
@@ -150,16 +215,16 @@ class ReadyConfig:
     kinds: tuple[NoticeKindName, ...] = ("termination", "maintenance", "rebalance")
     min_severity: SeverityName = "warning"
     # Longest wait for participants after the notice; never later than ``deadline - deadline_margin_s``.
-    grace_s: float = 120.0
-    deadline_margin_s: float = 5.0
+    grace_s: NonNegative = 120.0
+    deadline_margin_s: NonNegative = 5.0
     # Without declared participants: ``grace`` waits out the grace (signalled programs may be saving),
     # ``immediately`` declares ready at once.
     without_participants: Literal["grace", "immediately"] = "grace"
     # A participant is forgotten when its process is gone or it has not reported for this long.
-    participant_ttl_s: float = 7 * 24 * 3600.0
+    participant_ttl_s: Positive = 7 * 24 * 3600.0
     # Registered participants, per user and in all; a registration past a limit is refused with 429.
-    max_participants_per_uid: int = 256
-    max_participants: int = 1024
+    max_participants_per_uid: AtLeastOne = 256
+    max_participants: AtLeastOne = 1024
     azure_acknowledge: Literal["on_ready", "immediately", "never"] = "on_ready"
 
 
@@ -170,13 +235,13 @@ class ActionsConfig:
     dry_run: bool = False
     signals: tuple[SignalRuleConfig, ...] = ()
     hooks: tuple[HookConfig, ...] = ()
-    hook_concurrency: int = 4
-    hook_output_max_bytes: int = 65536
+    hook_concurrency: AtLeastOne = 4
+    hook_output_max_bytes: AtLeastOne = 65536
     webhooks: tuple[WebhookConfig, ...] = ()
     ready: ReadyConfig = field(default_factory=ReadyConfig)
     # Bounded wait at shutdown for running actions; keep it below api.shutdown_timeout_s.
-    stop_timeout_s: float = 2.0
-    history_size: int = 100
+    stop_timeout_s: NonNegative = 2.0
+    history_size: AtLeastOne = 100
 
 
 # --- cloud sources (issue 3) ---------------------------------------------------------------------------
@@ -186,13 +251,13 @@ class ActionsConfig:
 class AwsConfig:
     """EC2 instance metadata (IMDSv2)."""
 
-    endpoint: str = "http://169.254.169.254"
-    poll_interval_s: float = 1.0
-    timeout_s: float = 1.0
-    token_ttl_s: int = 21600
+    endpoint: HttpUrl = "http://169.254.169.254"
+    poll_interval_s: Positive = 1.0
+    timeout_s: Positive = 1.0
+    token_ttl_s: AtLeastOne = 21600
     # IMDSv1 (no token) only when asked for: it is what SSRF attacks use, and many fleets disable it.
     imdsv1_fallback: bool = False
-    backoff_max_s: float = 5.0
+    backoff_max_s: Positive = 5.0
 
 
 @dataclass(frozen=True)
@@ -200,10 +265,10 @@ class GcpConfig:
     """Google Compute Engine metadata server; changes arrive through hanging GETs."""
 
     # Empty: $GCE_METADATA_HOST (as in Google's own clients), else http://metadata.google.internal.
-    endpoint: str = ""
-    wait_timeout_s: int = 60
-    timeout_s: float = 2.0
-    backoff_max_s: float = 5.0
+    endpoint: Annotated[str, Url(empty=True)] = ""
+    wait_timeout_s: AtLeastOne = 60
+    timeout_s: Positive = 2.0
+    backoff_max_s: Positive = 5.0
     # Seconds between ACPI soft-off and hard power-off of a preempted VM.
     preempt_notice_s: float = 30.0
     # How early maintenance-event flips before the host maintenance starts.
@@ -217,9 +282,9 @@ AzureAcknowledge = Literal["never", "immediate"]
 class AzureConfig:
     """Azure IMDS Scheduled Events."""
 
-    endpoint: str = "http://169.254.169.254"
-    poll_interval_s: float = 1.0
-    timeout_s: float = 1.0
+    endpoint: HttpUrl = "http://169.254.169.254"
+    poll_interval_s: Positive = 1.0
+    timeout_s: Positive = 1.0
     api_version: str = "2020-07-01"
     instance_api_version: str = "2021-02-01"
     # This VM's name as listed in events' Resources; empty: read compute.name from instance metadata.
@@ -227,10 +292,10 @@ class AzureConfig:
     # When to send StartRequests for an event that concerns this VM. "never": only when a component calls
     # AzureSource.acknowledge(); "immediate": as soon as the event is seen (shortens the notice window).
     acknowledge: AzureAcknowledge = "never"
-    backoff_max_s: float = 5.0
+    backoff_max_s: Positive = 5.0
     # Microsoft: the first Scheduled Events call after boot (which enables the service) can take up to two
     # minutes; so may the first after a server error. Those calls get this long instead of timeout_s.
-    first_call_timeout_s: float = 120.0
+    first_call_timeout_s: Positive = 120.0
 
 
 @dataclass(frozen=True)
@@ -246,23 +311,23 @@ class MetricsConfig:
 class AlibabaConfig:
     """Alibaba Cloud ECS metadata."""
 
-    endpoint: str = "http://100.100.100.200"
-    poll_interval_s: float = 1.0
-    timeout_s: float = 1.0
+    endpoint: HttpUrl = "http://100.100.100.200"
+    poll_interval_s: Positive = 1.0
+    timeout_s: Positive = 1.0
     # The hardened mode: fetch a token first (required when the instance enforces it).
     token: bool = False
-    token_ttl_s: int = 21600
-    backoff_max_s: float = 5.0
+    token_ttl_s: AtLeastOne = 21600
+    backoff_max_s: Positive = 5.0
 
 
 @dataclass(frozen=True)
 class TencentConfig:
     """Tencent Cloud CVM metadata."""
 
-    endpoint: str = "http://metadata.tencentyun.com"
-    poll_interval_s: float = 1.0
-    timeout_s: float = 1.0
-    backoff_max_s: float = 5.0
+    endpoint: HttpUrl = "http://metadata.tencentyun.com"
+    poll_interval_s: Positive = 1.0
+    timeout_s: Positive = 1.0
+    backoff_max_s: Positive = 5.0
 
 
 @dataclass(frozen=True)
@@ -270,10 +335,10 @@ class DetectConfig:
     """How ``cloud = "auto"`` finds the cloud: DMI strings, then one short metadata probe."""
 
     dmi_dir: Path = Path("/sys/class/dmi/id")
-    probe_timeout_s: float = 1.0
+    probe_timeout_s: Positive = 1.0
     # Without a DMI answer, keep probing (with backoff) this long before concluding there is no cloud: the
     # network may not be up yet at boot.
-    probe_retry_s: float = 60.0
+    probe_retry_s: NonNegative = 60.0
 
 
 # --- GPU and host health (agent/sources/nvml.py, agent/sources/host.py) ---------------------------------
@@ -288,16 +353,16 @@ class GpuConfig:
     enabled: bool = True
     # None: the system's libnvidia-ml.so.1 (or LD_LIBRARY_PATH); a path loads that library instead.
     library_path: Path | None = None
-    poll_interval_s: float = 5.0
+    poll_interval_s: Positive = 5.0
     # An NVML call that has not returned after this long is itself a gpu_fault ("NVML call hung").
-    call_timeout_s: float = 10.0
+    call_timeout_s: Positive = 10.0
     event_wait_ms: int = 500
     # Hysteresis: a non-fatal condition is raised after raise_after bad readings in a row (fatal ones at
     # once) and cleared after clear_after good ones.
-    raise_after: int = 2
-    clear_after: int = 3
+    raise_after: AtLeastOne = 2
+    clear_after: AtLeastOne = 3
     # Consecutive polls with NVML "Unknown Error" before the GPU counts as lost.
-    unknown_after: int = 3
+    unknown_after: AtLeastOne = 3
     # How long a notice for an XID or a driver event (which never "clear" by themselves) stays active.
     xid_hold_s: float = 600.0
     # XID number -> "fatal" / "degraded" / "info", on top of the built-in table (agent/sources/gpu_xid.py).
@@ -316,9 +381,9 @@ class HostConfig:
     """The psutil host monitor (source ``host``): memory pressure and checkpoint/state disk space."""
 
     enabled: bool = True
-    poll_interval_s: float = 10.0
-    raise_after: int = 2
-    clear_after: int = 3
+    poll_interval_s: Positive = 10.0
+    raise_after: AtLeastOne = 2
+    clear_after: AtLeastOne = 3
     memory_available_min_percent: float = 5.0
     checkpoint_dirs: tuple[Path, ...] = ()
     # Free space needed on a checkpoint directory, as a multiple of the last checkpoint's size.
@@ -326,7 +391,7 @@ class HostConfig:
     state_dir_min_free_bytes: int = 256 * 1024 * 1024
     state_dir_min_free_percent: float = 1.0
     # A psutil read (statvfs on a dead network mount) that takes longer than this is a finding.
-    call_timeout_s: float = 10.0
+    call_timeout_s: Positive = 10.0
 
 
 @dataclass(frozen=True)
@@ -366,7 +431,7 @@ class AdvisorConfig:
 class Config:
     socket: Path = field(default_factory=default_socket_path)
     socket_group: str | None = None
-    socket_mode: int = 0o660
+    socket_mode: Annotated[int, Range(ge=0, le=0o777, text="a mode from 0o000 to 0o777")] = 0o660
     admin_group: str | None = None
     state_dir: Path = field(default_factory=default_state_dir)
     cloud: CloudName = "auto"
@@ -374,10 +439,10 @@ class Config:
     log_level: LogLevel = "info"
     # How long after its deadline a notice whose source is not running (a drill, a notice restored from a
     # source no longer configured) stays active.
-    expire_grace_s: float = 30.0
+    expire_grace_s: NonNegative = 30.0
     # How long a drill notice stays after its deadline before it clears by itself.
-    drill_linger_s: float = 10.0
-    history_max_bytes: int = 16 * 1024 * 1024
+    drill_linger_s: NonNegative = 10.0
+    history_max_bytes: AtLeastOne = 16 * 1024 * 1024
     api: ApiConfig = field(default_factory=ApiConfig)
     actions: ActionsConfig = field(default_factory=ActionsConfig)
     aws: AwsConfig = field(default_factory=AwsConfig)
@@ -578,7 +643,7 @@ def _build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mappin
         raise ConfigError(
             f"{_where(origin, prefix.rstrip('.'))}: key {prefix.rstrip('.')!r}: expected a table"
         )
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     names = _field_names(cls)
     for key in table:
         if key not in names:
@@ -590,7 +655,13 @@ def _build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mappin
     for f in dataclasses.fields(cls):
         if f.name in table and f.name in names:
             values[f.name] = _coerce(hints[f.name], table[f.name], prefix + f.name, origin)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError as exc:  # a section's own check (__post_init__): say where the table came from
+        where = _where(origin, prefix.rstrip("."))
+        if str(exc).startswith(where):
+            raise
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _where(origin: Mapping[str, str], dotted: str) -> str:
@@ -602,76 +673,124 @@ def _fail(origin: Mapping[str, str], dotted: str, expected: str, value: Any) -> 
 
 
 def _coerce(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
-    """Check ``value`` against the type ``hint`` and convert it (paths, tuples, nested sections)."""
+    """Check ``value`` against the type ``hint`` and convert it (paths, tuples, nested sections); then apply
+    the declarative checks (:class:`Range`, :class:`Url`) that annotate the type."""
     type_origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
+    if type_origin is Annotated:
+        base, *marks = typing.get_args(hint)
+        result = _coerce(base, value, dotted, origin)
+        for mark in marks:
+            if isinstance(mark, (Range, Url)):
+                problem = mark.problem(result)
+                if problem is not None:
+                    raise _fail(origin, dotted, problem, value)
+        return result
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         return _build(hint, value, dotted + ".", origin)
-    if type_origin is Union or type_origin is types.UnionType:
-        if value is None or (
-            (isinstance(value, str) and value.lower() in ("", "none")) and type(None) in args
-        ):
-            return None
-        errors: list[str] = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, dotted, origin)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise _fail(origin, dotted, " or ".join(_describe(a) for a in args if a is not type(None)), value)
-    if type_origin is Literal:
-        if value in args:
-            return value
-        raise _fail(origin, dotted, "one of " + ", ".join(repr(a) for a in args), value)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-            return value.lower() in ("true", "yes", "1", "on")
-        raise _fail(origin, dotted, "true or false", value)
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _fail(origin, dotted, "an integer", value)
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _fail(origin, dotted, "a number", value)
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise _fail(origin, dotted, "a string", value)
-    if hint is Path:
-        if isinstance(value, (str, Path)) and str(value):
-            return Path(value)
-        raise _fail(origin, dotted, "a path", value)
-    if type_origin in (tuple, list):
-        if isinstance(value, str):
-            value = [v for v in (p.strip() for p in value.split(",")) if v]
-        if not isinstance(value, (list, tuple)):
-            raise _fail(origin, dotted, "an array", value)
-        item_hint = args[0] if args else Any
-        items = [_coerce(item_hint, v, f"{dotted}[{i}]", origin) for i, v in enumerate(value)]
-        return tuple(items) if type_origin is tuple else items
-    if type_origin in (dict, Mapping, typing.get_origin(Mapping[str, Any])):
-        if not isinstance(value, Mapping):
-            raise _fail(origin, dotted, "a table", value)
-        key_hint, value_hint = args if args else (str, Any)
-        result: dict[Any, Any] = {}
-        for k, v in value.items():
-            key = k
-            if key_hint is int:
-                try:
-                    key = int(k)
-                except (TypeError, ValueError) as exc:
-                    raise _fail(origin, f"{dotted}.{k}", "an integer key", k) from exc
-            result[key] = _coerce(value_hint, v, f"{dotted}.{k}", origin)
-        return result
     if hint is Any:
         return value
-    raise ConfigError(f"{dotted}: unsupported configuration type {hint!r}")  # a bug in a section class
+    coerce = _BY_ORIGIN.get(type_origin) if type_origin is not None else _BY_TYPE.get(hint)
+    if coerce is None:
+        raise ConfigError(f"{dotted}: unsupported configuration type {hint!r}")  # a bug in a section class
+    return coerce(hint, value, dotted, origin)
+
+
+def _coerce_union(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
+    args = typing.get_args(hint)
+    if value is None or (isinstance(value, str) and value.lower() in ("", "none") and type(None) in args):
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        with contextlib.suppress(ConfigError):
+            return _coerce(arg, value, dotted, origin)
+    raise _fail(origin, dotted, " or ".join(_describe(a) for a in args if a is not type(None)), value)
+
+
+def _coerce_literal(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
+    args = typing.get_args(hint)
+    if value in args:
+        return value
+    raise _fail(origin, dotted, "one of " + ", ".join(repr(a) for a in args), value)
+
+
+def _coerce_bool(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+        return value.lower() in ("true", "yes", "1", "on")
+    raise _fail(origin, dotted, "true or false", value)
+
+
+def _coerce_int(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise _fail(origin, dotted, "an integer", value)
+
+
+def _coerce_float(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise _fail(origin, dotted, "a number", value)
+
+
+def _coerce_str(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> str:
+    if isinstance(value, str):
+        return value
+    raise _fail(origin, dotted, "a string", value)
+
+
+def _coerce_path(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Path:
+    if isinstance(value, (str, Path)) and str(value):
+        return Path(value)
+    raise _fail(origin, dotted, "a path", value)
+
+
+def _coerce_sequence(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
+    if isinstance(value, str):
+        value = [v for v in (p.strip() for p in value.split(",")) if v]
+    if not isinstance(value, (list, tuple)):
+        raise _fail(origin, dotted, "an array", value)
+    args = typing.get_args(hint)
+    item_hint = args[0] if args else Any
+    items = [_coerce(item_hint, v, f"{dotted}[{i}]", origin) for i, v in enumerate(value)]
+    return tuple(items) if typing.get_origin(hint) is tuple else items
+
+
+def _coerce_mapping(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> dict[Any, Any]:
+    if not isinstance(value, Mapping):
+        raise _fail(origin, dotted, "a table", value)
+    args = typing.get_args(hint)
+    key_hint, value_hint = args if args else (str, Any)
+    result: dict[Any, Any] = {}
+    for k, v in value.items():
+        key = k
+        if key_hint is int:
+            try:
+                key = int(k)
+            except (TypeError, ValueError) as exc:
+                raise _fail(origin, f"{dotted}.{k}", "an integer key", k) from exc
+        result[key] = _coerce(value_hint, v, f"{dotted}.{k}", origin)
+    return result
+
+
+Coerce = Callable[[Any, Any, str, Mapping[str, str]], Any]
+_BY_ORIGIN: dict[Any, Coerce] = {
+    Union: _coerce_union,
+    types.UnionType: _coerce_union,
+    Literal: _coerce_literal,
+    tuple: _coerce_sequence,
+    list: _coerce_sequence,
+    dict: _coerce_mapping,
+    typing.get_origin(Mapping[str, Any]): _coerce_mapping,
+}
+_BY_TYPE: dict[Any, Coerce] = {
+    bool: _coerce_bool,
+    int: _coerce_int,
+    float: _coerce_float,
+    str: _coerce_str,
+    Path: _coerce_path,
+}
 
 
 def _describe(hint: Any) -> str:

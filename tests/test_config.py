@@ -60,6 +60,54 @@ def test_bad_file_names_file_key_and_expectation(tmp_path: Path, text: str, mess
     assert str(path) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[api]\nheartbeat_s = 0\n", r"key 'api\.heartbeat_s': expected a finite number > 0, got 0$"),
+        ("[api]\nheartbeat_s = -1.5\n", r"key 'api\.heartbeat_s': expected a finite number > 0, got -1\.5$"),
+        ("[api]\nheartbeat_s = nan\n", r"key 'api\.heartbeat_s': expected a finite number > 0, got nan$"),
+        ("[api]\nqueue_size = 0\n", r"key 'api\.queue_size': expected an integer >= 1, got 0$"),
+        ("[api]\nmax_subscribers = 0\n", r"key 'api\.max_subscribers': expected an integer >= 1"),
+        ("[api]\nmax_body_bytes = -5\n", r"key 'api\.max_body_bytes': expected an integer >= 1, got -5$"),
+        ("[aws]\npoll_interval_s = 0\n", r"key 'aws\.poll_interval_s': expected a finite number > 0"),
+        ("[gpu]\npoll_interval_s = 0\n", r"key 'gpu\.poll_interval_s': expected a finite number > 0"),
+        ("socket_mode = 0o7777\n", r"key 'socket_mode': expected a mode from 0o000 to 0o777, got 4095$"),
+        (
+            '[aws]\nendpoint = "169.254.169.254"\n',
+            r"key 'aws\.endpoint': expected an http:// or https:// URL",
+        ),
+        ('[azure]\nendpoint = "http://x:99999"\n', r"key 'azure\.endpoint': expected an http:// or https://"),
+        (
+            '[[actions.signals]]\nsignal = "SIGFOO"\ncmdline = ["train"]\n',
+            r"actions\.signals \(rule 'signal'\) signal: unknown signal 'SIGFOO'",
+        ),
+    ],
+)
+def test_out_of_range_values_are_refused_with_file_key_and_range(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path, env={})
+    assert str(info.value).startswith(f"{path}: ")
+
+
+def test_in_range_values_and_an_empty_gcp_endpoint_load(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        '[api]\nheartbeat_s = 0.5\nqueue_size = 1\n[gcp]\nendpoint = ""\n[detect]\nprobe_retry_s = 0\n',
+    )
+    config = load_config(path, env={})
+    assert (0.5, 1, "") == (config.api.heartbeat_s, config.api.queue_size, config.gcp.endpoint)
+
+
+def test_an_out_of_range_environment_value_names_the_environment() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^environment: key 'api\.heartbeat_s': expected a finite number > 0"
+    ):
+        load_config(env={"PREEMPTD_API__HEARTBEAT_S": "-1"})
+
+
 def test_an_explicit_file_that_is_missing_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.toml", env={})
