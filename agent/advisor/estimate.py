@@ -5,6 +5,9 @@ What counts as a loss (docs/advisor.md): a GPU fault; an interrupting notice (te
 reached its deadline while a training client was reporting and no emergency checkpoint finished before the
 deadline; a restart after an unclean stop that no such notice explains. Drills never count. Announced
 interruptions whose flush finished are counted apart: they cost a flush and a restart, not lost work.
+
+Over 450 lines because the estimators read the same records under the same rules of what counts;
+splitting them would split those rules.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Every NVML call runs off the event loop on a daemon thread: one worker per GPU f
 thread for ``nvmlEventSetWait_v2``, one for start-up. A watchdog on the loop flags a call that does not
 return within ``gpu.call_timeout_s`` as a finding of its own ("NVML call hung"); only that GPU's worker is
 stuck, the others carry on, and shutdown never waits for a stuck thread. See docs/gpu-health.md.
+
+Over 450 lines because the NVML calls, the threads that make them and the watchdog that bounds them share
+one lifecycle; the pure checks are in gpu_health.py and gpu_xid.py.
 """
 
 from __future__ import annotations
