@@ -16,19 +16,18 @@ import random
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import psutil
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from agent.bridges.kubernetes import plan
 from agent.bridges.kubernetes.api import KubeApi, KubeError
 from agent.bridges.kubernetes.config import KubernetesConfig
+from agent.bridges.kubernetes.drain import BACKOFF_START_S, Drainer, alive
 from agent.notice import Event, EventType, Notice, Severity, format_time
 from agent.reports import Report
 
@@ -38,68 +37,6 @@ log = structlog.get_logger("preemptd.kubernetes")
 CONFLICT_RETRIES = 5
 # Participants remembered (processes that reported as one); dead ones are forgotten first.
 MAX_PARTICIPANTS = 256
-# First wait after a failed call; doubles up to retry_max_s.
-BACKOFF_START_S = 0.5
-
-
-@dataclass
-class PodDrain:
-    """One pod of a drain: when it is due, and what happened to it."""
-
-    namespace: str
-    name: str
-    grace_s: float
-    participant: bool
-    state: str = "waiting"  # waiting → evicting → evicted | gone | blocked | failed | cancelled
-    attempts: int = 0
-    evict_at: datetime | None = None
-    done_at: datetime | None = None
-    because: str | None = None  # ready, deadline (its latest moment) or no_participants
-    last_error: str | None = None
-
-    @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "state": self.state,
-            "participant": self.participant,
-            "grace_s": self.grace_s,
-            "attempts": self.attempts,
-        }
-        if self.evict_at is not None:
-            doc["evict_at"] = format_time(self.evict_at)
-        if self.done_at is not None:
-            doc["done_at"] = format_time(self.done_at)
-        if self.because is not None:
-            doc["because"] = self.because
-        if self.last_error:
-            doc["last_error"] = self.last_error
-        return doc
-
-
-@dataclass
-class Drain:
-    """The drain of one notice: its pods, and the ``ready`` that releases the participants' pods."""
-
-    notice: Notice
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    pods: dict[str, PodDrain] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    ready_reason: str | None = None
-    state: str = "planning"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.notice.kind.value,
-            "deadline": format_time(self.notice.deadline) if self.notice.deadline else None,
-            "state": self.state,
-            "ready": self.ready_reason,
-            "pods": {key: pod.to_json() for key, pod in sorted(self.pods.items())},
-            "skipped": dict(sorted(self.skipped.items())),
-        }
 
 
 class KubernetesBridge:
@@ -130,7 +67,6 @@ class KubernetesBridge:
         self._notices: dict[str, Notice] = {}  # active notices the bridge acts on
         self._evented: set[str] = set()  # notices whose Event is posted
         self._cleared: dict[str, Notice] = {}  # cleared notices whose "cleared" Event is still to post
-        self._drains: dict[str, Drain] = {}
         self._participants: dict[str, dict[str, Any]] = {}
         self._dirty = asyncio.Event()
         self._settled = asyncio.Event()  # the node's state was attempted once since the last change
@@ -138,7 +74,16 @@ class KubernetesBridge:
         self._node_task: asyncio.Task[Any] | None = None
         self.node_state: dict[str, Any] = {"tainted": [], "cordoned": False, "condition": False}
         self.calls: Counter[tuple[str, str, str]] = Counter()
-        self.evictions: Counter[str] = Counter()
+        self.drainer = Drainer(
+            config,
+            node=node,
+            call=self._call,
+            spawn=self._spawn,
+            now=now,
+            participants=lambda: list(self._participants.values()),
+            node_settled=self.settled,
+            proc=proc,
+        )
         self.last_error: str | None = None
         self.last_error_at: datetime | None = None
         self.errors = 0
@@ -152,10 +97,8 @@ class KubernetesBridge:
         for notice in self._active():
             if notice.id not in self._notices and self._applies(notice):
                 self._notices[notice.id] = notice
-                if self.config.drain and notice.id not in self._drains:
-                    drain = Drain(notice)
-                    self._drains[notice.id] = drain
-                    self._spawn(self._drain(drain), f"drain:{notice.id}")
+                if self.config.drain:
+                    self.drainer.begin(notice)
         self._node_task = self._spawn(self._node_loop(), "node")
         self._changed()
 
@@ -176,22 +119,18 @@ class KubernetesBridge:
         self._notices.update(previous._notices)
         self._evented |= previous._evented
         self._cleared.update(previous._cleared)
-        self._drains.update(previous._drains)
         self._participants.update(previous._participants)
         if previous._node_task is not None:
             previous._node_task.cancel("replaced by a reload")
         self.calls.update(previous.calls)
-        self.evictions.update(previous.evictions)
+        self.drainer.adopt(previous.drainer)
         self._changed()
 
     def handle(self, event: Event) -> None:
         notice = event.notice
         if event.type is EventType.READY:
             notice_id = str(event.data.get("notice_id") or (notice.id if notice else ""))
-            drain = self._drains.get(notice_id)
-            if drain is not None and not drain.ready.is_set():
-                drain.ready_reason = str(event.data.get("reason") or "ready")
-                drain.ready.set()
+            self.drainer.ready(notice_id, str(event.data.get("reason") or "ready"))
             return
         if notice is None:
             return
@@ -199,9 +138,7 @@ class KubernetesBridge:
             if self._notices.pop(notice.id, None) is not None:
                 if notice.id in self._evented:
                     self._cleared[notice.id] = notice
-                drain = self._drains.pop(notice.id, None)
-                if drain is not None:
-                    drain.state = "cancelled"
+                if self.drainer.cancel(notice.id):
                     for task in list(self._tasks):
                         if task.get_name().startswith(f"kubernetes:drain:{notice.id}"):
                             task.cancel("notice cleared")
@@ -212,13 +149,10 @@ class KubernetesBridge:
         first = notice.id not in self._notices
         self._notices[notice.id] = notice
         self._changed()
-        if notice.id in self._drains:
-            self._drains[notice.id].notice = notice
-            self._drains[notice.id].changed.set()
+        if notice.id in self.drainer.drains:
+            self.drainer.update(notice)
         elif first and self.config.drain:
-            drain = Drain(notice)
-            self._drains[notice.id] = drain
-            self._spawn(self._drain(drain), f"drain:{notice.id}")
+            self.drainer.begin(notice)
 
     def on_report(self, report: Report) -> None:
         if report.client.get("participant") is not True:
@@ -231,7 +165,7 @@ class KubernetesBridge:
         self._participants[key] = {"pid": pid, "host": report.client.get("host"), "seen": report.received_at}
         if len(self._participants) > MAX_PARTICIPANTS:
             # Forget processes that are gone; past the bound, the longest silent ones.
-            for old in [k for k, who in self._participants.items() if not self._alive(who)]:
+            for old in [k for k, who in self._participants.items() if not alive(who)]:
                 del self._participants[old]
             for old in sorted(self._participants, key=lambda k: self._participants[k]["seen"])[
                 : max(0, len(self._participants) - MAX_PARTICIPANTS)
@@ -244,7 +178,7 @@ class KubernetesBridge:
             "state": "acting" if self._notices else "idle",
             "notices": sorted(self._notices),
             "node_state": dict(self.node_state),
-            "drains": {notice_id: drain.to_json() for notice_id, drain in self._drains.items()},
+            "drains": self.drainer.status(),
             "errors": self.errors,
             "running": len(self._tasks) - (1 if self._node_task in self._tasks else 0),
         }
@@ -480,153 +414,6 @@ class KubernetesBridge:
             else:
                 self._evented.add(notice.id)
 
-    # --- the drain ----------------------------------------------------------------------------------
-
-    async def _drain(self, drain: Drain) -> None:
-        # The node is cordoned first, so that an evicted pod's replacement is not scheduled back onto it.
-        await self._settled.wait()
-        pods = await self._list_pods(drain)
-        if pods is None:
-            return
-        self._plan(drain, pods)
-        drain.state = "draining"
-        workers = [
-            self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}")
-            for pod in drain.pods.values()
-        ]
-        # At ready, pods that appeared since the first list are drained too.
-        ready = asyncio.ensure_future(drain.ready.wait())
-        everyone = asyncio.ensure_future(asyncio.gather(*workers, return_exceptions=True))
-        try:
-            await asyncio.wait({ready, everyone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            ready.cancel()
-        if drain.ready.is_set():
-            pods = await self._list_pods(drain)
-            for pod in self._plan(drain, pods or []):
-                workers.append(self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}"))
-        await asyncio.gather(*workers, return_exceptions=True)
-        drain.state = "done"
-
-    async def _list_pods(self, drain: Drain) -> list[dict[str, Any]] | None:
-        backoff = BACKOFF_START_S
-        while True:
-            try:
-                pods: list[dict[str, Any]] = await self._call(lambda api: api.list_pods(), "list", "pods")
-                return pods
-            except KubeError as exc:
-                delay = exc.retry_after if exc.retry_after is not None else backoff
-                backoff = min(backoff * 2, self.config.retry_max_s)
-                if not self._before_deadline(drain, delay):
-                    drain.state = "failed"
-                    log.error(
-                        "kubernetes_drain_failed", node=self.node, notice_id=drain.notice.id, error=str(exc)
-                    )
-                    return None
-                await asyncio.sleep(min(delay, self.config.retry_max_s))
-
-    def _plan(self, drain: Drain, pods: list[dict[str, Any]]) -> list[PodDrain]:
-        """Add the pods not yet in the drain; return those added."""
-        participants = [p for p in self._participants.values() if self._alive(p)]
-        with_participants = plan.pods_with_participants(pods, participants, self._proc)
-        added = []
-        for pod in pods:
-            key = plan.pod_key(pod)
-            if key in drain.pods or key in drain.skipped:
-                continue
-            why = plan.skip_reason(pod)
-            if why is not None:
-                drain.skipped[key] = why
-                continue
-            meta = pod.get("metadata", {})
-            entry = PodDrain(
-                namespace=str(meta.get("namespace", "")),
-                name=str(meta.get("name", "")),
-                grace_s=plan.grace_of(pod),
-                participant=key in with_participants,
-            )
-            drain.pods[key] = entry
-            added.append(entry)
-        return added
-
-    def _alive(self, participant: Mapping[str, Any]) -> bool:
-        pid = participant.get("pid")
-        return not isinstance(pid, int) or psutil.pid_exists(pid)
-
-    def _due(self, drain: Drain, pod: PodDrain) -> datetime | None:
-        """When the pod goes unless ready comes first: at once for a pod without participants (if so
-        configured), else the latest moment its grace still ends a margin before the deadline."""
-        if not pod.participant and self.config.pods_without_participants == "at_once":
-            return drain.notice.detected_at
-        return plan.latest_eviction(drain.notice.deadline, pod.grace_s, self.config.drain_margin_s)
-
-    async def _wait_turn(self, drain: Drain, pod: PodDrain) -> None:
-        while not drain.ready.is_set():
-            pod.evict_at = self._due(drain, pod)
-            delay = None if pod.evict_at is None else (pod.evict_at - self._now()).total_seconds()
-            if delay is not None and delay <= 0:
-                return
-            drain.changed.clear()
-            waiters = [asyncio.ensure_future(drain.ready.wait()), asyncio.ensure_future(drain.changed.wait())]
-            try:
-                await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
-                await asyncio.gather(*waiters, return_exceptions=True)
-
-    def _before_deadline(self, drain: Drain, delay: float) -> bool:
-        deadline = drain.notice.deadline
-        return deadline is None or (deadline - self._now()).total_seconds() > delay
-
-    async def _evict(self, drain: Drain, pod: PodDrain) -> None:
-        try:
-            await self._wait_turn(drain, pod)
-        except asyncio.CancelledError:
-            pod.state = "cancelled"
-            raise
-        why = "ready" if drain.ready.is_set() else "deadline" if pod.participant else "no_participants"
-        pod.because = why
-        pod.state = "evicting"
-        backoff = BACKOFF_START_S
-        while True:
-            pod.attempts += 1
-            try:
-                await self._call(lambda api: api.evict(pod.namespace, pod.name), "create", "pods/eviction")
-            except KubeError as exc:
-                pod.last_error = str(exc)
-                if exc.failure == "not_found":
-                    self._finish(drain, pod, "gone", why)
-                    return
-                blocked = exc.failure == "throttled" and any("DisruptionBudget" in c for c in exc.causes)
-                if exc.failure == "throttled":
-                    delay = exc.retry_after if exc.retry_after else self.config.eviction_retry_s
-                elif exc.failure in ("forbidden", "unauthorized"):
-                    delay = self.config.retry_max_s
-                else:
-                    delay = backoff
-                    backoff = min(backoff * 2, self.config.retry_max_s)
-                delay = min(delay, self.config.retry_max_s)
-                if not self._before_deadline(drain, delay):
-                    self._finish(drain, pod, "blocked" if blocked else "failed", why)
-                    return
-                if blocked:
-                    pod.state = "blocked_by_budget"
-                await asyncio.sleep(delay)
-                continue
-            self._finish(drain, pod, "evicted", why)
-            return
-
-    def _finish(self, drain: Drain, pod: PodDrain, state: str, why: str) -> None:
-        pod.state = state
-        pod.done_at = self._now()
-        self.evictions[state] += 1
-        fields = {"node": self.node, "notice_id": drain.notice.id, "pod": pod.key, "because": why}
-        if state in ("evicted", "gone"):
-            log.info("kubernetes_pod_evicted", outcome=state, **fields)
-        else:
-            log.error("kubernetes_eviction_gave_up", outcome=state, error=pod.last_error, **fields)
-
 
 class Collector:
     """Prometheus collector over the bridge in place (a reload swaps it)."""
@@ -650,20 +437,12 @@ class Collector:
         evictions = CounterMetricFamily(
             "preemptd_kubernetes_evictions", "Pods the agent drained, by outcome", labels=["outcome"]
         )
-        for outcome, value in sorted(bridge.evictions.items()):
+        for outcome, value in sorted(bridge.drainer.evictions.items()):
             evictions.add_metric([outcome], value)
         yield evictions
         waiting = GaugeMetricFamily(
             "preemptd_kubernetes_pods_pending_eviction",
             "Pods of the node that a drain will still evict (waiting for ready, or retried)",
         )
-        waiting.add_metric(
-            [],
-            sum(
-                1
-                for drain in bridge._drains.values()
-                for pod in drain.pods.values()
-                if pod.state in ("waiting", "evicting", "blocked_by_budget")
-            ),
-        )
+        waiting.add_metric([], bridge.drainer.pending())
         yield waiting
