@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import structlog
@@ -26,6 +26,10 @@ class TaskSet:
 
     def __len__(self) -> int:
         return len(self._tasks)
+
+    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
+        """The tasks running now (a copy: tasks may end while the caller iterates)."""
+        return iter(list(self._tasks))
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any] | None:
         """Start ``coro`` as a task named ``<set>:<name>``; None (and the coroutine closed) once closing."""

@@ -30,6 +30,7 @@ from agent.bridges.kubernetes.config import KubernetesConfig
 from agent.bridges.kubernetes.drain import BACKOFF_START_S, Drainer, alive
 from agent.notice import Event, EventType, Notice, Severity, format_time
 from agent.reports import Report
+from agent.tasks import TaskSet
 
 log = structlog.get_logger("preemptd.kubernetes")
 
@@ -63,7 +64,7 @@ class KubernetesBridge:
         self._proc = proc
         self._host_name = host_name or socket.gethostname()
         self._api: KubeApi | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet("kubernetes", failure_event="kubernetes_task_failed")
         self._notices: dict[str, Notice] = {}  # active notices the bridge acts on
         self._evented: set[str] = set()  # notices whose Event is posted
         self._cleared: dict[str, Notice] = {}  # cleared notices whose "cleared" Event is still to post
@@ -103,11 +104,7 @@ class KubernetesBridge:
         self._changed()
 
     async def stop(self, timeout: float) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel("agent stopping")
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout)
+        await self._tasks.close(timeout, grace=0)
         if self._api is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._api.close(), timeout=max(0.1, timeout))
@@ -139,7 +136,7 @@ class KubernetesBridge:
                 if notice.id in self._evented:
                     self._cleared[notice.id] = notice
                 if self.drainer.cancel(notice.id):
-                    for task in list(self._tasks):
+                    for task in self._tasks:
                         if task.get_name().startswith(f"kubernetes:drain:{notice.id}"):
                             task.cancel("notice cleared")
                 self._changed()
@@ -180,7 +177,7 @@ class KubernetesBridge:
             "node_state": dict(self.node_state),
             "drains": self.drainer.status(),
             "errors": self.errors,
-            "running": len(self._tasks) - (1 if self._node_task in self._tasks else 0),
+            "running": sum(1 for task in self._tasks if task is not self._node_task),
         }
         if self.last_error is not None:
             doc["last_error"] = self.last_error
@@ -215,16 +212,8 @@ class KubernetesBridge:
         self._settled.clear()
         self._dirty.set()
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=f"kubernetes:{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("kubernetes_task_failed", task=task.get_name(), error=repr(task.exception()))
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any] | None:
+        return self._tasks.spawn(coro, name)
 
     def _api_client(self) -> KubeApi:
         if self._api is None:

@@ -27,7 +27,7 @@ log = structlog.get_logger("preemptd.kubernetes")
 BACKOFF_START_S = 0.5
 
 Call = Callable[[Callable[[KubeApi], Any], str, str], Awaitable[Any]]
-Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
+Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any] | None"]
 
 
 def alive(participant: Mapping[str, Any]) -> bool:
@@ -177,9 +177,11 @@ class Drainer:
             return
         self._plan(drain, pods)
         drain.state = "draining"
+        # None once the bridge is stopping: those pods are left to the next start.
         workers = [
-            self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}")
+            task
             for pod in drain.pods.values()
+            if (task := self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}"))
         ]
         # At ready, pods that appeared since the first list are drained too.
         ready = asyncio.ensure_future(drain.ready.wait())
@@ -191,7 +193,9 @@ class Drainer:
         if drain.ready.is_set():
             pods = await self._list_pods(drain)
             for pod in self._plan(drain, pods or []):
-                workers.append(self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}"))
+                task = self._spawn(self._evict(drain, pod), f"drain:{drain.notice.id}:{pod.key}")
+                if task is not None:
+                    workers.append(task)
         await asyncio.gather(*workers, return_exceptions=True)
         drain.state = "done"
 
