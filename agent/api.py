@@ -12,7 +12,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -24,12 +24,10 @@ from agent.errors import NoticeError, ReportError
 from agent.hub import CLOSE, HubFull
 from agent.notice import Kind, Severity
 from agent.peers import is_admin, peer_credentials, peer_doc
+from agent.ports import ApiHost, MetricsView
 from agent.reports import brief, parse_report, seconds
 
-if TYPE_CHECKING:
-    from agent.daemon import Agent
-
-AGENT_KEY: web.AppKey[Agent] = web.AppKey("agent")
+AGENT_KEY: web.AppKey[ApiHost] = web.AppKey("agent")
 MISTAKES_KEY: web.AppKey[ClientMistakes] = web.AppKey("mistakes")
 MAX_DRILL_S = 7 * 24 * 3600.0
 
@@ -303,7 +301,7 @@ async def clear_drill(request: web.Request) -> web.Response:
 class AgentCollector:
     """Prometheus metrics read from the agent at scrape time."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: MetricsView) -> None:
         self.agent = agent
 
     def collect(self) -> list[Metric]:
@@ -407,18 +405,19 @@ async def _quiet_bad_requests(app: web.Application) -> AsyncIterator[None]:
         server_log.removeFilter(quiet)
 
 
-def build_registry(agent: Agent) -> CollectorRegistry:
+def build_registry(agent: MetricsView) -> CollectorRegistry:
     """Every metric the agent exports: its own and its components' collectors (the Unix socket's /metrics and
     the TCP metrics listener read the same)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(agent))
-    for collector in agent._collectors:
+    for collector in agent.metrics_collectors():
         registry.register(collector)
     return registry
 
 
 def build_app(
-    agent: Agent, extra_routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]]
+    agent: ApiHost,
+    extra_routes: list[tuple[str, str, Callable[[web.Request], Awaitable[web.StreamResponse]]]],
 ) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=agent.config.api.max_body_bytes)
     app[AGENT_KEY] = agent

@@ -212,6 +212,9 @@ class Agent:
     def add_metrics_collector(self, collector: Any) -> None:
         self._collectors.append(collector)
 
+    def metrics_collectors(self) -> tuple[Any, ...]:
+        return tuple(self._collectors)
+
     def on_event(self, fn: Callable[[Event], None]) -> None:
         self.fanout.add(fn)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -19,9 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from agent.errors import ConfigError
 from agent.notice import Event, EventType
-
-if TYPE_CHECKING:
-    from agent.daemon import Agent
+from agent.ports import MetricsHost, MetricsView
 
 log = structlog.get_logger("preemptd.metrics")
 
@@ -141,7 +139,7 @@ class DeadlineCollector:
     """The soonest deadline among active notices, as a Unix timestamp and as seconds left (absent when no
     active notice has a deadline)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: MetricsView) -> None:
         self._agent = agent
 
     def describe(self) -> list[Metric]:
@@ -182,9 +180,9 @@ class MetricsComponent:
         self._address = parse_listen(listen)
         self.outcomes = NoticeOutcomes()
         self.listener: MetricsListener | None = None
-        self._agent: Agent | None = None
+        self._agent: MetricsHost | None = None
 
-    def setup(self, agent: Agent) -> None:
+    def setup(self, agent: MetricsHost) -> None:
         self._agent = agent
         agent.add_metrics_collector(DeadlineCollector(agent))
         agent.add_metrics_collector(_OutcomeCollector(self.outcomes))

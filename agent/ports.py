@@ -3,19 +3,25 @@
 A source, a component (advisor, actions), a reactor (an action or a scheduler bridge) and the HTTP API are
 typed against these, never against :class:`agent.daemon.Agent`, so each can be built and tested with any
 object that offers the same few methods. This module is a leaf: it imports the standard library and the
-pure value types of :mod:`agent.notice` and :mod:`agent.reports` only. docs/internals.md says who provides
-each port and how to add a reactor or a bridge.
+pure value types of :mod:`agent.notice` and :mod:`agent.reports` only (and, for type checking only, the
+event hub that the API serves from, :mod:`agent.hub`). docs/internals.md says who provides each port and how
+to add a reactor or a bridge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import asyncio
+import enum
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from agent.notice import Event, Notice, Observation
+from agent.notice import Event, Kind, Notice, Observation, Severity
 from agent.reports import Report
+
+if TYPE_CHECKING:
+    from agent.hub import Hub
 
 T = TypeVar("T")
 
@@ -175,17 +181,173 @@ class Component(Protocol):
         ...
 
 
+class Tasks(Protocol):
+    """The agent's task owner (``agent.tasks.TaskSet``): a spawned task is logged when it fails."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any] | None: ...
+
+    async def cancel(self, task: asyncio.Task[Any], timeout: float) -> None: ...
+
+
+class HistoryFile(Protocol):
+    """Where the history log lives (``agent.state.History``)."""
+
+    @property
+    def path(self) -> Path: ...
+
+
+class AdvisorHost(Protocol):
+    """What the advisor component uses of the agent (``agent.advisor.component``)."""
+
+    @property
+    def config(self) -> ConfigView: ...
+
+    @property
+    def log(self) -> Any:
+        """The agent's structlog logger."""
+        ...
+
+    @property
+    def tasks(self) -> Tasks: ...
+
+    @property
+    def history(self) -> HistoryFile: ...
+
+    def now(self) -> datetime: ...
+
+    def record(self, record: Mapping[str, Any]) -> None: ...
+
+    def add_route(self, method: str, path: str, handler: Handler) -> None: ...
+
+    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
+
+    def add_metrics_collector(self, collector: Any) -> None: ...
+
+    def on_event(self, fn: Callable[[Event], None]) -> None: ...
+
+    def on_report(self, fn: Callable[[Report], None]) -> None: ...
+
+
+class HealthView(Protocol):
+    """A source's health as the metrics read it (``agent.sources.base.SourceHealth``)."""
+
+    @property
+    def state(self) -> enum.Enum: ...
+
+    @property
+    def errors(self) -> int: ...
+
+
+class MetricsView(Protocol):
+    """What the agent's own metrics read at scrape time (``agent.api.build_registry``): the board, the hub's
+    counters, reports, source health, the state directory, connections, and the components' collectors."""
+
+    @property
+    def board(self) -> Board: ...
+
+    @property
+    def hub(self) -> Hub: ...
+
+    @property
+    def reports_total(self) -> Mapping[str, int]: ...
+
+    @property
+    def reports_rejected(self) -> int: ...
+
+    @property
+    def health(self) -> Mapping[str, HealthView]: ...
+
+    @property
+    def state_ok(self) -> bool: ...
+
+    def now(self) -> datetime: ...
+
+    def connections(self) -> dict[str, Any]: ...
+
+    def metrics_collectors(self) -> tuple[Any, ...]:
+        """The collectors parts added with ``add_metrics_collector``."""
+        ...
+
+
+class MetricsHost(MetricsView, Protocol):
+    """What the metrics component uses of the agent (``agent.metrics_export``)."""
+
+    def add_metrics_collector(self, collector: Any) -> None: ...
+
+    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
+
+    def on_event(self, fn: Callable[[Event], None]) -> None: ...
+
+
+class ApiSettings(Protocol):
+    """The ``[api]`` settings the HTTP handlers read."""
+
+    @property
+    def max_body_bytes(self) -> int: ...
+
+    @property
+    def idle_timeout_s(self) -> float: ...
+
+
+class ApiConfig(Protocol):
+    """The configuration as the HTTP API reads it."""
+
+    @property
+    def api(self) -> ApiSettings: ...
+
+    @property
+    def admin_group(self) -> str | None: ...
+
+
+class ApiHost(MetricsView, Protocol):
+    """What the HTTP API (``agent.api``) uses of the agent: its metrics, the event stream, client reports,
+    drills and the status document."""
+
+    reports_rejected: int  # counted by the API's handlers
+
+    @property
+    def config(self) -> ApiConfig: ...
+
+    @property
+    def log(self) -> Any:
+        """The agent's structlog logger."""
+        ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def check_report(self, report: Report, privileged: bool) -> tuple[int, str] | None: ...
+
+    def accept_report(self, report: Report) -> None: ...
+
+    def drill(
+        self, kind: Kind, in_s: float, severity: Severity | None, reason: str, peer: Mapping[str, Any]
+    ) -> Notice: ...
+
+    def retract(self, source: str, key: str, reason: str | None = None) -> Notice | None: ...
+
+    async def persist(self) -> None: ...
+
+
 ReactorFactory = Callable[[Host], "Reactor | None"]
 """Builds one reactor from the configuration (``host.config.table(...)``), or None when it is not wanted."""
 
 __all__ = [
     "AZURE_ACK",
     "GPU_PIDS",
+    "AdvisorHost",
+    "ApiConfig",
+    "ApiHost",
+    "ApiSettings",
     "Board",
     "Component",
     "ConfigView",
     "Handler",
+    "HealthView",
+    "HistoryFile",
     "Host",
+    "MetricsHost",
+    "MetricsView",
     "Reactor",
     "ReactorFactory",
+    "Tasks",
 ]

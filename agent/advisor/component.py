@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily
@@ -26,10 +26,8 @@ from agent.advisor.estimate import Observations, check_config, observe
 from agent.config import AdvisorConfig, Config
 from agent.errors import ConfigError
 from agent.notice import Event, EventType, format_time
+from agent.ports import AdvisorHost
 from agent.reports import Report
-
-if TYPE_CHECKING:
-    from agent.daemon import Agent
 
 REFRESH_S = 120.0
 # An answer older than this is recomputed even without new records: notices reach their deadlines.
@@ -86,7 +84,7 @@ class AdvisorComponent:
 
     def __init__(self, config: AdvisorConfig | None = None) -> None:
         self._config = config
-        self._agent: Agent | None = None
+        self._agent: AdvisorHost | None = None
         self._records: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDS)
         self._version = 0
         self._computed_version = -1
@@ -104,14 +102,16 @@ class AdvisorComponent:
     def config(self) -> AdvisorConfig:
         if self._config is not None:
             return self._config
-        return self._agent.config.advisor if self._agent is not None else AdvisorConfig()
+        return (
+            self._agent.config.table("advisor", AdvisorConfig) if self._agent is not None else AdvisorConfig()
+        )
 
     # ----- component contract -----
 
-    def setup(self, agent: Agent) -> None:
+    def setup(self, agent: AdvisorHost) -> None:
         self._agent = agent
         if self._config is None:
-            self._config = agent.config.advisor
+            self._config = agent.config.table("advisor", AdvisorConfig)
         check_config(self._config)
         agent.add_route("GET", "/v1/advice", self.handle_advice)
         agent.add_status_section("advice", self.status_advice)
@@ -162,7 +162,7 @@ class AdvisorComponent:
         self._version += 1
         self._changed.set()
 
-    def _require_agent(self) -> Agent:
+    def _require_agent(self) -> AdvisorHost:
         if self._agent is None:
             raise RuntimeError("the advisor component was not set up")
         return self._agent
