@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from agent.hub import Hub
-from agent.notice import Event, EventType, Notice
+from agent.notice import Change, Event, EventType, Notice, Severity, format_time
 
 
 def history_record(event: Event) -> dict[str, Any]:
@@ -29,8 +29,10 @@ class Fanout:
         hub: Hub,
         record: Callable[[dict[str, Any]], None],
         on_error: Callable[[Callable[[Event], None], Exception], None],
+        log: Any,
     ) -> None:
         self.hub = hub
+        self._log = log
         self._record = record
         self._on_error = on_error
         self._listeners: list[Callable[[Event], None]] = []
@@ -55,3 +57,26 @@ class Fanout:
                 self._on_error(listener, exc)
         self._record(history_record(event))
         return event
+
+    def apply(self, changes: list[Change], now: datetime) -> None:
+        """Board changes become events here: each is emitted (as above) and logged once."""
+        for change in changes:
+            event = self.emit(change.type, now, notice=change.notice)
+            notice = change.notice
+            name = {EventType.NOTICE: "notice_raised", EventType.UPDATE: "notice_updated"}.get(
+                change.type, "notice_cleared"
+            )
+            critical = change.type is not EventType.CLEARED and notice.severity is Severity.CRITICAL
+            (self._log.warning if critical else self._log.info)(
+                name,
+                notice_id=notice.id,
+                kind=notice.kind.value,
+                severity=notice.severity.value,
+                source=notice.source,
+                reason=notice.reason,
+                deadline=format_time(notice.deadline) if notice.deadline else None,
+                seconds_left=notice.seconds_left(event.time),
+                drill=notice.drill,
+                seq=event.seq,
+                subscribers=len(self.hub),
+            )

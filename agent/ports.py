@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from agent.hub import Hub
 
 T = TypeVar("T")
+H_contra = TypeVar("H_contra", contravariant=True)
 
 # An aiohttp request handler (web.Request -> web.StreamResponse); typed loosely so this module does not
 # import aiohttp.
@@ -165,13 +166,14 @@ class Host(Protocol):
         ...
 
 
-class Component(Protocol):
-    """A part that lives as long as the agent (the actions runner, the advisor)."""
+class Component(Protocol[H_contra]):
+    """A part that lives as long as the agent (the actions runner, the advisor, the metrics), set up with
+    the port it is typed against (``Host``, ``AdvisorHost``, ``MetricsHost``)."""
 
     name: str
 
-    def setup(self, host: Host) -> None:
-        """Synchronous, before the socket is bound: routes, status sections, metrics, listeners."""
+    def setup(self, host: H_contra) -> None:
+        """Synchronous, before the socket serves: routes, status sections, metrics, listeners."""
         ...
 
     async def start(self) -> None: ...

@@ -193,7 +193,7 @@ async def test_advisor_marks_the_history_periodically(base: Path) -> None:
     async with running_agent(base, settings={"advisor.record_interval_s": 0.05}) as agent:
         recorded: list[dict[str, Any]] = []
         seen = asyncio.Event()
-        original = agent._record
+        original = agent.keeper.record
 
         def spy(record: dict[str, Any]) -> None:
             original(record)
@@ -201,7 +201,7 @@ async def test_advisor_marks_the_history_periodically(base: Path) -> None:
                 recorded.append(record)
                 seen.set()
 
-        agent._record = spy  # type: ignore[method-assign]
+        agent.keeper.record = spy  # type: ignore[method-assign]
         await asyncio.wait_for(seen.wait(), timeout=5.0)
     assert {"interval_s", "confidence", "save_time_s", "mtbp_s"} <= set(recorded[0])
 

@@ -102,7 +102,7 @@ async def test_valid_report_is_accepted_logged_and_kept_in_history(base: Path) -
     async with running_agent(base) as agent:
         with capture_logs() as logs:
             status, body = await http_json(agent.config.socket, "POST", "/v1/reports", report)
-        await agent._flush(clean=False)
+        await agent.persist()
         history = [r for r in agent.history.records() if r["type"] == "report"]
     assert (202, os.getpid()) == (status, body["report"]["peer_pid"])
     assert ["report_received"] == [e["event"] for e in logs if e["event"].startswith("report")]

@@ -74,7 +74,7 @@ async def test_unusable_state_directory_leaves_the_agent_serving_without_persist
 async def test_a_second_agent_on_the_same_socket_refuses_to_start(base: Path) -> None:
     async with running_agent(base) as first:
         first.drill(Kind.TERMINATION, 60, None, "first", {})
-        await first._flush(clean=False)
+        await first.persist()
         before = (base / "state" / STATE_FILE).read_bytes()
         with pytest.raises(AlreadyRunningError, match="another preemptd"):
             async with running_agent(base):
