@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import format_event, format_status
+from agent.render import format_event, format_status
 from agent.notice import Kind
 from tests.support import REPO, eventually, running_agent
 
