@@ -10,7 +10,8 @@ from typing import Any
 
 from agent.simulate.aws import AwsSimulator
 from agent.simulate.azure import AzureSimulator
-from agent.simulate.base import Scenario, Simulator, SimulatorError
+from agent.simulate.base import Scenario, Simulator
+from agent.simulate.faults import SimulatorError
 from agent.simulate.gcp import GcpSimulator
 from agent.simulate.spot import AlibabaSimulator, TencentSimulator
 

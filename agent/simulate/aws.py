@@ -13,16 +13,8 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from agent.notice import utcnow
-from agent.simulate.base import (
-    Scenario,
-    Simulator,
-    SimulatorError,
-    in_s,
-    listing,
-    raw,
-    rfc3339_seconds,
-    scenario,
-)
+from agent.simulate.base import Scenario, Simulator, in_s, listing, raw, rfc3339_seconds, scenario
+from agent.simulate.faults import SimulatorError
 
 TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from agent.notice import utcnow
-from agent.simulate.base import Scenario, Simulator, SimulatorError, in_s, scenario
+from agent.simulate.base import Scenario, Simulator, in_s, scenario
+from agent.simulate.faults import SimulatorError
 
 EVENTS_PATH = "/metadata/scheduledevents"
 # As Microsoft lists them for Scheduled Events.

@@ -13,16 +13,8 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from agent.notice import utcnow
-from agent.simulate.base import (
-    Scenario,
-    Simulator,
-    SimulatorError,
-    in_s,
-    listing,
-    raw,
-    rfc3339_seconds,
-    scenario,
-)
+from agent.simulate.base import Scenario, Simulator, in_s, listing, raw, rfc3339_seconds, scenario
+from agent.simulate.faults import SimulatorError
 
 BASE = "/computeMetadata/v1/"
 MAINTENANCE_VALUES = ("NONE", "MIGRATE_ON_HOST_MAINTENANCE", "TERMINATE_ON_HOST_MAINTENANCE")

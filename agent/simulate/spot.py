@@ -12,16 +12,8 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from agent.notice import utcnow
-from agent.simulate.base import (
-    Scenario,
-    Simulator,
-    SimulatorError,
-    in_s,
-    listing,
-    raw,
-    rfc3339_seconds,
-    scenario,
-)
+from agent.simulate.base import Scenario, Simulator, in_s, listing, raw, rfc3339_seconds, scenario
+from agent.simulate.faults import SimulatorError
 
 _NOT_FOUND = (
     "<html>\r\n<head><title>404 Not Found</title></head>\r\n<body>\r\n"
