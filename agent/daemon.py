@@ -21,6 +21,7 @@ import structlog
 from aiohttp import web
 
 from agent import __version__, status
+from agent.board import Change, NoticeBoard
 from agent.clientlog import ClientMistakes
 from agent.components import build_components, reload_all, start_all, stop_all
 from agent.config import Config, load_config
@@ -29,17 +30,7 @@ from agent.fanout import Fanout
 from agent.health import HealthBook
 from agent.hub import Hub, Subscriber
 from agent.keeper import StateKeeper
-from agent.notice import (
-    Change,
-    Event,
-    EventType,
-    Kind,
-    Notice,
-    NoticeBoard,
-    Observation,
-    Severity,
-    utcnow,
-)
+from agent.notice import Event, EventType, Kind, Notice, Observation, Severity, utcnow
 from agent.ports import Component, Handler
 from agent.reports import Report
 from agent.sdnotify import Notifier
@@ -125,10 +116,6 @@ class Agent:
     @property
     def socket_path(self) -> Path | None:
         return self.server.socket_path
-
-    @property
-    def events_total(self) -> dict[str, int]:
-        return self.fanout.events_total
 
     @property
     def opened(self) -> bool:

@@ -10,8 +10,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
+from agent.board import Change
 from agent.hub import Hub
-from agent.notice import Change, Event, EventType, Notice, Severity, format_time
+from agent.notice import Event, EventType, Notice, Severity, format_time
 
 
 def history_record(event: Event) -> dict[str, Any]:
@@ -36,7 +37,6 @@ class Fanout:
         self._record = record
         self._on_error = on_error
         self._listeners: list[Callable[[Event], None]] = []
-        self.events_total: dict[str, int] = {}
 
     def add(self, listener: Callable[[Event], None]) -> None:
         self._listeners.append(listener)
@@ -49,7 +49,6 @@ class Fanout:
         data: Mapping[str, Any] | None = None,
     ) -> Event:
         event = self.hub.publish(event_type, now, notice=notice, data=data)
-        self.events_total[event.type.value] = self.events_total.get(event.type.value, 0) + 1
         for listener in self._listeners:
             try:
                 listener(event)

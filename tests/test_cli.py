@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.render import format_event, format_status
 from agent.notice import Kind
+from agent.render import format_event, format_status
 from tests.support import REPO, eventually, running_agent
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from agent.notice import Kind, NoticeBoard, Observation
+from agent.board import NoticeBoard
+from agent.notice import Kind, Observation
 from agent.simulate import simulator_for
 from tests.cloud_harness import FAST, QUIET
 from tests.support import AgentProcess, SSEClient, http_json

@@ -15,8 +15,9 @@ from typing import Any
 
 import structlog
 
+from agent.board import Change, NoticeBoard
 from agent.health import HealthBook
-from agent.notice import Change, NoticeBoard, Observation
+from agent.notice import Observation
 from agent.ports import Tasks
 from agent.reports import Report
 from agent.sources.base import HealthState, Source, SourceHealth

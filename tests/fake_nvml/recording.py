@@ -10,7 +10,8 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from agent.notice import Change, EventType, NoticeBoard, Observation, utcnow
+from agent.board import Change, NoticeBoard
+from agent.notice import EventType, Observation, utcnow
 
 
 class RecordingSink:
