@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import structlog
 
@@ -96,6 +96,34 @@ class OwnedTasks:
     async def drain(self) -> None:
         """Wait until every action started so far has finished (tests)."""
         await self._tasks.drain()
+
+
+class RuleActions(OwnedTasks, Generic[R]):
+    """An action that runs once for every configured rule that wants an event (hooks, webhooks): the
+    trigger loop lives here, the action itself in :meth:`act`, which must only spawn owned tasks."""
+
+    name: str
+    rules: tuple[R, ...]
+    outcomes: Outcomes
+
+    def handle(
+        self, event: Event, notice: Notice | None = None, doc: Mapping[str, Any] | None = None
+    ) -> None:
+        """Act for every rule that wants this event; ``doc`` (default: the event JSON) is what it is given."""
+        notice = notice or event.notice
+        for rule, trigger in wanting(self.rules, event, notice):
+            doc = doc if doc is not None else event_document(event, notice)
+            self.act(rule, trigger, notice, doc)
+
+    def act(self, rule: R, trigger: str, notice: Notice | None, doc: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        return {
+            self.name: len(self.rules),
+            "running": len(self._tasks),
+            "outcomes": dict(self.outcomes.counts),
+        }
 
 
 def event_document(event: Event, notice: Notice | None) -> dict[str, Any]:

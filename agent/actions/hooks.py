@@ -18,18 +18,16 @@ from typing import Any
 
 from agent.actions.common import (
     Outcomes,
-    OwnedTasks,
     Recent,
+    RuleActions,
     checked_each,
-    event_document,
     log,
     record_outcome,
-    wanting,
 )
 from agent.actions.validate import check_hook
 from agent.config import HookConfig
 from agent.errors import ConfigError
-from agent.notice import Event, Notice, format_time, utcnow
+from agent.notice import Notice, format_time, utcnow
 from agent.tasks import TaskSet
 
 MAX_LOGGED_LINES = 200
@@ -71,7 +69,7 @@ def hook_environment(
     return env
 
 
-class HookEngine(OwnedTasks):
+class HookEngine(RuleActions[HookConfig]):
     """Starts the configured hooks for each event, at most ``concurrency`` at a time. A
     :class:`agent.ports.Reactor` named ``hooks``."""
 
@@ -88,7 +86,7 @@ class HookEngine(OwnedTasks):
         base_env: Mapping[str, str] | None = None,
         count: Callable[[str], None] = lambda outcome: None,
     ) -> None:
-        self.hooks = validate_hooks(hooks)
+        self.rules = self.hooks = validate_hooks(hooks)
         if concurrency < 1:
             raise ConfigError(f"actions.hook_concurrency must be at least 1, got {concurrency}")
         self._limit = asyncio.Semaphore(concurrency)
@@ -98,18 +96,10 @@ class HookEngine(OwnedTasks):
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._count = self.outcomes = Outcomes(count)
 
-    def status(self) -> dict[str, Any]:
-        return {"hooks": len(self.hooks), "running": len(self._tasks), "outcomes": dict(self.outcomes.counts)}
-
-    def handle(
-        self, event: Event, notice: Notice | None = None, doc: Mapping[str, Any] | None = None
-    ) -> None:
-        """Start every hook that wants this event; ``doc`` (default: the event JSON) is given on stdin."""
-        notice = notice or event.notice
-        for hook, trigger in wanting(self.hooks, event, notice):
-            doc = doc if doc is not None else event_document(event, notice)
-            name = hook_name(hook)
-            self._tasks.spawn(self._run(hook, name, notice, doc), f"hook:{name}:{trigger}")
+    def act(self, rule: HookConfig, trigger: str, notice: Notice | None, doc: Mapping[str, Any]) -> None:
+        """Start the hook; ``doc`` goes to its stdin."""
+        name = hook_name(rule)
+        self._tasks.spawn(self._run(rule, name, notice, doc), f"hook:{name}:{trigger}")
 
     async def _run(self, hook: HookConfig, name: str, notice: Notice | None, doc: Mapping[str, Any]) -> None:
         async with self._limit:

@@ -16,17 +16,15 @@ import aiohttp
 
 from agent.actions.common import (
     Outcomes,
-    OwnedTasks,
     Recent,
+    RuleActions,
     checked_each,
-    event_document,
     log,
     record_outcome,
-    wanting,
 )
 from agent.actions.validate import check_webhook, redact
 from agent.config import WebhookConfig
-from agent.notice import Event, Notice, format_time, utcnow
+from agent.notice import Notice, format_time, utcnow
 from agent.tasks import TaskSet
 
 
@@ -66,7 +64,7 @@ class _Retry(Exception):
     pass
 
 
-class WebhookEngine(OwnedTasks):
+class WebhookEngine(RuleActions[WebhookConfig]):
     """Delivers events to the configured webhooks; each delivery is an owned task with its own retries. A
     :class:`agent.ports.Reactor` named ``webhooks``."""
 
@@ -81,7 +79,7 @@ class WebhookEngine(OwnedTasks):
         host: str | None = None,
         count: Callable[[str], None] = lambda outcome: None,
     ) -> None:
-        self.hooks = validate_webhooks(hooks)
+        self.rules = self.hooks = validate_webhooks(hooks)
         self._tasks = tasks
         self.recent = self._recent = recent
         self._host = host or socket.gethostname()
@@ -101,22 +99,10 @@ class WebhookEngine(OwnedTasks):
         await super().stop(timeout)
         await self.close()
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "webhooks": len(self.hooks),
-            "running": len(self._tasks),
-            "outcomes": dict(self.outcomes.counts),
-        }
-
-    def handle(
-        self, event: Event, notice: Notice | None = None, doc: Mapping[str, Any] | None = None
-    ) -> None:
-        notice = notice or event.notice
-        for hook, trigger in wanting(self.hooks, event, notice):
-            doc = doc if doc is not None else event_document(event, notice)
-            payload = render_payload(hook, doc, notice, self._host)
-            name = webhook_name(hook)
-            self._tasks.spawn(self._deliver(hook, name, payload, doc, notice), f"webhook:{name}:{trigger}")
+    def act(self, rule: WebhookConfig, trigger: str, notice: Notice | None, doc: Mapping[str, Any]) -> None:
+        payload = render_payload(rule, doc, notice, self._host)
+        name = webhook_name(rule)
+        self._tasks.spawn(self._deliver(rule, name, payload, doc, notice), f"webhook:{name}:{trigger}")
 
     async def _deliver(
         self, hook: WebhookConfig, name: str, payload: Any, doc: Mapping[str, Any], notice: Notice | None
