@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -395,6 +396,29 @@ async def test_hung_initialisation_is_a_gpu_fault(fake_nvml_lib: Path, scenario:
         scenario.unset("hang.nvmlDeviceGetCount_v2")
         await sink.wait_cleared("driver/hung")
         await wait_polled(source, sink)
+
+
+async def test_a_start_up_error_after_the_monitor_stopped_is_dropped_not_left_unretrieved(
+    fake_nvml_lib: Path, scenario: Scenario
+) -> None:
+    """The agent stops while nvmlInit hangs; the call then fails. Nobody waits for it any more: its error is
+    dropped, not left in a future that asyncio reports as "exception was never retrieved"."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(str(context.get("message"))))
+    try:
+        scenario.update({"hang.nvmlInitWithFlags": 1, "error.nvmlInitWithFlags": 999})
+        async with monitor(fake_nvml_lib) as (_source, sink):
+            await sink.wait_active("driver/hung")
+        scenario.unset("hang.nvmlInitWithFlags")
+        await asyncio.sleep(0.3)  # the worker thread returns from the fake and hands back its error
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+        scenario.unset("error.nvmlInitWithFlags")
+    assert [] == [m for m in unretrieved if "never retrieved" in m]
 
 
 async def test_gpu_lost_before_start_up_is_a_gpu_fault_and_the_others_are_watched(

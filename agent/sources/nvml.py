@@ -545,7 +545,13 @@ class NvmlSource(Source):
         """Await ``future``; while the worker's current call runs past the bound, report it (once)."""
         reported = False
         while True:
-            done, _ = await asyncio.wait({future}, timeout=self._tick())
+            try:
+                done, _ = await asyncio.wait({future}, timeout=self._tick())
+            except asyncio.CancelledError:
+                # Nobody will read the call's outcome: drop it (agent.threads.settle skips a cancelled
+                # future), or an error that arrives after shutdown is logged as never retrieved.
+                future.cancel()
+                raise
             if done:
                 return future.result()
             stuck = worker.watch.stuck_for(time.monotonic())
