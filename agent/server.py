@@ -64,7 +64,9 @@ class Served(Protocol):
 
 
 class Server:
-    def __init__(self, served: Served, notifier: Notifier, tasks: Tasks, mistakes: ClientMistakes, log: Any):
+    def __init__(
+        self, served: Served, notifier: Notifier, tasks: Tasks, mistakes: ClientMistakes, log: Any
+    ) -> None:
         self.served = served
         self.notifier = notifier
         self.tasks = tasks
