@@ -22,13 +22,13 @@ import time
 import uuid
 import warnings
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from agent.client.preempted import record_emergency
 from agent.client.reporting import Reporter
@@ -135,6 +135,32 @@ class Checkpoint:
                     raise CheckpointError(f"{self.path / entry.path}: checksum mismatch (corrupt)")
 
 
+class ChecksumThreads:
+    """The deferred-checksum threads of a store (one per emergency save): started once the data is durable,
+    waited for before the process exits."""
+
+    def __init__(self) -> None:
+        self._threads: list[threading.Thread] = []
+
+    def start(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def join_named(self, name: str) -> None:
+        for thread in self._threads:
+            if thread.name == name:
+                thread.join()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Join them all, bounded by ``timeout`` in all; False if some are still running."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
+        self._threads = [t for t in self._threads if t.is_alive()]
+        return not self._threads
+
+
 class CheckpointStore:
     """Checkpoints under ``root`` as ``step-<N>`` directories; keeps the newest ``keep`` (0 keeps all).
 
@@ -166,7 +192,7 @@ class CheckpointStore:
         self.hash_workers = hash_workers or _hash_workers()
         self.defer_emergency_checksum = defer_emergency_checksum
         self.last_save: Checkpoint | None = None
-        self._checksummers: list[threading.Thread] = []
+        self._checksummers = ChecksumThreads()
 
     # -- saving -----------------------------------------------------------------------------------------
 
@@ -212,9 +238,8 @@ class CheckpointStore:
                 presealed=_presealed(written),
             )
             final = self.root / f"step-{step:012d}"
-            for thread in self._checksummers:
-                if thread.name == f"preemptd-checksum {final.name}":
-                    thread.join()  # it would write the old manifest into the new directory
+            # A deferred checksum of this step still running would write the old manifest into the new one.
+            self._checksummers.join_named(f"preemptd-checksum {final.name}")
             self._replace(tmp, final)
             _fsync_dir(self.root)
         except BaseException:
@@ -236,25 +261,16 @@ class CheckpointStore:
             path=final,
         )
         if defer:
-            thread = threading.Thread(
-                target=_add_checksums,
-                args=(final, self.hash_workers),
-                name=f"preemptd-checksum {final.name}",
-                daemon=True,
+            self._checksummers.start(
+                f"preemptd-checksum {final.name}", _add_checksums, final, self.hash_workers
             )
-            thread.start()
-            self._checksummers.append(thread)
         if not emergency:  # never spend a notice window deleting old checkpoints: the next save prunes
             self.prune()
         return checkpoint
 
     def wait_checksums(self, timeout: float | None = None) -> bool:
         """Wait for deferred checksums (bounded by ``timeout`` in all); False if some are still running."""
-        end = None if timeout is None else time.monotonic() + timeout
-        for thread in self._checksummers:
-            thread.join(None if end is None else max(0.0, end - time.monotonic()))
-        self._checksummers = [t for t in self._checksummers if t.is_alive()]
-        return not self._checksummers
+        return self._checksummers.wait(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Before exit: finish deferred checksums and deliver queued reports, each bounded by ``timeout``."""
@@ -301,11 +317,7 @@ class CheckpointStore:
 
     def checkpoints(self, verify: Verify = "checksum") -> Iterator[Checkpoint]:
         """Valid checkpoints, newest first; invalid ones are skipped with a CheckpointWarning."""
-        for step in self.steps():
-            try:
-                yield self.get(step, verify)
-            except CheckpointError as exc:
-                warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=3)
+        return valid_only(self.steps(), lambda step: self.get(step, verify))
 
     def latest(self, verify: Verify = "checksum") -> Checkpoint | None:
         """The newest checkpoint that verifies, or None; skipped ones raise a CheckpointWarning each."""
@@ -336,6 +348,22 @@ class CheckpointStore:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
+
+
+_Key = TypeVar("_Key")
+_Found = TypeVar("_Found")
+
+
+def valid_only(keys: Iterable[_Key], get: Callable[[_Key], _Found]) -> Iterator[_Found]:
+    """``get(key)`` for each key in order, skipping each one whose checkpoint raises CheckpointError with a
+    CheckpointWarning that names the file: the resume rule of every store and callback."""
+    for key in keys:
+        try:
+            found = get(key)
+        except CheckpointError as exc:
+            warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=3)
+            continue
+        yield found
 
 
 def seal(

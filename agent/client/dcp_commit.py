@@ -1,0 +1,289 @@
+"""The commit protocol of a sharded checkpoint and its manifest: which rank owns which file, how every rank
+makes its files durable and describes them, how rank 0 commits the step once for all, and how a committed
+step is read back and verified (split between the ranks, or by one process before the group exists).
+Part of :mod:`agent.client.dcp`; import from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from agent.client.store import (
+    _TMP_PREFIX,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    FileEntry,
+    Verify,
+    _file_crc,
+    _fsync_dir,
+    _fsync_file,
+    _hash_workers,
+    _write_durably,
+)
+
+DCP_METADATA = ".metadata"
+# Deferred CRCs of an emergency save: each rank adds its own file's sums here after the commit.
+CRC_SIDECAR = "crc32-rank-{rank}.json"
+_PROBE_PREFIX = ".preemptd-shared-"
+
+
+@dataclass(frozen=True)
+class ShardedCheckpoint:
+    """A committed sharded step: the store's :class:`Checkpoint` plus the world size it was saved at."""
+
+    checkpoint: Checkpoint
+    world_size: int
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step
+
+    @property
+    def path(self) -> Path:
+        return self.checkpoint.path
+
+    @property
+    def notice_id(self) -> str | None:
+        return self.checkpoint.notice_id
+
+    @property
+    def emergency(self) -> bool:
+        return self.checkpoint.emergency
+
+
+class Ranks:
+    """This process's place among the ranks, and the store's own gloo groups: ``group`` for saves and
+    loads on the training thread, ``async_group`` for a background save's collectives, which run on another
+    thread while the training thread may need ``group`` for an emergency save. Saves never mix with the
+    training's own (NCCL or gloo) traffic. Constructing it is a collective when distributed."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        if self.distributed and group is None:
+            group = dist.new_group(backend="gloo")
+        self.group = group
+        self.async_group = dist.new_group(backend="gloo") if self.distributed else None
+
+    def gather(self, value: Any, group: Any = None) -> list[Any]:
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=group or self.group)
+        return out
+
+    def from_zero(self, value: Any, group: Any = None) -> Any:
+        if not self.distributed:
+            return value
+        group = group or self.group
+        box = [value if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return box[0]
+
+    def agree_tmp(self, root: Path) -> Path:
+        """One temporary directory name for all ranks (rank 0's), so that they write into the same one."""
+        name = f"{_TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        return root / str(self.from_zero(name))
+
+    def check_shared(self, root: Path) -> None:
+        """Rank 0 writes a probe file under ``root``; every rank must see it, or CheckpointError."""
+        probe = None
+        if self.rank == 0:
+            probe = root / f"{_PROBE_PREFIX}{uuid.uuid4().hex}"
+            _write_durably(probe, socket.gethostname().encode())
+        name = self.from_zero(probe.name if probe is not None else None)
+        seen = self.gather((self.rank, socket.gethostname(), (root / name).is_file()))
+        if self.rank == 0 and probe is not None:
+            probe.unlink(missing_ok=True)
+        blind = [(rank, host) for rank, host, ok in seen if not ok]
+        if blind:
+            who = ", ".join(f"rank {rank} on {host}" for rank, host in blind)
+            raise CheckpointError(
+                f"checkpoint root {root} is not shared between the ranks: {who} cannot see the file "
+                f"rank 0 on {seen[0][1]} wrote there. A sharded checkpoint is one directory that every rank "
+                "writes into; put the root on a file system all hosts mount (NFS, Lustre, a mounted bucket)."
+            )
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What the manifest of one save says besides its files."""
+
+    step: int
+    layout: Mapping[str, Any]
+    started: float
+    emergency: bool = False
+    notice_id: str | None = None
+    metadata: Mapping[str, Any] | None = None
+
+
+def commit(
+    ranks: Ranks, group: Any, local: CheckpointStore, tmp: Path, what: Commit, checksum: bool
+) -> Checkpoint:
+    """Every rank makes its own files in ``tmp`` durable and describes them; one gather confirms them all;
+    rank 0 writes the manifest and renames ``tmp`` into ``local``'s step directory; a broadcast says whether
+    the step is committed. CheckpointError on every rank when it is not."""
+    described: list[dict[str, Any]] | str
+    try:
+        described = describe_own(tmp, ranks.rank, ranks.world_size, checksum)
+    except OSError as exc:
+        described = f"rank {ranks.rank} on {socket.gethostname()}: {exc}"
+    everyone = ranks.gather(described, group)
+    failures = [d for d in everyone if isinstance(d, str)]
+    if failures:
+        raise CheckpointError(f"sharded save of step {what.step} failed: {'; '.join(failures)}")
+    outcome: tuple[str, str] = ("", "")
+    if ranks.rank == 0:
+        try:
+            final = local.path_of(what.step)
+            doc = manifest(what, everyone, ranks.world_size)
+            _write_durably(tmp / MANIFEST, json.dumps(doc, indent=1).encode())
+            _fsync_dir(tmp)
+            local._replace(tmp, final)
+            _fsync_dir(local.root)
+            outcome = ("ok", str(final))
+        except OSError as exc:
+            outcome = ("error", f"rank 0 could not commit step {what.step}: {exc}")
+    status, detail = ranks.from_zero(outcome, group)
+    if status != "ok":
+        raise CheckpointError(detail)
+    return Checkpoint.load(Path(detail))
+
+
+def owner(name: str, world_size: int) -> int:
+    """Which rank makes a file durable and checksums it: DCP names a rank's data files ``__<rank>_<n>``;
+    everything else (``.metadata``) belongs to rank 0."""
+    name = name.rsplit("/", 1)[-1]
+    if name.startswith("__"):
+        head = name[2:].split("_", 1)[0]
+        if head.isdigit() and int(head) < world_size:
+            return int(head)
+    return 0
+
+
+def describe_own(directory: Path, rank: int, world_size: int, checksum: bool) -> list[dict[str, Any]]:
+    """Fsync (again: cheap after DCP's own fsync, and it covers writers that skip it) and checksum the files
+    this rank owns in ``directory``; their entries as plain dicts for the gather."""
+    mine = sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file() and owner(p.relative_to(directory).as_posix(), world_size) == rank
+    )
+    entries: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(max_workers=_hash_workers() + 1) as pool:
+        pending: list[tuple[str, int, Future[None], Callable[[], int] | None]] = []
+        for path in mine:
+            size = path.stat().st_size
+            crc = _file_crc(pool, path, size) if checksum else None
+            pending.append(
+                (path.relative_to(directory).as_posix(), size, pool.submit(_fsync_file, path), crc)
+            )
+        for name, size, synced, crc in pending:
+            synced.result()
+            entry: dict[str, Any] = {"path": name, "bytes": size, "rank": rank}
+            if crc is not None:
+                entry["crc32"] = crc()
+            entries.append(entry)
+    return entries
+
+
+def manifest(what: Commit, everyone: list[Any], world_size: int) -> dict[str, Any]:
+    """The manifest document: every rank's files (as gathered), sizes, CRCs, world size and layout."""
+    files = sorted((entry for entries in everyone for entry in entries), key=lambda e: e["path"])
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "step": what.step,
+        "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "bytes": sum(int(f["bytes"]) for f in files),
+        "emergency": what.emergency,
+        "notice_id": what.notice_id,
+        "duration_s": round(time.monotonic() - what.started, 6),
+        "files": files,
+        "checksum": "crc32" if all("crc32" in f for f in files) else None,
+        "host": socket.gethostname(),
+        "metadata": {**dict(what.metadata or {}), "world_size": world_size},
+        "sharded": {
+            "writer": "torch.distributed.checkpoint",
+            "world_size": world_size,
+            "layout": dict(what.layout),
+        },
+    }
+
+
+def load_sharded(directory: Path, *, require_dcp: bool = True) -> Checkpoint:
+    """The manifest, with the CRCs that ranks added after an emergency commit merged in."""
+    checkpoint = Checkpoint.load(directory)
+    sums: dict[str, int] = {}
+    for sidecar in directory.glob(CRC_SIDECAR.format(rank="*")):
+        try:
+            sums.update({str(k): int(v) for k, v in json.loads(sidecar.read_text()).items()})
+        except (OSError, ValueError, AttributeError):
+            continue  # a sidecar is an optimisation: without it the files verify by size
+    if sums:
+        files = tuple(
+            replace(f, crc32=sums[f.path]) if f.crc32 is None and f.path in sums else f
+            for f in checkpoint.files
+        )
+        checkpoint = replace(checkpoint, files=files)
+    if require_dcp and (
+        not (directory / DCP_METADATA).is_file() or DCP_METADATA not in {f.path for f in checkpoint.files}
+    ):
+        raise CheckpointError(f"{directory / DCP_METADATA}: missing (not a committed DCP checkpoint)")
+    return checkpoint
+
+
+def verify_share(checkpoint: Checkpoint, level: Verify, rank: int, world_size: int) -> None:
+    """Sizes of every file; CRCs of this rank's share (files spread by index, so the reading is split)."""
+    if level == "none":
+        return
+    checkpoint.verify("size")
+    if level != "checksum":
+        return
+    share = tuple(f for index, f in enumerate(checkpoint.files) if index % world_size == rank)
+    replace(checkpoint, files=share).verify("checksum")
+
+
+def add_own_checksums(directory: Path, own: list[FileEntry], rank: int) -> None:
+    """After an emergency commit: this rank's CRCs into its sidecar (atomic write), so later resumes can
+    detect a corrupt shard. A step removed meanwhile is left alone."""
+    try:
+        with ThreadPoolExecutor(max_workers=_hash_workers()) as pool:
+            sums = {e.path: _file_crc(pool, directory / e.path, e.bytes) for e in own}
+            doc = {path: crc() for path, crc in sums.items()}
+        target = directory / CRC_SIDECAR.format(rank=rank)
+        staged = directory / f".{target.name}.tmp"
+        _write_durably(staged, json.dumps(doc).encode())
+        os.rename(staged, target)
+        _fsync_dir(directory)
+    except (OSError, CheckpointError):
+        pass
+
+
+def dcp_reasons(exc: BaseException) -> str:
+    """The per-rank causes inside DCP's CheckpointException, without tracebacks, deduplicated."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        reasons = []
+        for value in failures.values():
+            cause = value[0] if isinstance(value, tuple) else value
+            reasons.append(str(cause))
+        return "; ".join(sorted(set(reasons)))
+    return str(exc)
