@@ -14,69 +14,53 @@ from __future__ import annotations
 
 import re
 import time
-import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from agent.client.events import TriggerPolicy
-from agent.client.reporting import CheckpointSchedule, Reporter
-from agent.client.store import Checkpoint, CheckpointError, CheckpointWarning, Verify, seal
+from agent.client.callbacks import FollowsNotices, WatchOptions
+from agent.client.preempted import record_emergency
+from agent.client.reporting import Reporter
+from agent.client.store import Checkpoint, CheckpointError, Verify, seal, valid_only
 from agent.client.torch import Coordinator, Decision
-from agent.client.watcher import Watcher, WatcherBase
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 MANIFEST = "preemptd-manifest.json"
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
-class PreemptdTrainerCallback(TrainerCallback):
+class PreemptdTrainerCallback(FollowsNotices, TrainerCallback):
     """Emergency (and optionally periodic) saves for ``transformers.Trainer``.
 
-    ``every``: check every this many optimizer steps (a collective when distributed). ``interval_s``: a fixed
-    periodic interval used until the agent advises one; None leaves periodic saving to ``save_steps``.
-    ``stop_on_notice``: stop training after the emergency save. ``watcher``: share an existing watcher;
-    otherwise one runs from ``on_train_begin`` to ``on_train_end``.
+    Options (:class:`~agent.client.callbacks.WatchOptions`): ``every`` (a collective when distributed),
+    ``interval_s`` (None leaves periodic saving to ``save_steps``), ``stop_on_notice``, ``socket_path``,
+    ``watcher`` (otherwise one runs from ``on_train_begin`` to ``on_train_end``), ``policy``.
     """
 
     def __init__(
-        self,
-        *,
-        every: int = 1,
-        interval_s: float | None = None,
-        stop_on_notice: bool = True,
-        socket_path: str | Path | None = None,
-        watcher: WatcherBase | None = None,
-        policy: TriggerPolicy | None = None,
-        checksum: bool = True,
-        reporter: Reporter | None = None,
+        self, *, checksum: bool = True, reporter: Reporter | None = None, **options: Unpack[WatchOptions]
     ) -> None:
-        self.socket_path = socket_path
-        self.policy = policy
-        self.watcher = watcher
-        self._own_watcher = watcher is None
-        self.stop_on_notice = stop_on_notice
+        FollowsNotices.__init__(self, **options)
         self.checksum = checksum
-        self.reporter = reporter if reporter is not None else Reporter(socket_path)
-        schedule = CheckpointSchedule(interval_s, socket_path) if interval_s is not None else None
-        self.coordinator = Coordinator(watcher, schedule, every=every)
+        self.reporter = reporter if reporter is not None else Reporter(self.socket_path)
+        self.coordinator = Coordinator(self.watcher, self.schedule, every=self.every)
         self._pending: tuple[Decision, float] | None = None
         self.saved: list[Checkpoint] = []
-        self.preempted = False
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.watcher is None:
-            self.watcher = Watcher(self.socket_path, policy=self.policy).start()
-            self.coordinator.watcher = self.watcher
+        watcher = self.coordinator.watcher = self.start_watching()
         if state.global_step and args.output_dir is not None:
             # Resumed: the notice the checkpoint was saved for (if any) does not stop this run again.
             try:
                 resumed = Checkpoint.load(Path(args.output_dir) / f"checkpoint-{state.global_step}", MANIFEST)
             except CheckpointError:
                 return
-            self.watcher.mark_handled([resumed.notice_id])
+            watcher.mark_handled([resumed.notice_id])
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -112,6 +96,8 @@ class PreemptdTrainerCallback(TrainerCallback):
                     started=started,
                 )
                 self.saved.append(checkpoint)
+                if decision.emergency:  # durable now: `preemptd exec` may turn the launcher's failure into 75
+                    record_emergency(state.global_step, path=directory, notice_id=decision.notice_id)
                 self.reporter.checkpoint(
                     "finished",
                     state.global_step,
@@ -126,10 +112,8 @@ class PreemptdTrainerCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._own_watcher and isinstance(self.watcher, Watcher):
-            self.watcher.stop()
-            self.watcher = None
-            self.coordinator.watcher = None
+        self.stop_watching()
+        self.coordinator.watcher = self.watcher
         self.reporter.flush()
 
 
@@ -144,11 +128,9 @@ def last_good_checkpoint(output_dir: str | Path, verify: Verify = "checksum") ->
         ((int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_DIR.match(p.name)) and p.is_dir()),
         reverse=True,
     )
-    for _step, directory in found:
-        try:
-            Checkpoint.load(directory, MANIFEST).verify(verify)
-        except CheckpointError as exc:
-            warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=2)
-            continue
+
+    def get(directory: Path) -> str:
+        Checkpoint.load(directory, MANIFEST).verify(verify)
         return str(directory)
-    return None
+
+    return next(valid_only((directory for _step, directory in found), get), None)

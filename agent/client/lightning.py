@@ -16,27 +16,28 @@ at any world size.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
+from agent.client.callbacks import FollowsNotices, WatchOptions
 from agent.client.dcp import ShardedStore, latest_committed
-from agent.client.events import TriggerPolicy
-from agent.client.reporting import CheckpointSchedule
 from agent.client.store import Checkpoint, CheckpointStore
-from agent.client.watcher import Watcher, WatcherBase
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 CHECKPOINT_FILE = "lightning.ckpt"
 
 
-class PreemptdCallback(Callback):
+class PreemptdCallback(FollowsNotices, Callback):
     """Emergency (and optionally periodic) checkpoints into a :class:`CheckpointStore` at ``dirpath``.
 
-    ``every``: check (and agree across ranks) every this many optimizer steps. ``interval_s``: a fixed
-    periodic interval used until the agent advises one; None turns periodic checkpoints off.
-    ``stop_on_notice``: stop training after the emergency checkpoint (``trainer.should_stop``).
-    ``watcher``: share an existing watcher; otherwise one is started in ``setup`` and stopped in ``teardown``.
+    ``keep`` newest checkpoints are kept; ``filename`` is the checkpoint's name inside a step directory.
+    Options (:class:`~agent.client.callbacks.WatchOptions`): ``every``, ``interval_s`` (None turns periodic
+    checkpoints off), ``stop_on_notice`` (sets ``trainer.should_stop``), ``socket_path``, ``watcher``
+    (otherwise one is started in ``setup`` and stopped in ``teardown``), ``policy``.
     """
 
     def __init__(
@@ -44,31 +45,17 @@ class PreemptdCallback(Callback):
         dirpath: str | Path,
         *,
         keep: int = 3,
-        every: int = 1,
-        interval_s: float | None = None,
-        stop_on_notice: bool = True,
-        socket_path: str | Path | None = None,
-        watcher: WatcherBase | None = None,
-        policy: TriggerPolicy | None = None,
         filename: str = CHECKPOINT_FILE,
+        **options: Unpack[WatchOptions],
     ) -> None:
-        super().__init__()
-        if every < 1:
-            raise ValueError(f"every must be at least 1, got {every}")
-        self.store = CheckpointStore(dirpath, keep, socket_path=socket_path)
+        Callback.__init__(self)
+        FollowsNotices.__init__(self, **options)
+        self.store = CheckpointStore(dirpath, keep, socket_path=self.socket_path)
         self.keep = keep
         # Made in setup() when the strategy writes on every rank (it needs the process group).
         self.sharded_store: ShardedStore | None = None
-        self.every = every
-        self.stop_on_notice = stop_on_notice
-        self.socket_path = socket_path
-        self.policy = policy
         self.filename = filename
-        self.schedule = CheckpointSchedule(interval_s, socket_path) if interval_s is not None else None
-        self.watcher = watcher
-        self._own_watcher = watcher is None
         self.saved: list[Checkpoint] = []
-        self.preempted = False
         self._handled: list[str | None] = []
 
     def resume_path(self) -> str | None:
@@ -84,18 +71,14 @@ class PreemptdCallback(Callback):
         return str(latest.checkpoint.file(self.filename))
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.watcher is None:
-            self.watcher = Watcher(self.socket_path, policy=self.policy).start()
-        self.watcher.mark_handled(self._handled)
+        self.start_watching().mark_handled(self._handled)
         if self.sharded_store is None and writes_on_every_rank(trainer.strategy):
             self.sharded_store = ShardedStore(
                 self.store.root, self.keep, socket_path=self.socket_path
             )  # a collective on every rank; checks that the directory is shared
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._own_watcher and isinstance(self.watcher, Watcher):
-            self.watcher.stop()
-            self.watcher = None
+        self.stop_watching()
         self.store.close()
         if self.sharded_store is not None:
             self.sharded_store.close()
