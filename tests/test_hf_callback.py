@@ -4,6 +4,8 @@ checkpoint and stop; the Trainer resumes from it. The model is built from a conf
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,10 @@ from transformers import (
     TrainingArguments,
 )
 
-from agent.client import CheckpointWarning
+from agent.client import EXIT_PREEMPTED, Checkpoint, CheckpointWarning
 from agent.client.hf import MANIFEST, PreemptdTrainerCallback, last_good_checkpoint
 from agent.client.store import seal
-from tests.support import http_json, running_agent
+from tests.support import REPO, http_json, running_agent
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -101,3 +103,37 @@ def test_checkpoint_without_manifest_is_skipped_with_a_warning(tmp_path: Path) -
     (tmp_path / "checkpoint-5").mkdir()
     with pytest.warns(CheckpointWarning, match="incomplete"):
         assert str(good) == last_good_checkpoint(tmp_path)
+
+
+async def test_under_exec_and_torchrun_a_drill_ends_the_job_with_75(base: Path) -> None:
+    """torchrun turns the worker's 75 into 1; the callback records its sealed emergency checkpoint for
+    ``preemptd exec``, which exits 75."""
+    sock, output = base / "a.sock", base / "out"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+    environ.update(PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    async with running_agent(base, components=[]):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "agent", "exec", "--",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+            str(REPO / "tests" / "hf_trainer_job.py"), str(output), str(sock),
+            env=environ, cwd=str(REPO), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 120)
+            assert b'"training"' in line, line
+            status, drill = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 30})
+            _, err = await asyncio.wait_for(proc.communicate(), 120)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    resume_from = last_good_checkpoint(output)
+    assert resume_from is not None, err.decode()[-3000:]
+    saved = Checkpoint.load(Path(resume_from), MANIFEST)
+    assert (201, True, drill["notice"]["id"], EXIT_PREEMPTED) == (
+        status,
+        saved.emergency,
+        saved.notice_id,
+        proc.returncode,
+    ), err.decode()[-3000:]
