@@ -114,12 +114,14 @@ def test_periodic_checkpoints_keep_the_newest(base: Path) -> None:
 # -- a strategy that writes on every rank: ModelParallelStrategy (FSDP2) on CPU/gloo, two ranks
 
 
-async def _sharded_job(root: Path, sock: Path, max_steps: int, devices: int) -> asyncio.subprocess.Process:
+async def _sharded_job(
+    root: Path, sock: Path, max_steps: int, devices: int, kind: str = "model_parallel"
+) -> asyncio.subprocess.Process:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
     env.update({"PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
     job = [sys.executable, str(REPO / "tests" / "lightning_sharded_job.py")]
     return await asyncio.create_subprocess_exec(
-        *job, str(root), str(sock), str(max_steps), str(devices), env=env, cwd=str(REPO),
+        *job, str(root), str(sock), str(max_steps), str(devices), kind, env=env, cwd=str(REPO),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
 
@@ -150,11 +152,16 @@ def _events(out: bytes, event: str) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-async def test_model_parallel_drill_saves_every_rank_shard_once_and_resumes_on_one_rank(base: Path) -> None:
+@pytest.mark.parametrize("kind", ["model_parallel", "fsdp"])
+async def test_sharded_strategy_drill_saves_every_rank_shard_once_and_resumes_on_one_rank(
+    base: Path, kind: str
+) -> None:
+    """ModelParallelStrategy (FSDP2), and FSDPStrategy (FSDP1, state_dict_type="sharded"): a drill → every rank
+    writes its shard in Lightning's format → one commit → exit 75 → ``ckpt_path`` resumes it on one rank."""
     root = base / "ckpt"
     async with running_agent(base):
         sock = base / "a.sock"
-        job = await _sharded_job(root, sock, 100000, 2)
+        job = await _sharded_job(root, sock, 100000, 2, kind)
         try:
             await _lines(job, "training", 2)
             status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
@@ -171,7 +178,7 @@ async def test_model_parallel_drill_saves_every_rank_shard_once_and_resumes_on_o
         committed.emergency, committed.metadata["world_size"], True,
     )  # fmt: skip
 
-    resumed = await _sharded_job(root, base / "none.sock", committed.step + 2, 1)
+    resumed = await _sharded_job(root, base / "none.sock", committed.step + 2, 1, kind)
     try:
         out, err = await asyncio.wait_for(resumed.communicate(), 180)
     finally:
