@@ -14,6 +14,7 @@ import shutil
 import socket
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -382,3 +383,43 @@ async def test_a_save_predicted_to_miss_its_deadline_shows_in_status_before_it_e
         status, risk["step"], risk["notice_id"], risk["time_left_s"], risk["outcome"]["phase"],
     )  # fmt: skip
     assert "Flush at risk: step 2 predicted to take" in format_status(doc)
+
+
+@pytest.mark.timeout(60)
+def test_torch_zip_crc_is_off_only_while_the_store_writes_and_the_step_loads_and_verifies(
+    group_of_one: None, tmp_path: Path
+) -> None:
+    """The store's own CRC32 is what a resume checks, so torch's per-record CRC is skipped while the store
+    writes, on the writing thread only, and restored after."""
+    from torch import serialization
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from agent.client.dcp import ShardedStore
+    from agent.client.dcp_commit import zip_crc_off
+
+    store = ShardedStore(tmp_path / "ckpt", report=False)
+    seen: list[bool] = []
+
+    def write(directory: Path) -> None:
+        seen.append(serialization.get_crc32_options())
+        dcp_save(_state(), checkpoint_id=directory, process_group=store.group)
+
+    store.save_files(1, write)
+    other: list[bool] = []
+    with zip_crc_off():
+        thread = threading.Thread(target=lambda: other.append(serialization.get_crc32_options()))
+        thread.start()
+        thread.join()
+    latest = store.latest()
+    assert latest is not None
+    loaded = {"weights": torch.zeros(1 << 16)}
+    dcp_load(loaded, checkpoint_id=latest.path, process_group=store.group)
+    store.close()
+    assert ([False], [True], True, "crc32", True) == (
+        seen,
+        other,
+        serialization.get_crc32_options(),
+        Checkpoint.load(latest.path).files[0].crc32 is not None and "crc32",
+        torch.equal(_state()["weights"], loaded["weights"]),
+    )

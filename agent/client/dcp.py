@@ -46,6 +46,7 @@ from agent.client.dcp_commit import (
     load_sharded,
     owner,
     verify_share,
+    zip_crc_off,
 )
 from agent.client.dcp_state import Progress, TrainState, layout
 from agent.client.preempted import record_emergency
@@ -219,7 +220,8 @@ class ShardedStore:
         defer = emergency and self.checksum and self.defer_emergency_checksum
         what = Commit(step, layout or {}, started, emergency, notice_id, metadata)
         try:
-            writer(tmp)
+            with zip_crc_off():
+                writer(tmp)
             checkpoint = self._commit(self.group, tmp, what, self.checksum and not defer)
         except BaseException:
             if self.rank == 0:
