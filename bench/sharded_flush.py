@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -37,14 +38,26 @@ from agent.client.dcp import ShardedStore
 PIECE = 64 * 1024 * 1024  # elements per tensor of float32: 256 MiB
 
 
-def timed_collectively(fn: Any, *args: Any, **kwargs: Any) -> float:
+CPU: dict[str, list[float]] = {}
+
+
+def timed_collectively(fn: Any, *args: Any, label: str = "", **kwargs: Any) -> float:
     """Wall time of ``fn(*args, **kwargs)`` on all ranks together: from a common start to the slowest
-    rank's end."""
+    rank's end. With ``label``, the CPU time (user + system) all ranks spent in it is kept under it."""
     dist.barrier()
+    before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     fn(*args, **kwargs)
+    mine = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
     dist.barrier()
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    if label:
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        every = [(0.0, 0.0)] * dist.get_world_size()
+        dist.all_gather_object(every, (cpu, mine))
+        CPU.setdefault(label, []).append(sum(c for c, _ in every))
+    return elapsed
 
 
 def bare_save(state: dict[str, Any], directory: Path, rank: int) -> None:
@@ -82,6 +95,7 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=Path("/var/tmp/preemptd-bench"))
     parser.add_argument("--gib", type=float, default=2.0, help="total state over all ranks, GiB")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--thread-count", type=int, default=1, help="the store's FileSystemWriter threads")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -104,7 +118,8 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
     dist.barrier()
-    store = ShardedStore(root / "store", keep=1, report=False)
+    store = ShardedStore(root / "store", keep=1, report=False, thread_count=args.thread_count)
+    load_before = os.getloadavg()
 
     results: dict[str, list[float]] = {
         "disk": [],
@@ -113,18 +128,25 @@ def main() -> int:
         "sync_periodic": [],
         "async_blocked": [],
     }
+    # The first large write of a process here takes 4-5x longer than the next ones (1 GiB: 5.0 s, then
+    # 0.8-1.0 s, whatever the writer), which would count against whichever measure comes first.
+    warm = root / f"warm-{rank}"
+    sequential_write(warm, nbytes)
+    warm.unlink()
     for round_ in range(args.rounds):
         target = root / f"seq-{rank}"
-        results["disk"].append(timed_collectively(sequential_write, target, nbytes))
+        results["disk"].append(timed_collectively(sequential_write, target, nbytes, label="disk"))
         target.unlink()
 
         bare_dir = root / f"bare-{round_}"
-        results["bare"].append(timed_collectively(bare_save, state, bare_dir, rank))
+        results["bare"].append(timed_collectively(bare_save, state, bare_dir, rank, label="bare"))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(bare_dir)
 
-        results["client"].append(timed_collectively(store.save, round_ * 10 + 1, state, emergency=True))
+        results["client"].append(
+            timed_collectively(store.save, round_ * 10 + 1, state, emergency=True, label="client")
+        )
         store.wait_checksums()
         results["sync_periodic"].append(timed_collectively(store.save, round_ * 10 + 2, state))
         dist.barrier()
@@ -137,6 +159,9 @@ def main() -> int:
         dist.barrier()
 
     medians = {key: statistics.median(values) for key, values in results.items()}
+    # Each round's flush against the same round's disk figure: the disk of a shared VM varies by 3x from
+    # one minute to the next, so a ratio of medians taken minutes apart says less than a paired one.
+    paired = [disk / client for disk, client in zip(results["disk"], results["client"], strict=True)]
     if rank == 0:
         disk_bw = total / medians["disk"]
         client_bw = total / medians["client"]
@@ -154,6 +179,11 @@ def main() -> int:
                     "client_gib_s": round(client_bw / 2**30, 3),
                     "overhead_vs_bare_pct": round(100 * (medians["client"] / medians["bare"] - 1), 2),
                     "share_of_disk_pct": round(100 * client_bw / disk_bw, 1),
+                    "share_of_disk_paired_pct": [round(100 * r, 1) for r in paired],
+                    "share_of_disk_paired_median_pct": round(100 * statistics.median(paired), 1),
+                    "thread_count": args.thread_count,
+                    "cpu_s_all_ranks_median": {k: round(statistics.median(v), 2) for k, v in CPU.items()},
+                    "load_average_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
                     "async_blocked_vs_sync_pct": round(
                         100 * medians["async_blocked"] / medians["sync_periodic"], 1
                     ),
