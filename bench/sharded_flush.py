@@ -4,10 +4,12 @@
 and how long an async periodic save blocks training against a synchronous one.
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 bench/sharded_flush.py \\
-        --dir /var/tmp/preemptd-bench --gib 2 --rounds 3
+        --dir /var/tmp/preemptd-bench --gib 2 --rounds 5 [--thread-count 2]
 
-Every rank holds 1/world of the state as one DTensor sharded on a CPU mesh (gloo). Rank 0 prints one JSON
-object with the medians over the rounds. Figures go to bench/RESULTS.md; nothing here is asserted.
+Every rank holds 1/world of the state as DTensors (256 MiB weight matrices sharded on their rows) on a CPU
+mesh (gloo). Rank 0 prints one JSON object: medians over the rounds, each round's flush against the same
+round's disk figure, CPU seconds and the load average. Figures go to bench/RESULTS.md; nothing here is
+asserted.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.client.dcp import ShardedStore
 
 PIECE = 64 * 1024 * 1024  # elements per tensor of float32: 256 MiB
+# Each piece is a weight matrix of this many columns, sharded on its rows as FSDP2 shards. Not 1-D: torch
+# 2.13's DTensor planning (compute_local_shape_and_global_offset) builds an index as long as the shard's
+# first dimension, which for a 1-D 64M-element shard is 512 MiB of int64 and 1.3 s per tensor and save.
+COLUMNS = 4096
 
 
 CPU: dict[str, list[float]] = {}
@@ -78,7 +84,7 @@ def fsync_dir(path: Path) -> None:
 
 def sequential_write(path: Path, nbytes: int) -> None:
     """What the disk takes: one large file written in 64 MiB blocks and fsynced, on every rank at once."""
-    block = os.urandom(64 * 1024 * 1024)
+    block = memoryview(os.urandom(64 * 1024 * 1024))  # sliced without a copy
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         left = nbytes
@@ -103,15 +109,15 @@ def main() -> int:
     mesh = init_device_mesh("cpu", (world,))
     per_rank = int(args.gib * 2**30 / world)
     pieces = max(1, per_rank // (PIECE * 4))
-    elements = per_rank // 4 // pieces
+    rows = per_rank // 4 // pieces // COLUMNS
     generator = torch.Generator().manual_seed(rank)
     state = {
         f"layer{i}": DTensor.from_local(
-            torch.rand(elements, generator=generator), mesh, [Shard(0)], run_check=False
+            torch.rand(rows, COLUMNS, generator=generator), mesh, [Shard(0)], run_check=False
         )
         for i in range(pieces)
     }
-    nbytes = pieces * elements * 4
+    nbytes = pieces * rows * COLUMNS * 4
     total = nbytes * world
     root = args.dir
     if rank == 0:
