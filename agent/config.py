@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
+from msgspec import Meta
+
 from agent.actions.validate import check_hook, check_signal_rule, check_webhook
 from agent.config_loader import (
+    FINITE,
     INTERNAL,
-    Range,
     Url,
     build,
     dotted_to_nested,
@@ -53,9 +55,10 @@ EXTENSIBLE = ("actions",)
 T = TypeVar("T")
 
 
-Positive = Annotated[float, Range(gt=0)]
-NonNegative = Annotated[float, Range(ge=0)]
-AtLeastOne = Annotated[int, Range(ge=1)]
+# Ranges checked by msgspec (a heartbeat of 0 busy-loops, a queue of 0 is unbounded, ...).
+Positive = Annotated[float, Meta(gt=0, le=FINITE)]
+NonNegative = Annotated[float, Meta(ge=0, le=FINITE)]
+AtLeastOne = Annotated[int, Meta(ge=1)]
 HttpUrl = Annotated[str, Url()]
 
 
@@ -378,7 +381,7 @@ class AdvisorConfig:
 class Config:
     socket: Path = field(default_factory=default_socket_path)
     socket_group: str | None = None
-    socket_mode: Annotated[int, Range(ge=0, le=0o777, text="a mode from 0o000 to 0o777")] = 0o660
+    socket_mode: Annotated[int, Meta(ge=0, le=0o777, description="a mode from 0o000 to 0o777")] = 0o660
     admin_group: str | None = None
     state_dir: Path = field(default_factory=default_state_dir)
     cloud: CloudName = "auto"

@@ -1,24 +1,25 @@
 """The configuration loader, generic over frozen dataclasses: reading TOML, ``PREEMPTD_*`` variables and
-``--set`` values, merging them with the origin of every key, and checking and converting each value against
-its field's type and declared constraints (:class:`Range`, :class:`Url`). Errors name the file (or
-``environment``, ``command line``), the dotted key and what was expected. agent/config.py declares the
+``--set`` values, merging them with the origin of every key, and converting the merged tables with msgspec
+against each field's type and its declared constraints (``msgspec.Meta``, :class:`Url`). Errors name the file
+(or ``environment``, ``command line``), the dotted key and what was expected. agent/config.py declares the
 sections; this module knows none of them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
-import math
+import re
 import sys
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 from urllib.parse import urlsplit
+
+import msgspec
 
 from agent.errors import ConfigError
 
@@ -31,62 +32,32 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 INTERNAL = {"internal": True}
 
 
-@dataclass(frozen=True)
-class Range:
-    """A bound on a numeric key, declared on its type and checked by the loader:
-    ``heartbeat_s: Annotated[float, Range(gt=0)]``. NaN and infinities are refused unless ``finite`` is
-    False."""
-
-    gt: float | None = None
-    ge: float | None = None
-    le: float | None = None
-    finite: bool = True
-    # What the error says was expected; by default "a number > 0", "an integer >= 1", ...
-    text: str = ""
-
-    def problem(self, value: Any) -> str | None:
-        """What was expected, when ``value`` is out of range; None when it is fine."""
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            return None
-        bad = (
-            (self.finite and not math.isfinite(value))
-            or (self.gt is not None and not value > self.gt)
-            or (self.ge is not None and not value >= self.ge)
-            or (self.le is not None and not value <= self.le)
-        )
-        if not bad:
-            return None
-        if self.text:
-            return self.text
-        bounds = [
-            f"{op} {bound:g}"
-            for op, bound in ((">", self.gt), (">=", self.ge), ("<=", self.le))
-            if bound is not None
-        ]
-        noun = "an integer" if isinstance(value, int) else "a finite number" if self.finite else "a number"
-        return f"{noun} {' and '.join(bounds)}".rstrip()
+# An upper bound that refuses infinity (and, like every bound, NaN): ``Meta(gt=0, le=FINITE)`` is "a finite
+# number > 0". msgspec has no "finite" constraint of its own.
+FINITE = sys.float_info.max
 
 
 @dataclass(frozen=True)
 class Url:
-    """A key that holds an http:// or https:// URL with a host (or, with ``empty``, nothing)."""
+    """A key that holds an http:// or https:// URL with a host (or, with ``empty``, nothing):
+    ``Annotated[str, Url()]``. Checked by the loader, since msgspec's constraints cannot say it (a port
+    past 65535, a URL without a host)."""
 
     empty: bool = False
+    text: str = "an http:// or https:// URL"
 
     def problem(self, value: Any) -> str | None:
+        """What was expected, when ``value`` is a string that is no such URL; None when it is fine."""
         if not isinstance(value, str) or (self.empty and value == ""):
             return None
         try:
             parts = urlsplit(value)
             parts.port  # noqa: B018 - raises ValueError for a bad port
         except ValueError:
-            return "an http:// or https:// URL"
+            return self.text
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            return "an http:// or https:// URL"
+            return self.text
         return None
-
-
-# The ranges most keys need (issue: a heartbeat of 0 busy-loops, a queue of 0 is unbounded, ...).
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -182,162 +153,183 @@ def extension_tables(
 
 
 def build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mapping[str, str]) -> Any:
-    if not isinstance(table, Mapping):
-        raise ConfigError(
-            f"{_where(origin, prefix.rstrip('.'))}: key {prefix.rstrip('.')!r}: expected a table"
-        )
-    hints = typing.get_type_hints(cls, include_extras=True)
-    names = field_names(cls)
-    for key in table:
-        if key not in names:
-            dotted = prefix + key
-            close = difflib.get_close_matches(key, sorted(names), n=1)
-            hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
-            raise ConfigError(f"{_where(origin, dotted)}: unknown key {dotted!r}{hint}")
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in table and f.name in names:
-            values[f.name] = _coerce(hints[f.name], table[f.name], prefix + f.name, origin)
+    """The frozen dataclass ``cls`` from ``table`` (the keys under ``prefix``), checked by msgspec against
+    the field types and their ``msgspec.Meta`` constraints; every error is a :class:`ConfigError` naming the
+    file, the dotted key and what was expected."""
+    prepared = _prepare(cls, table, prefix.rstrip("."), origin)
     try:
-        return cls(**values)
+        return msgspec.convert(prepared, cls, strict=True, str_keys=True, dec_hook=_decode)
+    except msgspec.ValidationError as exc:
+        raise _translate(str(exc), cls, prepared, prefix.rstrip("."), origin) from None
     except ConfigError as exc:  # a section's own check (__post_init__): say where the table came from
-        where = _where(origin, prefix.rstrip("."))
+        # The message starts with the key it is about ("actions.signals (rule 'x') ...").
+        named = re.match(r"[a-z_][\w.]*", str(exc))
+        where = _where(origin, named.group() if named else prefix.rstrip("."))
         if str(exc).startswith(where):
             raise
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def _decode(hint: Any, value: Any) -> Any:
+    """msgspec's hook for the types it does not know: a path is a non-empty string."""
+    if hint is Path and isinstance(value, (str, Path)) and str(value):
+        return Path(value)
+    raise ValueError(f"Expected {describe(hint)}")
+
+
+_BOOL_WORDS = dict.fromkeys(("true", "yes", "on", "1"), True) | dict.fromkeys(
+    ("false", "no", "off", "0"), False
+)
+
+
+def _prepare(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
+    """What msgspec cannot do for a config table, done before it converts: refuse unknown keys (with a
+    "did you mean"), check :class:`Url` keys, and read the string forms an environment variable or a flag
+    can only give (``none`` for an optional key, ``yes``/``off`` for a boolean, ``a,b`` for an array)."""
+    if typing.get_origin(hint) is Annotated:
+        hint, *marks = typing.get_args(hint)
+        problem = next((p for m in marks if isinstance(m, Url) and (p := m.problem(value))), None)
+        if problem is not None:
+            raise _fail(origin, dotted, problem, value)
+    kind = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return _prepare_table(hint, value, dotted, origin)
+    if kind in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if (
+            len(args) < len(typing.get_args(hint))
+            and isinstance(value, str)
+            and value.lower() in ("", "none")
+        ):
+            return None
+        return _prepare(args[0], value, dotted, origin) if len(args) == 1 else value
+    if kind in (tuple, list) and isinstance(value, (str, list, tuple)):
+        items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        item = (typing.get_args(hint) or (Any,))[0]
+        return [_prepare(item, v, f"{dotted}[{i}]", origin) for i, v in enumerate(items)]
+    if kind in (dict, _MAPPING) and isinstance(value, Mapping):
+        item = (typing.get_args(hint) or (str, Any))[1]
+        return {k: _prepare(item, v, f"{dotted}.{k}", origin) for k, v in value.items()}
+    if hint is bool and isinstance(value, str):
+        return _BOOL_WORDS.get(value.lower(), value)
+    return value
+
+
+def _prepare_table(cls: Any, table: Any, dotted: str, origin: Mapping[str, str]) -> dict[str, Any]:
+    if not isinstance(table, Mapping):
+        raise _fail(origin, dotted, "a table", table)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    names = field_names(cls)
+    prefix = f"{dotted}." if dotted else ""
+    for key in table:
+        if key not in names:
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+            raise ConfigError(f"{_where(origin, prefix + key)}: unknown key {prefix + key!r}{hint}")
+    return {key: _prepare(hints[key], value, prefix + key, origin) for key, value in table.items()}
+
+
+_MAPPING = typing.get_origin(Mapping[str, Any])
+# msgspec's errors end with where: "Expected `int` >= 1 - at `$.api.queue_size`", "... - at `key` in `$.x`".
+_AT = re.compile(r"(?P<what>.*) - at `(?P<key>key` in `)?\$(?P<path>[^`]*)`", re.DOTALL)
+
+
+def _translate(message: str, cls: Any, table: Any, dotted: str, origin: Mapping[str, str]) -> ConfigError:
+    """msgspec's error in today's words: the file, the dotted key, what was expected and what was there."""
+    at = _AT.fullmatch(message)
+    if at is None:
+        return ConfigError(f"{_where(origin, dotted)}: {message}")
+    hint, value = cls, table
+    for name, index in re.findall(r"\.(\w+)|\[(\d+|\.\.\.)\]", at["path"]):
+        hint = _unwrap(hint)
+        if name:
+            hint, value = typing.get_type_hints(hint, include_extras=True)[name], value[name]
+            dotted = f"{dotted}.{name}" if dotted else name
+        elif index == "...":  # a dict's value; msgspec does not say which: the first that fails
+            item = typing.get_args(hint)[1]
+            key = next((k for k, v in value.items() if not _converts(v, item)), None)
+            if key is None:
+                return ConfigError(f"{_where(origin, dotted)}: key {dotted!r}: {at['what']}")
+            hint, value, dotted = item, value[key], f"{dotted}.{key}"
+        else:
+            hint, value, dotted = typing.get_args(hint)[0], value[int(index)], f"{dotted}[{index}]"
+    if at["key"]:
+        key_hint = typing.get_args(_unwrap(hint))[0]
+        key = next(
+            (k for k in value if not _converts({k: None}, types.GenericAlias(dict, (key_hint, Any)))), ""
+        )
+        return _fail(origin, f"{dotted}.{key}", f"{describe(key_hint)} key", key)
+    if at["what"].startswith(("Expected", "Invalid")):
+        # "Expected `float`, got `str`" is the wrong type; "Expected `float` > 0.0" is out of range.
+        wrong_type = ", got `" in at["what"] and typing.get_origin(hint) is Annotated
+        return _fail(origin, dotted, describe(typing.get_args(hint)[0] if wrong_type else hint), value)
+    return ConfigError(f"{_where(origin, dotted)}: key {dotted!r}: {at['what']}")
+
+
+def _converts(value: Any, hint: Any) -> bool:
+    try:
+        msgspec.convert(value, hint, strict=True, str_keys=True, dec_hook=_decode)
+    except (msgspec.ValidationError, ConfigError):
+        return False
+    return True
+
+
+def _unwrap(hint: Any) -> Any:
+    """The type under ``Annotated[...]`` and ``... | None``."""
+    if typing.get_origin(hint) is Annotated:
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0] if len(args) == 1 else hint
+    return hint
+
+
 def _where(origin: Mapping[str, str], dotted: str) -> str:
-    return origin.get(dotted) or origin.get(dotted.split(".", maxsplit=1)[0]) or "configuration"
+    """Where ``dotted`` was set: its own origin, else the nearest enclosing table's."""
+    parts = re.sub(r"\[\d+\]", "", dotted).split(".")
+    found = (origin.get(".".join(parts[:n])) for n in range(len(parts), 0, -1))
+    return next((where for where in found if where), "configuration")
 
 
 def _fail(origin: Mapping[str, str], dotted: str, expected: str, value: Any) -> ConfigError:
     return ConfigError(f"{_where(origin, dotted)}: key {dotted!r}: expected {expected}, got {value!r}")
 
 
-def _coerce(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
-    """Check ``value`` against the type ``hint`` and convert it (paths, tuples, nested sections); then apply
-    the declarative checks (:class:`Range`, :class:`Url`) that annotate the type."""
-    type_origin = typing.get_origin(hint)
-    if type_origin is Annotated:
+_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path"}
+
+
+def describe(hint: Any) -> str:
+    """What a key of type ``hint`` holds, in the words of the errors: "an integer >= 1", "a path"."""
+    kind = typing.get_origin(hint)
+    if kind is Annotated:
         base, *marks = typing.get_args(hint)
-        result = _coerce(base, value, dotted, origin)
         for mark in marks:
-            if isinstance(mark, (Range, Url)):
-                problem = mark.problem(result)
-                if problem is not None:
-                    raise _fail(origin, dotted, problem, value)
-        return result
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-        return build(hint, value, dotted + ".", origin)
-    if hint is Any:
-        return value
-    coerce = _BY_ORIGIN.get(type_origin) if type_origin is not None else _BY_TYPE.get(hint)
-    if coerce is None:
-        raise ConfigError(f"{dotted}: unsupported configuration type {hint!r}")  # a bug in a section class
-    return coerce(hint, value, dotted, origin)
-
-
-def _coerce_union(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
-    args = typing.get_args(hint)
-    if value is None or (isinstance(value, str) and value.lower() in ("", "none") and type(None) in args):
-        return None
-    for arg in args:
-        if arg is type(None):
-            continue
-        with contextlib.suppress(ConfigError):
-            return _coerce(arg, value, dotted, origin)
-    raise _fail(origin, dotted, " or ".join(_describe(a) for a in args if a is not type(None)), value)
-
-
-def _coerce_literal(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
-    args = typing.get_args(hint)
-    if value in args:
-        return value
-    raise _fail(origin, dotted, "one of " + ", ".join(repr(a) for a in args), value)
-
-
-def _coerce_bool(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-        return value.lower() in ("true", "yes", "1", "on")
-    raise _fail(origin, dotted, "true or false", value)
-
-
-def _coerce_int(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise _fail(origin, dotted, "an integer", value)
-
-
-def _coerce_float(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise _fail(origin, dotted, "a number", value)
-
-
-def _coerce_str(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> str:
-    if isinstance(value, str):
-        return value
-    raise _fail(origin, dotted, "a string", value)
-
-
-def _coerce_path(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Path:
-    if isinstance(value, (str, Path)) and str(value):
-        return Path(value)
-    raise _fail(origin, dotted, "a path", value)
-
-
-def _coerce_sequence(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
-    if isinstance(value, str):
-        value = [v for v in (p.strip() for p in value.split(",")) if v]
-    if not isinstance(value, (list, tuple)):
-        raise _fail(origin, dotted, "an array", value)
-    args = typing.get_args(hint)
-    item_hint = args[0] if args else Any
-    items = [_coerce(item_hint, v, f"{dotted}[{i}]", origin) for i, v in enumerate(value)]
-    return tuple(items) if typing.get_origin(hint) is tuple else items
-
-
-def _coerce_mapping(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> dict[Any, Any]:
-    if not isinstance(value, Mapping):
-        raise _fail(origin, dotted, "a table", value)
-    args = typing.get_args(hint)
-    key_hint, value_hint = args if args else (str, Any)
-    result: dict[Any, Any] = {}
-    for k, v in value.items():
-        key = k
-        if key_hint is int:
-            try:
-                key = int(k)
-            except (TypeError, ValueError) as exc:
-                raise _fail(origin, f"{dotted}.{k}", "an integer key", k) from exc
-        result[key] = _coerce(value_hint, v, f"{dotted}.{k}", origin)
-    return result
-
-
-Coerce = Callable[[Any, Any, str, Mapping[str, str]], Any]
-_BY_ORIGIN: dict[Any, Coerce] = {
-    Union: _coerce_union,
-    types.UnionType: _coerce_union,
-    Literal: _coerce_literal,
-    tuple: _coerce_sequence,
-    list: _coerce_sequence,
-    dict: _coerce_mapping,
-    typing.get_origin(Mapping[str, Any]): _coerce_mapping,
-}
-_BY_TYPE: dict[Any, Coerce] = {
-    bool: _coerce_bool,
-    int: _coerce_int,
-    float: _coerce_float,
-    str: _coerce_str,
-    Path: _coerce_path,
-}
-
-
-def _describe(hint: Any) -> str:
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path"}
-    if typing.get_origin(hint) is Literal:
+            if isinstance(mark, Url):
+                return mark.text
+            if isinstance(mark, msgspec.Meta):
+                return mark.description or _bounded(describe(base), mark)
+        return describe(base)
+    if kind is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
-    return names.get(hint, getattr(hint, "__name__", str(hint)))
+    if kind in (Union, types.UnionType):
+        return " or ".join(describe(a) for a in typing.get_args(hint) if a is not type(None))
+    if kind in (tuple, list):
+        return "an array"
+    if kind in (dict, _MAPPING) or dataclasses.is_dataclass(hint):
+        return "a table"
+    return _WORDS.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def _bounded(noun: str, meta: msgspec.Meta) -> str:
+    bounds = [
+        f"{op} {bound:g}"
+        for op, bound in ((">", meta.gt), (">=", meta.ge), ("<", meta.lt), ("<=", meta.le))
+        if bound is not None and bound != FINITE
+    ]
+    bounds += [
+        f"of length {op} {n}" for op, n in ((">=", meta.min_length), ("<=", meta.max_length)) if n is not None
+    ]
+    bounds += [f"matching {meta.pattern!r}"] if meta.pattern is not None else []
+    if meta.le == FINITE:
+        noun = "a finite number"
+    return f"{noun} {' and '.join(bounds)}".rstrip()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import pytest
+from msgspec import Meta
 
 from agent.config import Config, load_config, parse_setting
 from agent.errors import ConfigError
@@ -151,3 +154,118 @@ def test_socket_path_discovery_order() -> None:
 
 def test_state_dir_prefers_systemd_state_directory() -> None:
     assert Path("/var/lib/preemptd") == default_state_dir({"STATE_DIRECTORY": "/var/lib/preemptd"})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[api]\nheartbeat_s = inf\n", r"key 'api\.heartbeat_s': expected a finite number > 0, got inf$"),
+        ("[actions.ready]\ngrace_s = -1\n", r"key 'actions\.ready\.grace_s': expected a finite number >= 0"),
+        ("[detect]\nprobe_retry_s = inf\n", r"key 'detect\.probe_retry_s': expected a finite number >= 0"),
+        ("[api]\nqueue_size = true\n", r"key 'api\.queue_size': expected an integer, got True$"),
+        ("[api]\nheartbeat_s = false\n", r"key 'api\.heartbeat_s': expected a number, got False$"),
+        ('socket_mode = "0660"\n', r"key 'socket_mode': expected an integer, got '0660'$"),
+        ('[gpu]\nkmsg_path = ""\n', r"key 'gpu\.kmsg_path': expected a path, got ''$"),
+        ("[gpu]\nlibrary_path = 3\n", r"key 'gpu\.library_path': expected a path, got 3$"),
+        (
+            '[gpu]\nxid_classes = {x = "fatal"}\n',
+            r"key 'gpu\.xid_classes\.x': expected an integer key, got 'x'$",
+        ),
+        (
+            '[gpu]\nxid_classes = {79 = "fatal", 13 = "bad"}\n',
+            r"key 'gpu\.xid_classes\.13': expected one of 'fatal', 'degraded', 'info', got 'bad'$",
+        ),
+        (
+            '[host]\ncheckpoint_dirs = ["/a", 3]\n',
+            r"key 'host\.checkpoint_dirs\[1\]': expected a path, got 3$",
+        ),
+        ("[host]\ncheckpoint_dirs = 3\n", r"key 'host\.checkpoint_dirs': expected an array, got 3$"),
+        (
+            '[[actions.hooks]]\nargv = ["x"]\nenv = {A = 3}\n',
+            r"key 'actions\.hooks\[0\]\.env\.A': expected a string, got 3$",
+        ),
+        (
+            '[[actions.hooks]]\nargv = ["x"]\ntimeout = 3\n',
+            r"unknown key 'actions\.hooks\[0\]\.timeout' \(did you mean 'actions\.hooks\[0\]\.timeout_s'\?\)$",
+        ),
+        ("[actions]\nsignals = [3]\n", r"key 'actions\.signals\[0\]': expected a table, got 3$"),
+        ('[gpu]\nenabled = "maybe"\n', r"key 'gpu\.enabled': expected true or false, got 'maybe'$"),
+        ('[advisor]\nsave_time_s = "soon"\n', r"key 'advisor\.save_time_s': expected a number, got 'soon'$"),
+        (
+            '[aws]\nendpoint = "ftp://x"\n',
+            r"key 'aws\.endpoint': expected an http:// or https:// URL, got 'ftp://x'$",
+        ),
+        ("tables = {}\n", r"unknown key 'tables'"),
+    ],
+)
+def test_each_kind_of_bad_value_names_file_key_expectation_and_value(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path, env={})
+    assert str(info.value).startswith(f"{path}: ")
+
+
+def test_values_are_converted_to_the_declared_types(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "[api]\nheartbeat_s = 2\n[gpu]\n"
+        'library_path = "/opt/nvml.so"\nxid_classes = {79 = "fatal"}\n'
+        '[host]\ncheckpoint_dirs = ["/ckpt"]\n',
+    )
+    config = load_config(path, env={})
+    assert (2.0, float) == (config.api.heartbeat_s, type(config.api.heartbeat_s))
+    assert Path("/opt/nvml.so") == config.gpu.library_path
+    assert {79: "fatal"} == config.gpu.xid_classes
+    assert (Path("/ckpt"),) == config.host.checkpoint_dirs
+
+
+def test_environment_strings_for_booleans_optionals_and_arrays() -> None:
+    env = {
+        "PREEMPTD_GPU__ENABLED": "off",
+        "PREEMPTD_HOST__CHECKPOINT_DIRS": "/a, /b",
+        "PREEMPTD_ADVISOR__SAVE_TIME_S": "none",
+        "PREEMPTD_SOCKET_GROUP": "none",
+        "PREEMPTD_API__QUEUE_SIZE": "5",
+    }
+    config = load_config(env=env, overrides={"advisor.prior_mtbp_s": 3600})
+    assert config.gpu.enabled is False
+    assert (Path("/a"), Path("/b")) == config.host.checkpoint_dirs
+    assert (None, None, 3600.0, 5) == (
+        config.advisor.save_time_s,
+        config.socket_group,
+        config.advisor.prior_mtbp_s,
+        config.api.queue_size,
+    )
+
+
+def test_a_command_line_value_out_of_range_names_the_command_line() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^command line: key 'api\.queue_size': expected an integer >= 1, got 0$"
+    ):
+        load_config(env={}, overrides={"api.queue_size": 0})
+
+
+def test_a_plug_in_table_declares_its_ranges_and_forms_with_msgspec(tmp_path: Path) -> None:
+    @dataclass(frozen=True)
+    class Settings:
+        retries: Annotated[int, Meta(ge=0, le=10)] = 2
+        queue: Annotated[str, Meta(pattern="^[a-z]+$")] = "batch"
+        nodes: Annotated[tuple[str, ...], Meta(min_length=1)] = ("n1",)
+
+    path = write(tmp_path, '[actions.pbs]\nretries = 3\nqueue = "gpu"\n')
+    assert Settings(3, "gpu", ("n1",)) == load_config(path, env={}).table("actions.pbs", Settings)
+    for text, message in [
+        ("retries = 11", r"key 'actions\.pbs\.retries': expected an integer >= 0 and <= 10, got 11$"),
+        (
+            'queue = "GPU"',
+            r"key 'actions\.pbs\.queue': expected a string matching '\^\[a-z\]\+\$', got 'GPU'$",
+        ),
+        ("queue = 3", r"key 'actions\.pbs\.queue': expected a string, got 3$"),
+        ("nodes = []", r"key 'actions\.pbs\.nodes': expected an array of length >= 1, got \[\]$"),
+    ]:
+        path.write_text(f"[actions.pbs]\n{text}\n")
+        with pytest.raises(ConfigError, match=message) as info:
+            load_config(path, env={}).table("actions.pbs", Settings)
+        assert str(info.value).startswith(f"{path}: ")
