@@ -13,42 +13,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainerCallback,
-    TrainerControl,
-    TrainerState,
-    TrainingArguments,
-)
+from transformers import TrainerCallback, TrainerControl, TrainerState
 
 from agent.client import EXIT_PREEMPTED, Checkpoint, CheckpointWarning
 from agent.client.hf import MANIFEST, PreemptdTrainerCallback, last_good_checkpoint
 from agent.client.store import seal
+from tests.hf_trainer_job import trainer
 from tests.support import REPO, http_json, running_agent
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
-
-
-def model() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=8))
-
-
-def dataset() -> list[dict[str, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    rows = torch.randint(0, 32, (64, 8), generator=generator)
-    return [{"input_ids": row, "labels": row} for row in rows]
-
-
-def trainer(output: Path, max_steps: int, callbacks: list[TrainerCallback]) -> Trainer:
-    args = TrainingArguments(
-        output_dir=str(output), max_steps=max_steps, per_device_train_batch_size=4, save_strategy="no",
-        report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
-    return Trainer(model=model(), args=args, train_dataset=dataset(), callbacks=callbacks)
 
 
 class PauseAt(TrainerCallback):
