@@ -76,3 +76,15 @@ class TaskSet:
         """Wait until every task spawned so far (and any they spawn) has finished. For tests."""
         while self._tasks:
             await asyncio.wait(set(self._tasks))
+
+
+async def wait_for_any(*events: asyncio.Event, timeout: float | None = None) -> None:
+    """Return when any of ``events`` is set or ``timeout`` seconds have passed (None: no limit); the waiters
+    it starts are cancelled and awaited before it returns, whatever happens."""
+    waiters = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)

@@ -20,6 +20,14 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
+def assert_refused(tmp_path: Path, text: str, message: str) -> None:
+    """Loading ``text`` from a file fails with ``message``, and the error starts with the file's name."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path, env={})
+    assert str(info.value).startswith(f"{path}: ")
+
+
 def test_defaults_without_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("agent.config.DEFAULT_CONFIG_PATH", tmp_path / "absent.toml")
     config = load_config(None, env={})
@@ -57,10 +65,7 @@ def test_config_path_from_environment(tmp_path: Path) -> None:
     ],
 )
 def test_bad_file_names_file_key_and_expectation(tmp_path: Path, text: str, message: str) -> None:
-    path = write(tmp_path, text)
-    with pytest.raises(ConfigError, match=message) as info:
-        load_config(path, env={})
-    assert str(path) in str(info.value)
+    assert_refused(tmp_path, text, message)
 
 
 @pytest.mark.parametrize(
@@ -89,10 +94,7 @@ def test_bad_file_names_file_key_and_expectation(tmp_path: Path, text: str, mess
 def test_out_of_range_values_are_refused_with_file_key_and_range(
     tmp_path: Path, text: str, message: str
 ) -> None:
-    path = write(tmp_path, text)
-    with pytest.raises(ConfigError, match=message) as info:
-        load_config(path, env={})
-    assert str(info.value).startswith(f"{path}: ")
+    assert_refused(tmp_path, text, message)
 
 
 def test_in_range_values_and_an_empty_gcp_endpoint_load(tmp_path: Path) -> None:
@@ -201,10 +203,7 @@ def test_state_dir_prefers_systemd_state_directory() -> None:
 def test_each_kind_of_bad_value_names_file_key_expectation_and_value(
     tmp_path: Path, text: str, message: str
 ) -> None:
-    path = write(tmp_path, text)
-    with pytest.raises(ConfigError, match=message) as info:
-        load_config(path, env={})
-    assert str(info.value).startswith(f"{path}: ")
+    assert_refused(tmp_path, text, message)
 
 
 def test_values_are_converted_to_the_declared_types(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from agent.bridges.slurm_commands import SlurmCommands, SlurmError, SlurmJob, ho
 from agent.config import NoticeKindName, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 from agent.ports import Host
-from agent.tasks import TaskSet
+from agent.tasks import TaskSet, wait_for_any
 
 log = structlog.get_logger("preemptd.slurm")
 
@@ -282,13 +282,7 @@ class SlurmBridge:
                 if latest <= 0:
                     return "deadline"
                 timeout = latest
-            waiters = {asyncio.ensure_future(work.ready.wait()), asyncio.ensure_future(work.changed.wait())}
-            try:
-                await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
-                await asyncio.gather(*waiters, return_exceptions=True)
+            await wait_for_any(work.ready, work.changed, timeout=timeout)
 
     async def _signal_all(self, work: _Work, jobs: list[SlurmJob]) -> None:
         async with self._lock:

@@ -20,6 +20,7 @@ from agent.bridges.kubernetes import plan
 from agent.bridges.kubernetes.api import KubeApi, KubeError
 from agent.bridges.kubernetes.config import KubernetesConfig
 from agent.notice import Notice, format_time
+from agent.tasks import wait_for_any
 
 log = structlog.get_logger("preemptd.kubernetes")
 
@@ -254,13 +255,7 @@ class Drainer:
             if delay is not None and delay <= 0:
                 return
             drain.changed.clear()
-            waiters = [asyncio.ensure_future(drain.ready.wait()), asyncio.ensure_future(drain.changed.wait())]
-            try:
-                await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
-                await asyncio.gather(*waiters, return_exceptions=True)
+            await wait_for_any(drain.ready, drain.changed, timeout=delay)
 
     def _before_deadline(self, drain: Drain, delay: float) -> bool:
         deadline = drain.notice.deadline
