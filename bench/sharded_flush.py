@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.client.dcp import ShardedStore
+from agent.client.store import fsync_dir
 
 PIECE = 64 * 1024 * 1024  # elements per tensor of float32: 256 MiB
 # Each piece is a weight matrix of this many columns, sharded on its rows as FSDP2 shards. Not 1-D: torch
@@ -72,14 +73,6 @@ def bare_save(state: dict[str, Any], directory: Path, rank: int) -> None:
     if rank == 0:
         fsync_dir(directory)
         fsync_dir(directory.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sequential_write(path: Path, nbytes: int) -> None:

@@ -17,13 +17,13 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
-from agent.bridges.common import REASON_PREFIX, drain_reason
+from agent.bridges.common import REASON_PREFIX, BridgeCollector, drain_reason
 from agent.bridges.slurm import SlurmBridge, SlurmConfig
 from agent.bridges.slurm_commands import match_node, parse_jobs, parse_nodes, parse_signal
 from agent.config import load_config
 from agent.daemon import Agent
 from agent.errors import ConfigError
-from agent.notice import EventType
+from agent.notice import EventType, Notice
 from tests.actions_support import event, make_notice
 from tests.slurm_cluster import NODE, SlurmCluster, Unavailable
 from tests.support import REPO, SSEClient, agent_config, http_json, running_agent
@@ -81,6 +81,14 @@ def drained_with(cluster: SlurmCluster, reason: str) -> Callable[[], bool]:
         return bool(state["states"] & {"DRAIN", "DRAINED", "DRAINING"}) and state["reason"] == reason
 
     return check
+
+
+async def drained_for_a_notice(cluster: SlurmCluster, bridge: SlurmBridge) -> Notice:
+    """A notice handed to ``bridge``, once the node is drained with the agent's reason for it."""
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    await until(drained_with(cluster, drain_reason(notice)), what="the agent's drain")
+    return notice
 
 
 # --- pure: parsers, reason, config ---------------------------------------------------------------------
@@ -243,9 +251,7 @@ async def test_notice_drains_then_ready_requeues(cluster: SlurmCluster) -> None:
     requeueable = running(cluster, "--requeue")
     pinned = running(cluster, "--no-requeue")
     bridge = bridge_for(cluster, stop_wait_s=0.5)
-    notice = make_notice(deadline_in=600)
-    bridge.handle(event(EventType.NOTICE, notice))
-    await until(drained_with(cluster, drain_reason(notice)), what="the agent's drain")
+    notice = await drained_for_a_notice(cluster, bridge)
     await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "waiting", what="waiting for ready")
     assert cluster.job(requeueable)["state"] == "RUNNING"  # nothing moves before the flush
     bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
@@ -277,9 +283,7 @@ async def test_deadline_minus_margin_acts_without_ready(cluster: SlurmCluster) -
 
 async def test_cleared_notice_resumes_the_agents_drain(cluster: SlurmCluster) -> None:
     bridge = bridge_for(cluster)
-    notice = make_notice(deadline_in=600)
-    bridge.handle(event(EventType.NOTICE, notice))
-    await until(drained_with(cluster, drain_reason(notice)), what="the agent's drain")
+    notice = await drained_for_a_notice(cluster, bridge)
     bridge.handle(event(EventType.CLEARED, notice))
     await bridge.drain_tasks()
     state = cluster.node_state()
@@ -305,9 +309,7 @@ async def test_administrators_drain_survives_a_cleared_notice(cluster: SlurmClus
 
 async def test_reason_changed_by_administrator_is_not_resumed(cluster: SlurmCluster) -> None:
     bridge = bridge_for(cluster)
-    notice = make_notice(deadline_in=600)
-    bridge.handle(event(EventType.NOTICE, notice))
-    await until(drained_with(cluster, drain_reason(notice)), what="the agent's drain")
+    notice = await drained_for_a_notice(cluster, bridge)
     cluster.run("scontrol", "update", f"NodeName={NODE}", "State=DRAIN", "Reason=keep it down")
     bridge.handle(event(EventType.CLEARED, notice))
     await bridge.drain_tasks()
@@ -359,14 +361,12 @@ async def test_signal_reaches_the_job_steps_at_the_notice(cluster: SlurmCluster,
 
 async def test_metrics_count_the_calls(cluster: SlurmCluster) -> None:
     bridge = bridge_for(cluster)
-    notice = make_notice(deadline_in=600)
-    bridge.handle(event(EventType.NOTICE, notice))
-    await until(drained_with(cluster, drain_reason(notice)), what="the agent's drain")
+    notice = await drained_for_a_notice(cluster, bridge)
     bridge.handle(event(EventType.CLEARED, notice))
     await bridge.drain_tasks()
     samples = {
         (s.labels.get("action"), s.labels.get("outcome")): s.value
-        for metric in bridge.collector().collect()
+        for metric in BridgeCollector("slurm", "Slurm", lambda: bridge).collect()
         for s in metric.samples
         if s.name == "preemptd_slurm_actions_total"
     }

@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from agent.actions.common import Recent, applies
-from agent.bridges.common import BridgeCollector, drain_reason, register_metrics
+from agent.bridges.common import drain_reason, register_metrics
 from agent.bridges.slurm_commands import host_names
 from agent.config import NoticeKindName, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
@@ -203,9 +203,6 @@ class RayBridge:
             self._done = previous._done
             self.counts = previous.counts
             self.recent = previous.recent
-
-    def collector(self) -> BridgeCollector:
-        return BridgeCollector("ray", "Ray", lambda: self)
 
     async def drain_tasks(self) -> None:
         """Wait until everything started so far has finished (tests)."""

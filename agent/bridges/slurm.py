@@ -20,7 +20,7 @@ from typing import Any, Literal
 import structlog
 
 from agent.actions.common import Recent, applies
-from agent.bridges.common import BridgeCollector, drain_reason, register_metrics
+from agent.bridges.common import drain_reason, register_metrics
 from agent.bridges.slurm_commands import SlurmCommands, SlurmError, SlurmJob, host_names, parse_signal
 from agent.config import NoticeKindName, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
@@ -179,9 +179,6 @@ class SlurmBridge:
         self.recent = previous.recent
         if not self.config.node and previous.config.node == self.config.node:
             self.node = previous.node
-
-    def collector(self) -> BridgeCollector:
-        return BridgeCollector("slurm", "Slurm", lambda: self)
 
     async def drain_tasks(self) -> None:
         """Wait until everything started so far has finished (tests)."""

@@ -32,10 +32,10 @@ from agent.client.store import (
     FileEntry,
     Verify,
     _file_crc,
-    _fsync_dir,
-    _fsync_file,
     _hash_workers,
     _write_durably,
+    fsync_dir,
+    fsync_file,
 )
 
 DCP_METADATA = ".metadata"
@@ -171,9 +171,9 @@ def commit(
             final = local.path_of(what.step)
             doc = manifest(what, everyone, ranks.world_size)
             _write_durably(tmp / MANIFEST, json.dumps(doc, indent=1).encode())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             local._replace(tmp, final)
-            _fsync_dir(local.root)
+            fsync_dir(local.root)
             outcome = ("ok", str(final))
         except OSError as exc:
             outcome = ("error", f"rank 0 could not commit step {what.step}: {exc}")
@@ -208,9 +208,7 @@ def describe_own(directory: Path, rank: int, world_size: int, checksum: bool) ->
         for path in mine:
             size = path.stat().st_size
             crc = _file_crc(pool, path, size) if checksum else None
-            pending.append(
-                (path.relative_to(directory).as_posix(), size, pool.submit(_fsync_file, path), crc)
-            )
+            pending.append((path.relative_to(directory).as_posix(), size, pool.submit(fsync_file, path), crc))
         for name, size, synced, crc in pending:
             synced.result()
             entry: dict[str, Any] = {"path": name, "bytes": size, "rank": rank}
@@ -288,7 +286,7 @@ def add_own_checksums(directory: Path, own: list[FileEntry], rank: int) -> None:
         staged = directory / f".{target.name}.tmp"
         _write_durably(staged, json.dumps(doc).encode())
         os.rename(staged, target)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except (OSError, CheckpointError):
         pass
 

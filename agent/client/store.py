@@ -241,7 +241,7 @@ class CheckpointStore:
             # A deferred checksum of this step still running would write the old manifest into the new one.
             self._checksummers.join_named(f"preemptd-checksum {final.name}")
             self._replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             self._report("failed", step, emergency=emergency, notice_id=notice_id)
@@ -403,7 +403,7 @@ def seal(
                     raise CheckpointError(f"{path}: {size} bytes on disk, {entry.bytes} written")
                 pending.append((name, size, None, _known(entry.crc32)))
                 continue
-            synced: Future[None] = pool.submit(_fsync_file, path)
+            synced: Future[None] = pool.submit(fsync_file, path)
             crc: Callable[[], int | None] = _file_crc(pool, path, size) if checksum else _known(None)
             pending.append((name, size, synced, crc))
         files = []
@@ -412,7 +412,7 @@ def seal(
                 sync.result()
             files.append(FileEntry(name, size, checksum_of()))
     for sub in sorted({p.parent for p in paths if p.parent != directory}, key=lambda p: -len(p.parts)):
-        _fsync_dir(sub)
+        fsync_dir(sub)
     now = datetime.now(timezone.utc)
     total = sum(f.bytes for f in files)
     duration = round(time.monotonic() - started, 6) if started is not None else None
@@ -434,7 +434,7 @@ def seal(
         "metadata": dict(metadata or {}),
     }
     _write_durably(directory / manifest, json.dumps(doc, indent=1).encode())
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return Checkpoint(
         step=step,
         path=directory,
@@ -475,20 +475,22 @@ def _abandoned(name: str) -> bool:
     return False
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def fsync_file(path: Path) -> None:
+    """Flush a file's data to disk."""
+    _fsync(path, os.O_RDONLY)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename or a new file in it) to disk."""
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def _write_durably(path: Path, data: bytes) -> None:
@@ -557,7 +559,7 @@ def _add_checksums(directory: Path, workers: int) -> None:
         staged = directory / (MANIFEST + ".tmp")
         _write_durably(staged, json.dumps(doc, indent=1).encode())
         os.rename(staged, path)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except (OSError, ValueError, KeyError, CheckpointError):
         pass
 
