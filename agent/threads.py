@@ -38,3 +38,24 @@ def run_for(
     except BaseException as exc:  # handed over, re-raised by the awaiting task
         result, error = None, exc
     deliver(loop, settle, future, result, error)
+
+
+def drop(future: asyncio.Future[Any]) -> None:
+    """Nobody will read ``future``'s outcome: cancel it if it is pending (a late outcome is then skipped by
+    :func:`settle`), or mark a failure it already holds as seen — either way asyncio does not report an
+    "exception was never retrieved"."""
+    if not future.done():
+        future.cancel()
+    elif not future.cancelled():
+        future.exception()
+
+
+async def wait_or_drop(future: asyncio.Future[Any], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``future`` (completed by a worker thread); True once it is done.
+    A waiting task that is cancelled drops the future (:func:`drop`)."""
+    try:
+        done, _ = await asyncio.wait({future}, timeout=timeout)
+    except asyncio.CancelledError:
+        drop(future)
+        raise
+    return bool(done)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -141,6 +142,78 @@ async def test_a_hung_disk_read_is_flagged_and_the_monitor_carries_on(
             await sink.wait_cleared(f"disk/{stuck}")
     finally:
         release.set()
+
+
+async def test_a_read_hung_over_several_checks_holds_one_thread_and_its_late_error_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead mount: every check waits for the same hung statvfs instead of starting another thread; when
+    it finally fails, the next check reports that error."""
+    release = threading.Event()
+    real = host_module.read_disk
+    stuck = tmp_path / "nfs"
+    calls: list[Path] = []
+
+    def read_disk(path: Path) -> Any:
+        if path == stuck:
+            calls.append(path)
+            if len(calls) == 1:
+                release.wait(10)
+                raise OSError(116, "Stale file handle")
+        return real(path)
+
+    monkeypatch.setattr(host_module, "read_disk", read_disk)
+    try:
+        async with monitor(tmp_path, checkpoint_dirs=(stuck,), call_timeout_s=0.1) as (source, sink):
+            await sink.wait_active(f"disk/{stuck}")
+            rounds = source.status()["checks"]
+            await sink.wait_for(lambda: source.status()["checks"] >= rounds + 3, what="three more checks")
+            assert len(calls) == 1
+            release.set()
+            await sink.wait_for(
+                lambda: any("Stale file handle" in e for e in sink.errors), what="the late error reported"
+            )
+            assert f"checkpoint directory {stuck}: [Errno 116] Stale file handle" in sink.errors
+    finally:
+        release.set()
+
+
+async def test_a_read_that_fails_after_the_monitor_stopped_is_not_left_unretrieved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent stops while a statvfs hangs; the call then fails. Nobody waits for it any more: its error is
+    dropped, not left in a future that asyncio reports as "exception was never retrieved"."""
+    release = threading.Event()
+    finished = threading.Event()
+    stuck = tmp_path / "nfs"
+    real = host_module.read_disk
+
+    def read_disk(path: Path) -> Any:
+        if path != stuck:
+            return real(path)
+        try:
+            release.wait(10)
+            raise OSError(5, "Input/output error")
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(host_module, "read_disk", read_disk)
+    loop = asyncio.get_running_loop()
+    unretrieved: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(str(context.get("message"))))
+    try:
+        async with monitor(tmp_path, checkpoint_dirs=(stuck,), call_timeout_s=0.1) as (_source, sink):
+            await sink.wait_active(f"disk/{stuck}")
+        release.set()
+        await asyncio.to_thread(finished.wait, 5)
+        await asyncio.sleep(0.1)  # the worker thread hands its error back to the loop
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        release.set()
+        loop.set_exception_handler(previous)
+    assert [] == [m for m in unretrieved if "never retrieved" in m]
 
 
 async def test_report_to_the_agent_reaches_a_subscriber_as_host_degraded_then_cleared(

@@ -24,7 +24,7 @@ from agent.notice import Kind, Observation
 from agent.reports import Report
 from agent.sources.base import Sink, Source
 from agent.sources.gpu_health import Hysteresis
-from agent.threads import run_for
+from agent.threads import drop, run_for, wait_or_drop
 
 log = structlog.get_logger("preemptd.host")
 
@@ -149,6 +149,7 @@ class HostSource(Source):
         self._wake = asyncio.Event()
         self._readings: dict[str, Any] = {}
         self._stuck: set[str] = set()
+        self._hung: dict[str, asyncio.Future[Any]] = {}  # what -> its read still running past the bound
         self._rounds = 0
 
     def on_report(self, report: Report) -> None:
@@ -187,17 +188,25 @@ class HostSource(Source):
 
     async def run(self, sink: Sink) -> None:
         self._rounds = 0
-        while True:
-            self._wake.clear()
-            await self._check(sink)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+        try:
+            while True:
+                self._wake.clear()
+                await self._check(sink)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+        finally:
+            for future in self._hung.values():
+                drop(future)
+            self._hung.clear()
 
     async def _bounded(self, what: str, fn: Callable[..., T], *args: Any) -> T | None:
         """Run a psutil read off the loop; None (and ``what`` marked as not responding) past the bound."""
-        future = _call_in_daemon_thread(fn, *args)
-        done, _ = await asyncio.wait({future}, timeout=self.config.call_timeout_s)
-        if not done:
+        # A read still hung from an earlier check is waited for again, not started once more: a dead mount
+        # holds one thread, not one per check.
+        hung: asyncio.Future[T] | None = self._hung.pop(what, None)
+        future = hung or _call_in_daemon_thread(fn, *args)
+        if not await wait_or_drop(future, self.config.call_timeout_s):
+            self._hung[what] = future
             if what not in self._stuck:
                 log.warning("host_read_hung", what=what, bound_s=self.config.call_timeout_s)
             self._stuck.add(what)
@@ -219,7 +228,11 @@ class HostSource(Source):
             if state is not None:
                 self._readings["state_dir"] = {"path": state.measured, "free_bytes": state.free}
                 self._apply("disk/state", state_dir_finding(state, self.config))
-        for directory in self._checkpoint_dirs():
+        directories = self._checkpoint_dirs()
+        for what in [w for w in self._hung if w not in {"memory", "state_dir", *directories}]:
+            drop(self._hung.pop(what))  # a reported directory no longer watched
+            self._stuck.discard(what)
+        for directory in directories:
             key = f"disk/{directory}"
             try:
                 disk = await self._bounded(directory, read_disk, Path(directory))

@@ -45,7 +45,7 @@ from agent.sources.gpu_health import (
 )
 from agent.sources.gpu_xid import KmsgXid, XidClass, pci_key
 from agent.sources.kmsg import KmsgFollower
-from agent.threads import deliver, run_for
+from agent.threads import deliver, run_for, wait_or_drop
 
 log = structlog.get_logger("preemptd.nvml")
 
@@ -545,14 +545,7 @@ class NvmlSource(Source):
         """Await ``future``; while the worker's current call runs past the bound, report it (once)."""
         reported = False
         while True:
-            try:
-                done, _ = await asyncio.wait({future}, timeout=self._tick())
-            except asyncio.CancelledError:
-                # Nobody will read the call's outcome: drop it (agent.threads.settle skips a cancelled
-                # future), or an error that arrives after shutdown is logged as never retrieved.
-                future.cancel()
-                raise
-            if done:
+            if await wait_or_drop(future, self._tick()):
                 return future.result()
             stuck = worker.watch.stuck_for(time.monotonic())
             if not reported and stuck > self.config.call_timeout_s and worker.watch.call is not None:
