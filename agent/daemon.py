@@ -81,7 +81,7 @@ class Agent:
         self.runner.sources = {s.name: s for s in (sources if sources is not None else [])}
         self.components: list[Component[Any]] = list(components) if components is not None else []
         self._build_components = components is None
-        self.cloud: str | None = None if config.cloud in ("auto",) else config.cloud
+        self.cloud: str | None = None if config.cloud == "auto" else config.cloud
         self.instance: dict[str, Any] = {}
         self.notifier = Notifier()
         self.server = Server(self, self.notifier, self.tasks, ClientMistakes(self.log), self.log)
