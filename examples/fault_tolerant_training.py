@@ -54,7 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    # One write() of the whole line: under torchrun every rank shares stdout, and print() hands the text and
+    # its newline to the pipe separately, so another rank's line can land in between. A write of at most
+    # PIPE_BUF (4096) bytes to a pipe is atomic, and one write() to a file moves the shared offset once.
+    line = (json.dumps({"event": event, **fields}) + "\n").encode()
+    while line:
+        line = line[os.write(sys.stdout.fileno(), line) :]
 
 
 def build(width: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
