@@ -2,7 +2,8 @@
 
 Verbs: ``run`` (the daemon), ``status``, ``watch``, ``drill``, ``version``, ``demo``, plus the verbs that
 modules listed in ``_EXTENSIONS`` register (each exposes ``register(subparsers)``). Client verbs use only the
-standard library client, so they start fast and work without the agent's dependencies loaded.
+standard library client, and a verb's module is imported only when that verb runs, so they start fast and
+work without the agent's dependencies loaded (tests/test_cli_imports.py).
 """
 
 from __future__ import annotations
@@ -20,14 +21,19 @@ from typing import Any, TextIO
 
 from agent import __version__, cli_help
 from agent.client.transport import AgentHTTPError, AgentUnavailable, EventStream, request_json
-from agent.config import CLOUDS
 from agent.durations import format_duration, parse_duration
 from agent.errors import ConfigError
 from agent.paths import client_socket_path
 from agent.render import countdown, format_event, format_status, track
 
-# Modules that add verbs: each has register(subparsers) and sets a `func` default on its parser.
-_EXTENSIONS: list[str] = ["agent.advisor.cli", "agent.simulate.cli", "agent.exec"]
+# Modules that add verbs: each has register(subparsers) and sets a `func` default on its parser. Only the
+# module of the verb being run is imported (the simulators alone would load aiohttp for `preemptd status`);
+# the others are listed with their summary from cli_help.
+_EXTENSIONS: dict[str, str] = {
+    "advise": "agent.advisor.cli",
+    "simulate": "agent.simulate.cli",
+    "exec": "agent.exec",
+}
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -42,7 +48,12 @@ def _add_run(subparsers: Any) -> None:
     p.add_argument("--socket", type=Path, help="Unix socket to listen on")
     p.add_argument("--socket-group", help="group owning the socket (mode 0660)")
     p.add_argument("--state-dir", type=Path, help="directory for state and history")
-    p.add_argument("--cloud", choices=CLOUDS, help="cloud to watch (auto detects)")
+    p.add_argument(
+        "--cloud",
+        type=_cloud_arg,
+        metavar="CLOUD",
+        help="cloud to watch: auto (detect it), none, aws, gcp, azure, alibaba or tencent",
+    )
     p.add_argument("--log-format", choices=("auto", "json", "console"), help="log format on stdout")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.add_argument(
@@ -57,6 +68,16 @@ def _add_run(subparsers: Any) -> None:
         "--print-config", action="store_true", help="print the effective configuration as JSON and exit"
     )
     p.set_defaults(func=cmd_run)
+
+
+def _cloud_arg(text: str) -> str:
+    # Checked here rather than with argparse's choices, which would load the configuration module (and
+    # msgspec) for every verb's parser; a test keeps the help's list equal to agent.config.CLOUDS.
+    from agent.config import CLOUDS
+
+    if text not in CLOUDS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CLOUDS)}, got {text!r}")
+    return text
 
 
 def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -242,7 +263,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``verb`` (the verb about to run, or "" for none), the extension verbs
+    other than ``verb`` are listed by name and summary without importing their modules."""
     parser = argparse.ArgumentParser(
         prog="preemptd", description="Warn GPU training jobs before their host goes away."
     )
@@ -306,10 +329,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep running after the notice's deadline")
     p.set_defaults(func=cmd_demo)
 
-    for module_name in _EXTENSIONS:
-        importlib.import_module(module_name).register(subparsers)
+    for name, module_name in _EXTENSIONS.items():
+        if verb is None or verb == name:
+            importlib.import_module(module_name).register(subparsers)
+        else:
+            subparsers.add_parser(name, help=cli_help.VERBS[name].summary)
     cli_help.apply(subparsers)
     return parser
+
+
+def _verb_in(argv: Sequence[str]) -> str:
+    """The verb on a command line ("" for none): the first word that is not a flag, since the top-level
+    flags (--help, --version) take no value."""
+    return next((word for word in argv if not word.startswith("-")), "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -318,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agent.exec import main as exec_main
 
         return exec_main(args_in[1:])
-    parser = build_parser()
+    parser = build_parser(_verb_in(args_in))
     args = cli_help.parse(parser, args_in)
     if not getattr(args, "func", None):
         parser.print_help()

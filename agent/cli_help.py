@@ -18,6 +18,9 @@ class VerbHelp:
     description: str
     examples: tuple[str, ...]
     exits: tuple[tuple[int, str], ...]
+    # The line in `preemptd --help`'s list of verbs, for the verbs that another module registers (the CLI
+    # lists them without importing that module); the built-in verbs give theirs to add_parser.
+    summary: str = ""
 
     def epilog(self) -> str:
         lines = ["examples:", *(f"  {line}" for line in self.examples), "", "exit status:"]
@@ -99,6 +102,7 @@ VERBS: Mapping[str, VerbHelp] = {
             "preemptd advise --save-time 90s --mtbp 2d --plot waste.png --json",
         ),
         ((0, "advice given"), (1, "nothing to plot or simulate, or the plot failed"), USAGE, NO_AGENT),
+        summary="checkpoint interval advice: live from the agent, or offline from --save-time and --mtbp",
     ),
     "simulate": VerbHelp(
         "Serve a cloud's metadata protocol on loopback (aws, gcp, azure, alibaba, tencent), play scenarios and "
@@ -113,6 +117,7 @@ VERBS: Mapping[str, VerbHelp] = {
             (1, "cannot listen on the address"),
             (2, "bad usage or unknown scenario"),
         ),
+        summary="serve a simulated cloud metadata service (aws, gcp, azure, alibaba, tencent) on 127.0.0.1",
     ),
     "exec": VerbHelp(
         "Run a training command (torchrun, srun, python) in its own process group, forward signals to it and "
@@ -128,6 +133,7 @@ VERBS: Mapping[str, VerbHelp] = {
             (2, "bad usage (no command)"),
             (126, "the command cannot run; 127: not found; otherwise the command's own status"),
         ),
+        summary="run a training command; exit 75 when it stopped for a notice after an emergency checkpoint",
     ),
 }
 

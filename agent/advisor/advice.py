@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.advisor import math as cm
 from agent.advisor.estimate import LOSS_CAUSES, Observations
-from agent.config import AdvisorConfig
 from agent.durations import format_duration as _short_duration
 from agent.notice import format_time
+
+if TYPE_CHECKING:  # annotations only: `preemptd advise` must not load the config loader (msgspec)
+    from agent.config import AdvisorConfig
 
 CONFIDENCE_LEVELS = ("none", "low", "medium", "high")
 

@@ -8,11 +8,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from agent.advisor import math as cm
-from agent.advisor.advice import Inputs, calculate, waste_at
 from agent.durations import format_duration, parse_duration
+
+if TYPE_CHECKING:
+    from agent.advisor.advice import Inputs
+
+# The advisor's formulas are imported where they are used, not at the top: the CLI imports this module to
+# build its parser for every verb, and `preemptd status` has no use for them.
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -107,6 +111,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    from agent.advisor.advice import calculate, waste_at
+
     out = out or sys.stdout
     err = err or sys.stderr
     offline = args.save_time is not None or args.mtbp is not None
@@ -185,6 +191,8 @@ def _ask_agent(socket: Path | None) -> dict[str, Any]:
 
 
 def _offline_inputs(args: argparse.Namespace) -> Inputs:
+    from agent.advisor.advice import Inputs
+
     share = args.announced_share
     return Inputs(
         save_s=args.save_time,
@@ -197,6 +205,8 @@ def _offline_inputs(args: argparse.Namespace) -> Inputs:
 
 
 def _live_inputs(doc: dict[str, Any], current: float | None) -> Inputs | None:
+    from agent.advisor.advice import Inputs
+
     if doc.get("interval_s") is None:
         return None
     try:
@@ -229,6 +239,8 @@ def _inputs_json(inputs: Inputs) -> dict[str, Any]:
 
 
 def _rows(inputs: Inputs) -> list[tuple[str, float]]:
+    from agent.advisor import math as cm
+
     formulas = cm.intervals(inputs.save_s, inputs.mtbp_lost_s)
     rows = [
         ("young", formulas.young),
@@ -292,6 +304,8 @@ def _simulate(inputs: Inputs, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _print_human(doc: dict[str, Any], inputs: Inputs, out: TextIO) -> None:
+    from agent.advisor.advice import waste_at
+
     if doc["mode"] == "live" and doc.get("explanation"):
         print(doc["explanation"], file=out)
         print(file=out)

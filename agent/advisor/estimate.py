@@ -18,12 +18,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.advisor.stats import mad_sigma, median, rate_interval
-from agent.config import AdvisorConfig
 from agent.errors import ConfigError, NoticeError
 from agent.notice import parse_time
+
+if TYPE_CHECKING:  # annotations only: `preemptd advise` must not load the config loader (msgspec)
+    from agent.config import AdvisorConfig
 
 GPU_FAULT = "gpu_fault"
 UNCOVERED_NOTICE = "uncovered_notice"

@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agent.simulate import SIMULATORS, SimulatorError, simulator_for
-
+# The simulators (agent.simulate, built on aiohttp) are imported when the verb runs, not when the CLI builds
+# its parser: `preemptd status` must not pay for them. These tables name the clouds (a test checks them
+# against agent.simulate.SIMULATORS).
 ENDPOINT_HINTS = {
     "aws": "PREEMPTD_CLOUD=aws PREEMPTD_AWS__ENDPOINT={url}",
     "gcp": "PREEMPTD_CLOUD=gcp PREEMPTD_GCP__ENDPOINT={url}",
@@ -40,7 +41,12 @@ def register(subparsers: Any) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("cloud", choices=sorted(SIMULATORS))
+    p.add_argument(
+        "cloud",
+        choices=sorted(ENDPOINT_HINTS),
+        metavar="CLOUD",
+        help=f"the cloud whose metadata service to serve: {', '.join(sorted(ENDPOINT_HINTS))}",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port (default: any free port, printed)")
     p.add_argument("--scenario", help="scenario to play (see --list-scenarios)")
@@ -83,6 +89,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    from agent.simulate import SimulatorError, simulator_for
+
     sim = simulator_for(args.cloud, **_options(args))
     if args.scenario and args.scenario not in sim.scenarios:
         raise SimulatorError(
@@ -116,6 +124,8 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from agent.simulate import SIMULATORS, SimulatorError
+
     if args.list_scenarios:
         scenarios = SIMULATORS[args.cloud].scenarios
         print(json.dumps({name: s.description for name, s in sorted(scenarios.items())}, indent=2))
