@@ -29,6 +29,7 @@ from agent.config_loader import (
     FINITE,
     INTERNAL,
     Url,
+    ZeroOr,
     build,
     dotted_to_nested,
     env_table,
@@ -55,27 +56,36 @@ EXTENSIBLE = ("actions",)
 T = TypeVar("T")
 
 
-# Ranges checked by msgspec (a heartbeat of 0 busy-loops, a queue of 0 is unbounded, ...).
-Positive = Annotated[float, Meta(gt=0, le=FINITE)]
+# Ranges checked by msgspec (a queue of 0 is unbounded, ...).
+# Every interval, timeout and backoff: anything the agent waits on or repeats at. A heartbeat or a poll of
+# 1e-9 s keeps a core busy, so each has a floor (tests and plug-in tables use the same types).
+MIN_INTERVAL_S = 0.1
+Seconds = Annotated[
+    float, Meta(ge=MIN_INTERVAL_S, le=FINITE, description=f"a finite number of seconds >= {MIN_INTERVAL_S}")
+]
+# An interval where 0 turns the repetition off.
+SecondsOrOff = Annotated[float, ZeroOr(MIN_INTERVAL_S)]
 NonNegative = Annotated[float, Meta(ge=0, le=FINITE)]
 AtLeastOne = Annotated[int, Meta(ge=1)]
 HttpUrl = Annotated[str, Url()]
+# listen(2)'s backlog is a C int that the kernel caps at net.core.somaxconn (4096 by default).
+MAX_BACKLOG = 65535
 
 
 @dataclass(frozen=True)
 class ApiConfig:
     """The Unix-socket API and its event hub."""
 
-    heartbeat_s: Positive = 15.0
+    heartbeat_s: Seconds = 15.0
     queue_size: AtLeastOne = 256
     ring_size: AtLeastOne = 1024
     max_subscribers: AtLeastOne = 4096
     max_body_bytes: AtLeastOne = 65536
-    backlog: AtLeastOne = 4096
-    shutdown_timeout_s: Positive = 3.0
+    backlog: Annotated[int, Meta(ge=1, le=MAX_BACKLOG)] = 4096
+    shutdown_timeout_s: Seconds = 3.0
     # A connection must complete a request head (and a body) within this long of being accepted or of its
     # previous answer; event streams being served are exempt (they have heartbeats).
-    idle_timeout_s: Positive = 15.0
+    idle_timeout_s: Seconds = 15.0
     # Connections served at once; past it a connection is answered 503. Lowered to what the descriptor
     # limit allows.
     max_connections: AtLeastOne = 8192
@@ -126,7 +136,7 @@ class HookConfig:
     kinds: tuple[NoticeKindName, ...] = ()
     min_severity: SeverityName = "info"
     drills: bool = True
-    timeout_s: float = 30.0
+    timeout_s: Seconds = 30.0
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -148,10 +158,10 @@ class WebhookConfig:
         "preemptd on $host: $event $kind ($severity) from $source: $reason; $seconds_left s left$drill"
     )
     headers: dict[str, str] = field(default_factory=dict)
-    timeout_s: float = 10.0
+    timeout_s: Seconds = 10.0
     retries: int = 3
-    backoff_s: float = 1.0
-    backoff_max_s: float = 30.0
+    backoff_s: Seconds = 1.0
+    backoff_max_s: Seconds = 30.0
 
     def __post_init__(self) -> None:
         check_webhook(self)
@@ -171,7 +181,7 @@ class ReadyConfig:
     # ``immediately`` declares ready at once.
     without_participants: Literal["grace", "immediately"] = "grace"
     # A participant is forgotten when its process is gone or it has not reported for this long.
-    participant_ttl_s: Positive = 7 * 24 * 3600.0
+    participant_ttl_s: Seconds = 7 * 24 * 3600.0
     # Registered participants, per user and in all; a registration past a limit is refused with 429.
     max_participants_per_uid: AtLeastOne = 256
     max_participants: AtLeastOne = 1024
@@ -202,12 +212,12 @@ class AwsConfig:
     """EC2 instance metadata (IMDSv2)."""
 
     endpoint: HttpUrl = "http://169.254.169.254"
-    poll_interval_s: Positive = 1.0
-    timeout_s: Positive = 1.0
+    poll_interval_s: Seconds = 1.0
+    timeout_s: Seconds = 1.0
     token_ttl_s: AtLeastOne = 21600
     # IMDSv1 (no token) only when asked for: it is what SSRF attacks use, and many fleets disable it.
     imdsv1_fallback: bool = False
-    backoff_max_s: Positive = 5.0
+    backoff_max_s: Seconds = 5.0
 
 
 @dataclass(frozen=True)
@@ -217,8 +227,8 @@ class GcpConfig:
     # Empty: $GCE_METADATA_HOST (as in Google's own clients), else http://metadata.google.internal.
     endpoint: Annotated[str, Url(empty=True)] = ""
     wait_timeout_s: AtLeastOne = 60
-    timeout_s: Positive = 2.0
-    backoff_max_s: Positive = 5.0
+    timeout_s: Seconds = 2.0
+    backoff_max_s: Seconds = 5.0
     # Seconds between ACPI soft-off and hard power-off of a preempted VM.
     preempt_notice_s: float = 30.0
     # How early maintenance-event flips before the host maintenance starts.
@@ -233,8 +243,8 @@ class AzureConfig:
     """Azure IMDS Scheduled Events."""
 
     endpoint: HttpUrl = "http://169.254.169.254"
-    poll_interval_s: Positive = 1.0
-    timeout_s: Positive = 1.0
+    poll_interval_s: Seconds = 1.0
+    timeout_s: Seconds = 1.0
     api_version: str = "2020-07-01"
     instance_api_version: str = "2021-02-01"
     # This VM's name as listed in events' Resources; empty: read compute.name from instance metadata.
@@ -242,10 +252,10 @@ class AzureConfig:
     # When to send StartRequests for an event that concerns this VM. "never": only when a component calls
     # AzureSource.acknowledge(); "immediate": as soon as the event is seen (shortens the notice window).
     acknowledge: AzureAcknowledge = "never"
-    backoff_max_s: Positive = 5.0
+    backoff_max_s: Seconds = 5.0
     # Microsoft: the first Scheduled Events call after boot (which enables the service) can take up to two
     # minutes; so may the first after a server error. Those calls get this long instead of timeout_s.
-    first_call_timeout_s: Positive = 120.0
+    first_call_timeout_s: Seconds = 120.0
 
 
 @dataclass(frozen=True)
@@ -262,12 +272,12 @@ class AlibabaConfig:
     """Alibaba Cloud ECS metadata."""
 
     endpoint: HttpUrl = "http://100.100.100.200"
-    poll_interval_s: Positive = 1.0
-    timeout_s: Positive = 1.0
+    poll_interval_s: Seconds = 1.0
+    timeout_s: Seconds = 1.0
     # The hardened mode: fetch a token first (required when the instance enforces it).
     token: bool = False
     token_ttl_s: AtLeastOne = 21600
-    backoff_max_s: Positive = 5.0
+    backoff_max_s: Seconds = 5.0
 
 
 @dataclass(frozen=True)
@@ -275,9 +285,9 @@ class TencentConfig:
     """Tencent Cloud CVM metadata."""
 
     endpoint: HttpUrl = "http://metadata.tencentyun.com"
-    poll_interval_s: Positive = 1.0
-    timeout_s: Positive = 1.0
-    backoff_max_s: Positive = 5.0
+    poll_interval_s: Seconds = 1.0
+    timeout_s: Seconds = 1.0
+    backoff_max_s: Seconds = 5.0
 
 
 @dataclass(frozen=True)
@@ -285,7 +295,7 @@ class DetectConfig:
     """How ``cloud = "auto"`` finds the cloud: DMI strings, then one short metadata probe."""
 
     dmi_dir: Path = Path("/sys/class/dmi/id")
-    probe_timeout_s: Positive = 1.0
+    probe_timeout_s: Seconds = 1.0
     # Without a DMI answer, keep probing (with backoff) this long before concluding there is no cloud: the
     # network may not be up yet at boot.
     probe_retry_s: NonNegative = 60.0
@@ -303,10 +313,11 @@ class GpuConfig:
     enabled: bool = True
     # None: the system's libnvidia-ml.so.1 (or LD_LIBRARY_PATH); a path loads that library instead.
     library_path: Path | None = None
-    poll_interval_s: Positive = 5.0
+    poll_interval_s: Seconds = 5.0
     # An NVML call that has not returned after this long is itself a gpu_fault ("NVML call hung").
-    call_timeout_s: Positive = 10.0
-    event_wait_ms: int = 500
+    call_timeout_s: Seconds = 10.0
+    # How long one NVML event wait lasts (milliseconds): the events thread loops on it.
+    event_wait_ms: Annotated[int, Meta(ge=100, le=60_000)] = 500
     # Hysteresis: a non-fatal condition is raised after raise_after bad readings in a row (fatal ones at
     # once) and cleared after clear_after good ones.
     raise_after: AtLeastOne = 2
@@ -331,7 +342,7 @@ class HostConfig:
     """The psutil host monitor (source ``host``): memory pressure and checkpoint/state disk space."""
 
     enabled: bool = True
-    poll_interval_s: Positive = 10.0
+    poll_interval_s: Seconds = 10.0
     raise_after: AtLeastOne = 2
     clear_after: AtLeastOne = 3
     memory_available_min_percent: float = 5.0
@@ -341,7 +352,7 @@ class HostConfig:
     state_dir_min_free_bytes: int = 256 * 1024 * 1024
     state_dir_min_free_percent: float = 1.0
     # A psutil read (statvfs on a dead network mount) that takes longer than this is a finding.
-    call_timeout_s: Positive = 10.0
+    call_timeout_s: Seconds = 10.0
 
 
 @dataclass(frozen=True)
@@ -374,7 +385,7 @@ class AdvisorConfig:
     credible_level: float = 0.9
     # How often the advisor appends an ``advice`` record to the history log (it also bounds how much uptime
     # an unclean stop can hide); 0 disables.
-    record_interval_s: float = 3600.0
+    record_interval_s: SecondsOrOff = 3600.0
 
 
 @dataclass(frozen=True)

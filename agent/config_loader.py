@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
+import stat
 import sys
 import types
 import typing
@@ -60,21 +62,70 @@ class Url:
         return None
 
 
+@dataclass(frozen=True)
+class ZeroOr:
+    """A number that is 0 (off) or at least ``minimum``: ``Annotated[float, ZeroOr(0.1)]``. Checked by the
+    loader, since msgspec's constraints cannot say "or"."""
+
+    minimum: float
+
+    @property
+    def text(self) -> str:
+        return f"0 (off) or a finite number >= {self.minimum:g}"
+
+    def problem(self, value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None  # the wrong type: msgspec says so
+        return None if value == 0 or self.minimum <= value <= FINITE else self.text
+
+
+# Marks the loader checks itself (each has ``problem(value)`` and ``text``).
+CHECKS = (Url, ZeroOr)
+
+# A configuration file is a few kilobytes; a bigger "file" is a mistake (a log, a disk image).
+MAX_FILE_BYTES = 1 << 20
+
+
 def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML document in ``path``, a regular file of at most :data:`MAX_FILE_BYTES`. Anything else (a
+    FIFO, a device, a socket: reading one can block for ever) is refused before it is opened, and again
+    after (in case it was swapped in between)."""
     try:
-        with path.open("rb") as handle:
-            doc: dict[str, Any] = tomllib.load(handle)
-            return doc
+        _check_regular(path, os.stat(path))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as handle:
+            _check_regular(path, os.fstat(fd))
+            data = handle.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise ConfigError(_too_big(path))
+        doc: dict[str, Any] = tomllib.loads(data.decode("utf-8"))
+        return doc
     except FileNotFoundError as exc:
         raise ConfigError(f"{path}: config file not found") from exc
     except PermissionError as exc:
         raise ConfigError(f"{path}: cannot read the config file: permission denied") from exc
-    except IsADirectoryError as exc:
-        raise ConfigError(f"{path}: is a directory, expected a TOML file") from exc
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConfigError(f"{path}: cannot read the config file: {why}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid UTF-8 text: {exc}") from exc
+
+
+def _check_regular(path: Path, info: os.stat_result) -> None:
+    mode = info.st_mode
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"{path}: is a directory, expected a TOML file")
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise ConfigError(f"{path}: is {kind}, not a regular file; point the configuration at a TOML file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise ConfigError(_too_big(path))
+
+
+def _too_big(path: Path) -> str:
+    return f"{path}: is larger than {MAX_FILE_BYTES // 1024} KiB; a configuration file is a few kilobytes"
 
 
 def parse_value(raw: str) -> Any:
@@ -98,24 +149,39 @@ def env_table(environ: Mapping[str, str], prefix: str, top_level: type) -> dict[
         if len(parts) == 1 and parts[0] not in field_names(top_level):
             # Unrelated PREEMPTD_* variables (PREEMPTD_SOCKET is used by clients too) are not an error.
             continue
-        node = table
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = parse_value(raw)
+        _put(table, parts, parse_value(raw), "environment")
     return table
 
 
-def dotted_to_nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+def dotted_to_nested(flat: Mapping[str, Any], where: str = "command line") -> dict[str, Any]:
     nested: dict[str, Any] = {}
     for dotted, value in flat.items():
         if value is None:
             continue
-        parts = dotted.split(".")
-        node = nested
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
+        _put(nested, dotted.split("."), value, where)
     return nested
+
+
+def _put(table: dict[str, Any], parts: list[str], value: Any, where: str) -> None:
+    """Set ``parts`` (a dotted key) in the nested ``table``; a key that is also set as a table's value
+    (``api=5`` and ``api.heartbeat_s=1``) is an error naming both."""
+    node = table
+    for depth, part in enumerate(parts[:-1]):
+        inner = node.setdefault(part, {})
+        if not isinstance(inner, dict):
+            outer = ".".join(parts[: depth + 1])
+            raise ConfigError(
+                f"{where}: key {outer!r} is set to {inner!r} and {'.'.join(parts)!r} sets a key inside it; "
+                f"{outer!r} is a table: set only keys inside it"
+            )
+        node = inner
+    if isinstance(node.get(parts[-1]), dict) and not isinstance(value, Mapping):
+        dotted = ".".join(parts)
+        raise ConfigError(
+            f"{where}: key {dotted!r} is set to {value!r} and keys inside it are set too; "
+            f"{dotted!r} is a table: set only keys inside it"
+        )
+    node[parts[-1]] = value
 
 
 def merge(
@@ -188,7 +254,7 @@ def _prepare(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> A
     can only give (``none`` for an optional key, ``yes``/``off`` for a boolean, ``a,b`` for an array)."""
     if typing.get_origin(hint) is Annotated:
         hint, *marks = typing.get_args(hint)
-        problem = next((p for m in marks if isinstance(m, Url) and (p := m.problem(value))), None)
+        problem = next((p for m in marks if isinstance(m, CHECKS) and (p := m.problem(value))), None)
         if problem is not None:
             raise _fail(origin, dotted, problem, value)
     kind = typing.get_origin(hint)
@@ -304,7 +370,7 @@ def describe(hint: Any) -> str:
     if kind is Annotated:
         base, *marks = typing.get_args(hint)
         for mark in marks:
-            if isinstance(mark, Url):
+            if isinstance(mark, CHECKS):
                 return mark.text
             if isinstance(mark, msgspec.Meta):
                 return mark.description or _bounded(describe(base), mark)

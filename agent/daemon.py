@@ -40,8 +40,11 @@ from agent.sources.base import Source
 from agent.sources.runner import SourceRunner
 from agent.state import History
 from agent.tasks import TaskSet
+from agent.threads import call_in_thread, drop, wait_or_drop
 
 DRILL_SOURCE = "drill"
+# The longest wait for the configuration file on SIGHUP.
+RELOAD_READ_S = 10.0
 
 
 class Agent:
@@ -365,8 +368,16 @@ class Agent:
             self.log.info("reload_ignored", why="the agent was not started from a configuration file")
             return
         self.notifier.notify(reloading=1, monotonic_usec=int(time.monotonic() * 1_000_000))
+        # Read on a thread of its own, with a bounded wait: a file on a hung mount must not stop the loop
+        # (the loader itself refuses FIFOs and devices).
+        loaded = call_in_thread(self._reload_config, name="preemptd-reload")
         try:
-            new = self._reload_config()
+            if not await wait_or_drop(loaded, RELOAD_READ_S):
+                drop(loaded)
+                raise ConfigError(
+                    f"reading the configuration took longer than {RELOAD_READ_S:g} s (a hung file system?)"
+                )
+            new = loaded.result()
         except ConfigError as exc:
             self.log.error("reload_failed", error=str(exc), effect="keeping the running configuration")
             self.notifier.notify(ready=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,6 +39,15 @@ def run_for(
     except BaseException as exc:  # handed over, re-raised by the awaiting task
         result, error = None, exc
     deliver(loop, settle, future, result, error)
+
+
+def call_in_thread(fn: Callable[..., T], *args: Any, name: str) -> asyncio.Future[T]:
+    """Run ``fn(*args)`` on a new daemon thread named ``name``; its outcome completes the returned future on
+    the running loop. Unlike the default executor, a call stuck for ever never delays exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    threading.Thread(target=run_for, args=(loop, future, fn, *args), name=name, daemon=True).start()
+    return future
 
 
 def drop(future: asyncio.Future[Any]) -> None:

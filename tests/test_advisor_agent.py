@@ -190,7 +190,7 @@ async def test_advise_verb_asks_the_running_agent(base: Path) -> None:
 async def test_advisor_marks_the_history_periodically(base: Path) -> None:
     """The advisor hands a periodic ``advice`` record to the agent's history (it bounds how much uptime an
     unclean stop can hide)."""
-    async with running_agent(base, settings={"advisor.record_interval_s": 0.05}) as agent:
+    async with running_agent(base, settings={"advisor.record_interval_s": 0.1}) as agent:
         recorded: list[dict[str, Any]] = []
         seen = asyncio.Event()
         original = agent.keeper.record

@@ -198,7 +198,7 @@ async def test_reconnect_with_last_event_id_gets_exactly_the_missed_events(base:
 
 
 async def test_idle_stream_receives_heartbeats(base: Path) -> None:
-    async with running_agent(base, {"api.heartbeat_s": 0.05}) as agent:
+    async with running_agent(base, {"api.heartbeat_s": 0.1}) as agent:
         reader, writer = await asyncio.open_unix_connection(str(agent.config.socket))
         writer.write(b"GET /v1/events HTTP/1.1\r\nHost: x\r\n\r\n")
         data = b""

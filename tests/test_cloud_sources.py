@@ -319,7 +319,7 @@ async def test_azure_iso_not_before(base: Path) -> None:
 
 
 async def test_azure_stays_under_the_rate_limit(base: Path) -> None:
-    settings = {"azure.poll_interval_s": 0.05}
+    settings = {"azure.poll_interval_s": 0.1}
     async with rig("azure", base, settings=settings) as r:
         seen = r.sim.requests
         await r.status_until(lambda d: r.sim.requests >= seen + 12, "a dozen polls")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -12,6 +13,9 @@ from msgspec import Meta
 from agent.config import Config, load_config, parse_setting
 from agent.errors import ConfigError
 from agent.paths import client_socket_path, default_socket_path, default_state_dir, user_socket_path
+
+# What an interval, timeout or backoff key expects (each has a floor: 1e-9 s would keep a core busy).
+SECONDS = r"expected a finite number of seconds >= 0\.1"
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -71,14 +75,15 @@ def test_bad_file_names_file_key_and_expectation(tmp_path: Path, text: str, mess
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[api]\nheartbeat_s = 0\n", r"key 'api\.heartbeat_s': expected a finite number > 0, got 0$"),
-        ("[api]\nheartbeat_s = -1.5\n", r"key 'api\.heartbeat_s': expected a finite number > 0, got -1\.5$"),
-        ("[api]\nheartbeat_s = nan\n", r"key 'api\.heartbeat_s': expected a finite number > 0, got nan$"),
+        ("[api]\nheartbeat_s = 0\n", r"key 'api\.heartbeat_s': " + SECONDS + r", got 0$"),
+        ("[api]\nheartbeat_s = -1.5\n", r"key 'api\.heartbeat_s': " + SECONDS + r", got -1\.5$"),
+        ("[api]\nheartbeat_s = nan\n", r"key 'api\.heartbeat_s': " + SECONDS + r", got nan$"),
         ("[api]\nqueue_size = 0\n", r"key 'api\.queue_size': expected an integer >= 1, got 0$"),
         ("[api]\nmax_subscribers = 0\n", r"key 'api\.max_subscribers': expected an integer >= 1"),
         ("[api]\nmax_body_bytes = -5\n", r"key 'api\.max_body_bytes': expected an integer >= 1, got -5$"),
-        ("[aws]\npoll_interval_s = 0\n", r"key 'aws\.poll_interval_s': expected a finite number > 0"),
-        ("[gpu]\npoll_interval_s = 0\n", r"key 'gpu\.poll_interval_s': expected a finite number > 0"),
+        ("[aws]\npoll_interval_s = 0\n", r"key 'aws\.poll_interval_s': " + SECONDS),
+        ("[gpu]\npoll_interval_s = 0\n", r"key 'gpu\.poll_interval_s': " + SECONDS),
+        ("[api]\nbacklog = 1099511627776\n", r"key 'api\.backlog': expected an integer >= 1 and <= 65535"),
         ("socket_mode = 0o7777\n", r"key 'socket_mode': expected a mode from 0o000 to 0o777, got 4095$"),
         (
             '[aws]\nendpoint = "169.254.169.254"\n',
@@ -107,9 +112,7 @@ def test_in_range_values_and_an_empty_gcp_endpoint_load(tmp_path: Path) -> None:
 
 
 def test_an_out_of_range_environment_value_names_the_environment() -> None:
-    with pytest.raises(
-        ConfigError, match=r"^environment: key 'api\.heartbeat_s': expected a finite number > 0"
-    ):
+    with pytest.raises(ConfigError, match=r"^environment: key 'api\.heartbeat_s': " + SECONDS):
         load_config(env={"PREEMPTD_API__HEARTBEAT_S": "-1"})
 
 
@@ -161,7 +164,7 @@ def test_state_dir_prefers_systemd_state_directory() -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[api]\nheartbeat_s = inf\n", r"key 'api\.heartbeat_s': expected a finite number > 0, got inf$"),
+        ("[api]\nheartbeat_s = inf\n", r"key 'api\.heartbeat_s': " + SECONDS + r", got inf$"),
         ("[actions.ready]\ngrace_s = -1\n", r"key 'actions\.ready\.grace_s': expected a finite number >= 0"),
         ("[detect]\nprobe_retry_s = inf\n", r"key 'detect\.probe_retry_s': expected a finite number >= 0"),
         ("[api]\nqueue_size = true\n", r"key 'api\.queue_size': expected an integer, got True$"),
@@ -268,3 +271,101 @@ def test_a_plug_in_table_declares_its_ranges_and_forms_with_msgspec(tmp_path: Pa
         with pytest.raises(ConfigError, match=message) as info:
             load_config(path, env={}).table("actions.pbs", Settings)
         assert str(info.value).startswith(f"{path}: ")
+
+
+# Every interval, timeout and backoff key of the built-in sections (tiny values once pinned a core).
+INTERVAL_KEYS = [
+    "api.heartbeat_s",
+    "api.idle_timeout_s",
+    "api.shutdown_timeout_s",
+    "actions.ready.participant_ttl_s",
+    "aws.poll_interval_s",
+    "aws.timeout_s",
+    "aws.backoff_max_s",
+    "gcp.timeout_s",
+    "gcp.backoff_max_s",
+    "azure.poll_interval_s",
+    "azure.first_call_timeout_s",
+    "alibaba.poll_interval_s",
+    "tencent.poll_interval_s",
+    "detect.probe_timeout_s",
+    "gpu.poll_interval_s",
+    "gpu.call_timeout_s",
+    "host.poll_interval_s",
+    "host.call_timeout_s",
+]
+
+
+@pytest.mark.parametrize("key", INTERVAL_KEYS)
+def test_an_interval_below_the_floor_is_refused_with_file_key_and_floor(tmp_path: Path, key: str) -> None:
+    section, _, name = key.rpartition(".")
+    escaped = key.replace(".", r"\.")
+    assert_refused(tmp_path, f"[{section}]\n{name} = 1e-9\n", f"key '{escaped}': {SECONDS}, got 1e-09$")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[[actions.hooks]]\nargv = ["x"]\ntimeout_s = 0.001\n', r"key 'actions\.hooks\[0\]\.timeout_s': "),
+        (
+            '[[actions.webhooks]]\nurl = "http://x"\nbackoff_s = 0\n',
+            r"key 'actions\.webhooks\[0\]\.backoff_s': ",
+        ),
+    ],
+)
+def test_hook_and_webhook_intervals_have_the_same_floor(tmp_path: Path, text: str, message: str) -> None:
+    assert_refused(tmp_path, text, message + SECONDS)
+
+
+def test_the_nvml_event_wait_has_a_floor(tmp_path: Path) -> None:
+    assert_refused(
+        tmp_path, "[gpu]\nevent_wait_ms = 0\n", r"key 'gpu\.event_wait_ms': expected an integer >= 100"
+    )
+
+
+def test_an_interval_that_can_be_off_takes_0_but_not_a_tiny_value(tmp_path: Path) -> None:
+    assert (
+        0.0
+        == load_config(
+            write(tmp_path, "[advisor]\nrecord_interval_s = 0\n"), env={}
+        ).advisor.record_interval_s
+    )
+    assert_refused(
+        tmp_path,
+        "[advisor]\nrecord_interval_s = 1e-9\n",
+        r"key 'advisor\.record_interval_s': expected 0 \(off\) or a finite number >= 0\.1, got 1e-09$",
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"api": 5, "api.heartbeat_s": 1}, {"api.heartbeat_s": 1, "api": 5}],
+    ids=["value-first", "table-first"],
+)
+def test_a_key_set_both_as_a_value_and_as_a_table_is_a_clear_error(overrides: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match=r"^command line: key 'api' is set to 5 and .* 'api' is a table"):
+        load_config(env={}, overrides=overrides)
+
+
+def test_a_variable_set_both_as_a_value_and_as_a_table_names_the_environment() -> None:
+    env = {"PREEMPTD_API": "5", "PREEMPTD_API__HEARTBEAT_S": "1"}
+    with pytest.raises(ConfigError, match=r"^environment: key 'api' is set to 5 and .* 'api' is a table"):
+        load_config(env=env)
+
+
+def test_a_fifo_as_the_config_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=f"^{fifo}: is a FIFO, not a regular file; point the configuration"):
+        load_config(fifo, env={})
+
+
+def test_a_device_as_the_config_file_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^/dev/null: is a device, not a regular file"):
+        load_config(Path("/dev/null"), env={})
+
+
+def test_a_config_file_over_1_mib_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, "# padding\n" * (1 << 17))
+    with pytest.raises(ConfigError, match=f"^{path}: is larger than 1024 KiB"):
+        load_config(path, env={})

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from structlog.testing import capture_logs
 from agent.errors import AlreadyRunningError
 from agent.notice import Kind
 from agent.state import STATE_FILE
-from tests.support import AgentProcess, SSEClient, eventually, http_json, running_agent
+from tests.support import REPO, AgentProcess, SSEClient, eventually, http_json, running_agent
+from tests.test_systemd import hup_and_wait_ready
 
 
 async def test_corrupt_state_file_is_moved_aside_and_the_agent_starts_clean(base: Path) -> None:
@@ -202,4 +204,46 @@ async def test_signals_during_shutdown_do_not_cut_the_final_state_save(base: Pat
         code,
         state["clean_shutdown"],
         [n["id"] for n in state["notices"]],
+    )
+
+
+async def test_a_fifo_in_place_of_the_config_file_on_reload_is_refused_and_the_agent_keeps_serving(
+    base: Path,
+) -> None:
+    """SIGHUP with the config path replaced by a FIFO: the reload fails at once with a clear error, the
+    running configuration stays (still logging at info) and status answers (the loop never blocked)."""
+    config = base / "config.toml"
+    config.write_text('log_level = "info"\n')
+    proc = AgentProcess(base, extra_args=["--config", str(config)])
+    await proc.start()
+    try:
+        config.unlink()
+        os.mkfifo(config)
+        await hup_and_wait_ready(proc)
+        status, _ = await http_json(proc.socket_path, "GET", "/v1/status")
+        _, drill = await http_json(proc.socket_path, "POST", "/v1/drills", {"in_s": 30})
+    finally:
+        assert 0 == await proc.stop()
+    failed = [r["error"] for r in proc.logs() if r.get("event") == "reload_failed"]
+    assert (200, [f"{config}: is a FIFO, not a regular file; point the configuration at a TOML file"]) == (
+        status,
+        failed,
+    )
+    assert drill["notice"]["id"] in [
+        r.get("notice_id") for r in proc.logs() if r.get("event") == "drill_injected"
+    ]
+
+
+async def test_run_with_a_fifo_as_the_config_file_exits_2_with_a_clear_error(base: Path) -> None:
+    """``preemptd run --config FIFO`` refuses at start instead of blocking on the read."""
+    fifo = base / "config.toml"
+    os.mkfifo(fifo)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agent", "run", "--config", str(fifo), "--socket", str(base / "a.sock"),
+        cwd=str(REPO), stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(proc.communicate(), 30)
+    assert (2, f"preemptd: configuration error: {fifo}: is a FIFO, not a regular file") == (
+        proc.returncode,
+        stderr.decode().split(";")[0],
     )

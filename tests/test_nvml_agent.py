@@ -23,9 +23,9 @@ GPU0 = "GPU-fa4e0000-0000-4000-8000-000000000000"
 GPU1 = "GPU-fa4e0000-0000-4000-8000-000000000001"
 
 FAST = {
-    "gpu.poll_interval_s": 0.05,
+    "gpu.poll_interval_s": 0.1,
     "gpu.call_timeout_s": 1.0,
-    "gpu.event_wait_ms": 50,
+    "gpu.event_wait_ms": 100,
     "gpu.raise_after": 2,
     "gpu.clear_after": 2,
     "gpu.xid_hold_s": 1.0,

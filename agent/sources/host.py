@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from agent.notice import Kind, Observation
 from agent.reports import Report
 from agent.sources.base import Sink, Source
 from agent.sources.gpu_health import Hysteresis
-from agent.threads import drop, run_for, wait_or_drop
+from agent.threads import call_in_thread, drop, wait_or_drop
 
 log = structlog.get_logger("preemptd.host")
 
@@ -128,12 +127,7 @@ def checkpoint_finding(
 
 def _call_in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     """Run ``fn`` on a new daemon thread; unlike the default executor, a stuck call never delays exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-    threading.Thread(
-        target=run_for, args=(loop, future, fn, *args), name="preemptd-host-read", daemon=True
-    ).start()
-    return future
+    return call_in_thread(fn, *args, name="preemptd-host-read")
 
 
 class HostSource(Source):
