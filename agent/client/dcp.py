@@ -42,7 +42,7 @@ from agent.client.dcp_commit import (
     ShardedCheckpoint,
     add_own_checksums,
     commit,
-    dcp_reasons,
+    load_failure,
     load_sharded,
     owner,
     verify_share,
@@ -58,6 +58,11 @@ from agent.client.store import (
     CheckpointWarning,
     ChecksumThreads,
     Verify,
+    convertible,
+    fall_back,
+    free_bytes,
+    loaded_only,
+    save_failure,
     valid_only,
 )
 
@@ -137,6 +142,7 @@ class ShardedStore:
             finish=lambda checkpoint, blocked, total, flush: self._finished(
                 checkpoint, blocked, total, False, None, False, flush
             ),
+            fail=lambda exc, step, tmp, free: self._failure(exc, step, tmp, free, self.async_group),
         )
         self._checksummers = ChecksumThreads()
         self.last_save: ShardedCheckpoint | None = None
@@ -170,7 +176,11 @@ class ShardedStore:
         deadline: datetime | None = None,
     ) -> ShardedCheckpoint:
         """Save ``state`` (DTensors, tensors, ``Stateful`` objects) as step ``step`` on every rank; returns
-        on every rank once the step is committed. On failure nothing is committed and every rank raises.
+        on every rank once the step is committed. On failure nothing is committed and every rank raises the
+        same :class:`CheckpointError` naming the cause (torch's own ``CheckpointException``, a
+        ``BaseException``, is chained to it); a failed emergency save falls back to the newest earlier
+        committed step as :meth:`CheckpointStore.save` describes. A step lower than the newest committed one
+        starts a new run (see there).
 
         ``deadline`` (the notice's): the save is reported with the duration predicted from earlier saves
         and whether that misses the deadline (:attr:`last_budget`); it runs all the same. An emergency save
@@ -219,18 +229,28 @@ class ShardedStore:
         started = time.monotonic()
         flush = self._budget.report(step, deadline, choice)
         self._report("started", step, emergency=emergency, notice_id=notice_id, flush=flush)
+        free_before = free_bytes(self.root)
+        run = self._local.run_for(step) if self.rank == 0 else 0  # rank 0 writes the manifest
         tmp = self.ranks.agree_tmp(self.root)
         defer = emergency and self.checksum and self.defer_emergency_checksum
-        what = Commit(step, layout or {}, started, emergency, notice_id, metadata)
+        what = Commit(step, layout or {}, started, emergency, notice_id, metadata, run)
         try:
             with zip_crc_off():
                 writer(tmp)
             checkpoint = self._commit(self.group, tmp, what, self.checksum and not defer)
-        except BaseException:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as exc:
+            if not convertible(exc):
+                if self.rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                self._report("failed", step, emergency=emergency, notice_id=notice_id, flush=flush)
+                raise
+            error = self._failure(exc, step, tmp, free_before)
+            if emergency:
+                error.fallback = fall_back(self._local, step, notice_id, error, sharded=True)
+                if error.fallback is not None:
+                    flush = {**flush, "fallback_step": error.fallback.step}
             self._report("failed", step, emergency=emergency, notice_id=notice_id, flush=flush)
-            raise
+            raise error from exc
         duration = time.monotonic() - started
         return self._finished(checkpoint, duration, duration, emergency, notice_id, defer, flush)
 
@@ -265,6 +285,25 @@ class ShardedStore:
     def _commit(self, group: Any, tmp: Path, what: Commit, checksum: bool) -> Checkpoint:
         return commit(self.ranks, group, self._local, tmp, what, checksum)
 
+    def _failure(
+        self, exc: BaseException, step: int, tmp: Path, free_before: int | None, group: Any = None
+    ) -> CheckpointError:
+        """The one CheckpointError every rank raises for a failed save: rank 0 reads the cause (before it
+        removes the temporary directory, whose contents and the space left tell a full disk apart) and tells
+        the others. Only failures every rank has (DCP's CheckpointException, a failed commit) are told over
+        the group; any other stays this rank's own, since the other ranks may not be listening."""
+        shared = getattr(exc, "failures", None) is not None or isinstance(exc, CheckpointError)
+        error = save_failure(exc, step, self.root, tmp, free_before, self._local)
+        if shared and self.distributed:
+            try:
+                told = self.ranks.from_zero((str(error), error.reason), group)
+                error = CheckpointError(told[0], reason=told[1])
+            except Exception as lost:  # the group itself failed: this rank's own reading stands
+                _log.warning("could not agree on why the save of step %s failed: %s", step, lost)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return error
+
     def _finished(
         self,
         checkpoint: Checkpoint,
@@ -295,7 +334,7 @@ class ShardedStore:
         sharded = ShardedCheckpoint(replace(checkpoint, duration_s=total_s), self.world_size)
         self.last_save = sharded
         if not emergency:  # never spend a notice window deleting old checkpoints
-            self.prune()
+            self.prune(protect=checkpoint.path)
         return sharded
 
     def wait_checksums(self, timeout: float | None = None) -> bool:
@@ -352,20 +391,31 @@ class ShardedStore:
     def load(self, checkpoint: ShardedCheckpoint, state: Mapping[str, Any]) -> None:
         """Load ``checkpoint`` into ``state`` in place through ``dcp.load`` (resharding to this world size).
 
-        Keys or shapes that do not match raise :class:`CheckpointError` naming them, before anything in
-        ``state`` is overwritten (DCP plans the whole load before it reads)."""
+        Keys or shapes that do not match raise :class:`CheckpointError` (reason ``mismatch``) naming them,
+        before anything in ``state`` is overwritten (DCP plans the whole load before it reads). Files that
+        cannot be read raise CheckpointError with the cause on every rank (DCP gathers the failures)."""
         try:
             dcp_load(dict(state), checkpoint_id=checkpoint.path, process_group=self.group)
         except CheckpointException as exc:
-            raise CheckpointError(
-                f"{checkpoint.path} does not match the state to load into: {dcp_reasons(exc)}"
-            ) from exc
+            raise load_failure(checkpoint.path, exc) from exc
+        except OSError as exc:
+            raise load_failure(checkpoint.path, exc) from exc
 
-    def prune(self) -> list[Path]:
-        """Rank 0 removes steps beyond ``keep`` and leftovers of dead saves (not a collective)."""
+    def load_latest(self, state: Mapping[str, Any], verify: Verify = "checksum") -> ShardedCheckpoint | None:
+        """Load the newest committed step that verifies *and* loads into ``state`` (a collective); that
+        step, or None when there is none (``state`` untouched). A step that verifies but fails to load
+        (an emergency step whose deferred CRCs were never written is checked by size alone) is skipped with
+        a CheckpointWarning and the previous one is loaded, on every rank alike since DCP gathers every
+        rank's failure; a ``mismatch`` is raised at once."""
+        found = next(loaded_only(self.checkpoints(verify), lambda c: self.load(c, state)), None)
+        return None if found is None else found[0]
+
+    def prune(self, protect: Path | None = None) -> list[Path]:
+        """Rank 0 removes steps beyond ``keep`` and leftovers of dead saves, never ``protect`` (not a
+        collective)."""
         if self.rank != 0:
             return []
-        return self._local.prune()
+        return self._local.prune(protect)
 
 
 def latest_committed(

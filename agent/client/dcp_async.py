@@ -24,15 +24,18 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from agent.client.dcp_commit import Commit, Ranks, ShardedCheckpoint
 from agent.client.dcp_state import layout
 from agent.client.preempted import record_emergency
-from agent.client.store import Checkpoint, CheckpointError, CheckpointStore
+from agent.client.store import Checkpoint, CheckpointError, CheckpointStore, convertible, free_bytes
 
 _log = logging.getLogger("agent.client.dcp")
 
 # The store's hooks: report a phase; commit a written directory (group, directory, what, checksum now);
-# finish a committed save (checkpoint, blocked_s, total_s, flush report) into what the caller gets.
+# finish a committed save (checkpoint, blocked_s, total_s, flush report) into what the caller gets; turn a
+# failure into the CheckpointError every rank raises (exception, step, directory, free bytes at the start)
+# and remove the directory.
 Report = Callable[..., None]
 CommitHook = Callable[[Any, Path, Commit, bool], Checkpoint]
 FinishHook = Callable[[Checkpoint, float, float, dict[str, Any]], ShardedCheckpoint]
+FailHook = Callable[[BaseException, int, Path, "int | None"], CheckpointError]
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class BackgroundSaves:
         report: Report,
         commit: CommitHook,
         finish: FinishHook,
+        fail: FailHook,
     ) -> None:
         self.ranks = ranks
         self.root = root
@@ -132,6 +136,7 @@ class BackgroundSaves:
         self._report = report
         self._commit = commit
         self._finish = finish
+        self._fail = fail
         self.inflight: AsyncSave | None = None
         self._writer: FileSystemWriter | None = None
 
@@ -143,8 +148,10 @@ class BackgroundSaves:
         started = time.monotonic()
         flush = self.budget.report(step, None, "background")
         self._report("started", step, flush=flush)
+        free_before = free_bytes(self.root)
+        run = self.budget.local.run_for(step) if self.ranks.rank == 0 else 0  # rank 0 writes the manifest
         tmp = self.ranks.agree_tmp(self.root)
-        what = Commit(step, layout(state), started, metadata=metadata)
+        what = Commit(step, layout(state), started, metadata=metadata, run=run)
         if self._writer is None:
             self._writer = FileSystemWriter(
                 tmp,
@@ -167,7 +174,7 @@ class BackgroundSaves:
         handle = AsyncSave(step=step, started=started, blocked_s=time.monotonic() - started)
         handle.thread = threading.Thread(
             target=self._complete,
-            args=(handle, future, tmp, what, flush),
+            args=(handle, future, tmp, what, flush, free_before),
             name=f"preemptd-async-save step {step}",
             daemon=True,
         )
@@ -176,7 +183,13 @@ class BackgroundSaves:
         return handle
 
     def _complete(
-        self, handle: AsyncSave, future: Any, tmp: Path, what: Commit, flush: dict[str, Any]
+        self,
+        handle: AsyncSave,
+        future: Any,
+        tmp: Path,
+        what: Commit,
+        flush: dict[str, Any],
+        free_before: int | None,
     ) -> None:
         try:
             future.result()
@@ -184,9 +197,13 @@ class BackgroundSaves:
             total = time.monotonic() - handle.started
             handle.result = self._finish(checkpoint, handle.blocked_s, total, flush)
         except BaseException as exc:  # kept for the training thread, which raises it in wait()
-            handle.error = exc
-            if self.ranks.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+            if convertible(exc):
+                handle.error = self._fail(exc, handle.step, tmp, free_before)
+                handle.error.__cause__ = exc
+            else:
+                handle.error = exc
+                if self.ranks.rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
             self._report("failed", handle.step, flush=flush)
 
     def wait(self, timeout: float | None = None) -> ShardedCheckpoint | None:

@@ -36,6 +36,9 @@ from agent.client.store import (
     _write_durably,
     fsync_dir,
     fsync_file,
+    os_error,
+    reason_of,
+    summary,
 )
 
 DCP_METADATA = ".metadata"
@@ -148,6 +151,7 @@ class Commit:
     emergency: bool = False
     notice_id: str | None = None
     metadata: Mapping[str, Any] | None = None
+    run: int = 0
 
 
 def commit(
@@ -159,7 +163,7 @@ def commit(
     described: list[dict[str, Any]] | str
     try:
         described = describe_own(tmp, ranks.rank, ranks.world_size, checksum)
-    except OSError as exc:
+    except Exception as exc:  # every failure goes to the gather, or the other ranks would wait there forever
         described = f"rank {ranks.rank} on {socket.gethostname()}: {exc}"
     everyone = ranks.gather(described, group)
     failures = [d for d in everyone if isinstance(d, str)]
@@ -225,6 +229,7 @@ def manifest(what: Commit, everyone: list[Any], world_size: int) -> dict[str, An
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "step": what.step,
+        "run": what.run,
         "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "bytes": sum(int(f["bytes"]) for f in files),
         "emergency": what.emergency,
@@ -291,13 +296,22 @@ def add_own_checksums(directory: Path, own: list[FileEntry], rank: int) -> None:
         pass
 
 
-def dcp_reasons(exc: BaseException) -> str:
-    """The per-rank causes inside DCP's CheckpointException, without tracebacks, deduplicated."""
+def load_failure(path: Path, exc: BaseException) -> CheckpointError:
+    """The CheckpointError for a failed ``dcp.load`` of ``path``: ``mismatch`` when DCP's plan found keys or
+    shapes that do not fit the state; else the step cannot be read (its metadata or data: the storage's
+    errno when there is one, ``unreadable`` otherwise)."""
     failures = getattr(exc, "failures", None)
-    if isinstance(failures, Mapping) and failures:
-        reasons = []
-        for value in failures.values():
-            cause = value[0] if isinstance(value, tuple) else value
-            reasons.append(str(cause))
-        return "; ".join(sorted(set(reasons)))
-    return str(exc)
+    planning = bool(exc.args) and exc.args[0] == "plan" and isinstance(failures, Mapping)
+    reading_metadata = isinstance(failures, Mapping) and any(
+        frame.name == "read_metadata"
+        for value in failures.values()
+        if isinstance(value, tuple) and value[1] is not None
+        for frame in value[1]
+    )
+    found = os_error(exc)
+    if planning and found is None and not reading_metadata:
+        return CheckpointError(
+            f"{path} does not match the state to load into: {summary(exc)}", reason="mismatch"
+        )
+    reason = reason_of(found) if found is not None else "unreadable"
+    return CheckpointError(f"{path} cannot be loaded: {summary(exc)}", reason=reason)

@@ -3,8 +3,10 @@
 ``save(step, writer)`` gives ``writer`` a fresh temporary directory to fill with any files, then fsyncs them
 (checksumming in parallel with the fsync), writes ``manifest.json``, renames the directory to ``step-N`` and
 fsyncs the parent: a checkpoint either exists whole or not at all. ``latest()`` finds the newest checkpoint that
-verifies, skipping incomplete or corrupt ones with a :class:`CheckpointWarning`. Each save is reported to the
-agent (started, finished or failed) so the advisor learns what a checkpoint costs.
+verifies, skipping incomplete, corrupt or malformed ones with a :class:`CheckpointWarning`. "Newest" is by run,
+then step: a save of a step lower than the newest one starts a new run that outranks the older one (see
+:meth:`CheckpointStore.save`). Every failure to save or read is a :class:`CheckpointError` naming its cause.
+Each save is reported to the agent (started, finished or failed) so the advisor learns what a checkpoint costs.
 
 Over 450 lines because saving, verifying, resuming and pruning share the on-disk format and its
 invariants, which are kept in one place.
@@ -12,7 +14,9 @@ invariants, which are kept in one place.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -27,8 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal, TypeVar, cast
 
 from agent.client.preempted import record_emergency
 from agent.client.reporting import Reporter
@@ -47,14 +51,44 @@ Writer = Callable[[Path], Any]
 # Whether files written for the save in progress should be checksummed now (see DurableFile).
 _CHECKSUM_NOW: ContextVar[bool] = ContextVar("preemptd_checksum_now", default=True)
 Verify = Literal["checksum", "size", "none"]
+_Loaded = TypeVar("_Loaded")
+_T = TypeVar("_T")
+# Why a save or a read failed, from the OSError's errno (EDQUOT, a quota, is "no space" to the user too).
+_REASONS = {
+    errno.ENOSPC: "no_space",
+    errno.EDQUOT: "no_space",
+    errno.EACCES: "permission",
+    errno.EPERM: "permission",
+    errno.EIO: "io",
+    errno.EROFS: "read_only",
+}
+# Free space below this share of the file system (at most 1 MiB) right after a failed write means the write
+# filled it: torch's zip writer reports a failed write as "unexpected pos", without the errno.
+_FULL_SHARE = 0.01
+_FULL_AT_MOST = 1 << 20
 
 
 class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped on resume because it is incomplete or corrupt."""
+    """A checkpoint was skipped on resume because it is incomplete, corrupt or malformed, or a save started a
+    new run in a root that holds higher steps."""
 
 
 class CheckpointError(Exception):
-    """A checkpoint cannot be read or verified; the message says which file and why."""
+    """A checkpoint cannot be saved, read or verified; the message says which file and why.
+
+    ``reason`` names a storage cause in one word when there is one: ``no_space``, ``permission``, ``io``,
+    ``read_only``, ``os`` (another errno), ``unreadable`` (the format itself cannot be read), ``mismatch`` (it
+    does not fit the state to load into); else None. ``fallback``, after a failed emergency save: the earlier
+    committed checkpoint the notice was handled with (recorded for ``preemptd exec`` and reported to the
+    agent), or None when there is none.
+    """
+
+    def __init__(
+        self, message: str, *, reason: str | None = None, fallback: Checkpoint | None = None
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.fallback = fallback
 
 
 @dataclass(frozen=True)
@@ -77,38 +111,42 @@ class Checkpoint:
     notice_id: str | None = None
     duration_s: float | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    run: int = 0
 
     def file(self, name: str) -> Path:
         return self.path / name
 
     @classmethod
     def load(cls, directory: Path, manifest: str = MANIFEST) -> Checkpoint:
-        """Read the manifest of ``directory``; CheckpointError when it is missing or malformed."""
+        """Read the manifest of ``directory``; CheckpointError naming the file and the field when it is
+        missing, unreadable or malformed (a wrong type, a step that is not a whole number, a file path that
+        leaves the directory)."""
+        where = directory / manifest
         try:
-            doc = json.loads((directory / manifest).read_text())
+            doc = json.loads(where.read_bytes())
         except FileNotFoundError as exc:
             raise CheckpointError(f"{directory}: no {manifest} (incomplete checkpoint)") from exc
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{directory / manifest}: unreadable: {exc}") from exc
+        except OSError as exc:
+            raise CheckpointError(f"{where}: unreadable: {exc.strerror}", reason=reason_of(exc)) from exc
+        except (ValueError, RecursionError) as exc:
+            raise CheckpointError(f"{where}: unreadable: {exc}", reason="unreadable") from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise CheckpointError(f"{directory / manifest}: not a {FORMAT} manifest")
-        try:
-            files = tuple(
-                FileEntry(str(f["path"]), int(f["bytes"]), f.get("crc32")) for f in doc.get("files", [])
-            )
-            return cls(
-                step=int(doc["step"]),
-                path=directory,
-                time=datetime.fromisoformat(str(doc["time"]).replace("Z", "+00:00")),
-                bytes=int(doc["bytes"]),
-                files=files,
-                emergency=bool(doc.get("emergency", False)),
-                notice_id=doc.get("notice_id"),
-                duration_s=doc.get("duration_s"),
-                metadata=doc.get("metadata") or {},
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{directory / manifest}: malformed: {exc!r}") from exc
+            raise CheckpointError(f"{where}: not a {FORMAT} manifest")
+        fields = _Fields(doc, where)
+        files = doc.get("files", [])
+        fields.check(isinstance(files, list), "files", "a list", files)
+        return cls(
+            step=fields.whole("step"),
+            path=directory,
+            time=fields.time("time"),
+            bytes=fields.whole("bytes"),
+            files=tuple(_file_entry(item, where, index) for index, item in enumerate(files)),
+            emergency=bool(fields.typed("emergency", bool, False)),
+            notice_id=fields.typed("notice_id", str, None),
+            duration_s=fields.seconds("duration_s"),
+            metadata=fields.typed("metadata", dict, None) or {},
+            run=fields.whole("run", 0),
+        )
 
     def verify(self, level: Verify = "checksum", workers: int | None = None) -> None:
         """Check every file's presence and size (and CRC for ``checksum``); CheckpointError when one fails."""
@@ -118,8 +156,12 @@ class Checkpoint:
             target = self.path / entry.path
             try:
                 size = target.stat().st_size
-            except OSError as exc:
+            except FileNotFoundError as exc:
                 raise CheckpointError(f"{target}: missing ({exc.strerror})") from exc
+            except OSError as exc:
+                raise CheckpointError(
+                    f"{target}: unreadable ({exc.strerror})", reason=reason_of(exc)
+                ) from exc
             if size != entry.bytes:
                 raise CheckpointError(f"{target}: {size} bytes, the manifest says {entry.bytes}")
         if level != "checksum":
@@ -131,8 +173,17 @@ class Checkpoint:
                 if e.crc32 is not None
             }
             for entry in self.files:
-                if entry.crc32 is not None and sums[entry.path]() != entry.crc32:
-                    raise CheckpointError(f"{self.path / entry.path}: checksum mismatch (corrupt)")
+                if entry.crc32 is None:
+                    continue
+                target = self.path / entry.path
+                try:
+                    crc = sums[entry.path]()
+                except OSError as exc:
+                    raise CheckpointError(
+                        f"{target}: unreadable ({exc.strerror})", reason=reason_of(exc)
+                    ) from exc
+                if crc != entry.crc32:
+                    raise CheckpointError(f"{target}: checksum mismatch (corrupt)")
 
 
 class ChecksumThreads:
@@ -208,17 +259,30 @@ class CheckpointStore:
         """Write a checkpoint for ``step`` atomically; ``writer(directory)`` puts the files in it.
 
         Returns when the checkpoint is durable (files, manifest and the rename are fsynced). An existing
-        checkpoint of the same step is replaced. On failure the temporary directory is removed, a ``failed``
-        report is sent and the exception propagates.
+        checkpoint of the same step is replaced. A step lower than the newest committed one starts a new run
+        in the root (with a :class:`CheckpointWarning`): its steps outrank the earlier run's, so a resume
+        loads them and pruning removes the earlier run's first.
+
+        On failure the temporary directory is removed, a ``failed`` report is sent and
+        :class:`CheckpointError` is raised naming the cause (no space: how much was free and what the save
+        used; permission; I/O error), the original exception chained. A failed emergency save falls back to
+        the newest earlier committed checkpoint when there is one: it is recorded for ``preemptd exec`` (which
+        then exits 75), reported with the failure, and set as the error's ``fallback``.
         """
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         started = time.monotonic()
         self._report("started", step, emergency=emergency, notice_id=notice_id)
-        self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{_TMP_PREFIX}{_owner_tag()}-{uuid.uuid4().hex[:8]}"
         defer = emergency and self.checksum and self.defer_emergency_checksum
         checksum_now = self.checksum and not defer
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self._report("failed", step, emergency=emergency, notice_id=notice_id)
+            raise save_failure(exc, step, self.root, None, None, self) from exc
+        free_before = free_bytes(self.root)
+        run = self.run_for(step)
         try:
             tmp.mkdir()
             token = _CHECKSUM_NOW.set(checksum_now)
@@ -236,16 +300,26 @@ class CheckpointStore:
                 metadata=metadata,
                 started=started,
                 presealed=_presealed(written),
+                run=run,
             )
-            final = self.root / f"step-{step:012d}"
+            final = self.path_of(step)
             # A deferred checksum of this step still running would write the old manifest into the new one.
             self._checksummers.join_named(f"preemptd-checksum {final.name}")
             self._replace(tmp, final)
             fsync_dir(self.root)
-        except BaseException:
+        except BaseException as exc:
+            if not convertible(exc):  # an interrupt or exit: not a storage failure, passed on as it is
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._report("failed", step, emergency=emergency, notice_id=notice_id)
+                raise
+            error = save_failure(exc, step, self.root, tmp, free_before, self)
             shutil.rmtree(tmp, ignore_errors=True)
-            self._report("failed", step, emergency=emergency, notice_id=notice_id)
-            raise
+            flush = None
+            if emergency:
+                error.fallback = fall_back(self, step, notice_id, error, sharded=False)
+                flush = {"fallback_step": error.fallback.step} if error.fallback is not None else None
+            self._report("failed", step, emergency=emergency, notice_id=notice_id, flush=flush)
+            raise error from exc
         duration = time.monotonic() - started
         checkpoint = replace(sealed, path=final, duration_s=duration)
         self.last_save = checkpoint
@@ -265,7 +339,7 @@ class CheckpointStore:
                 f"preemptd-checksum {final.name}", _add_checksums, final, self.hash_workers
             )
         if not emergency:  # never spend a notice window deleting old checkpoints: the next save prunes
-            self.prune()
+            self.prune(protect=final)
         return checkpoint
 
     def wait_checksums(self, timeout: float | None = None) -> bool:
@@ -294,15 +368,49 @@ class CheckpointStore:
     # -- listing, resuming, pruning ---------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Steps of the committed checkpoint directories, newest first (not verified)."""
-        if not self.root.is_dir():
+        """Steps of the committed checkpoint directories, newest first: the latest run first, then by step
+        (not verified; a step whose manifest cannot be read is placed in the latest run, so that a resume
+        warns about it)."""
+        return [step for _run, step in self._ordered()]
+
+    def _ordered(self) -> list[tuple[int, int]]:
+        """(run, step) of every step directory, newest first."""
+        found = self._scan()
+        latest = max((run for run, _step in found if run is not None), default=0)
+        return sorted(((latest if run is None else run, step) for run, step in found), reverse=True)
+
+    def _scan(self) -> list[tuple[int | None, int]]:
+        """(run, step) of every step directory; the run is None where the manifest cannot be read."""
+        try:
+            entries = list(self.root.iterdir())
+        except FileNotFoundError:
             return []
+        except OSError as exc:
+            raise CheckpointError(
+                f"{self.root}: cannot list the checkpoint root ({exc.strerror})", reason=reason_of(exc)
+            ) from exc
         found = []
-        for entry in self.root.iterdir():
+        for entry in entries:
             match = _STEP_DIR.match(entry.name)
             if match and entry.is_dir():
-                found.append(int(match.group(1)))
-        return sorted(found, reverse=True)
+                found.append((_run_of(entry), int(match.group(1))))
+        return found
+
+    def run_for(self, step: int) -> int:
+        """The run a save of ``step`` belongs to: the newest committed step's, or the next one (with a
+        CheckpointWarning) when ``step`` is lower than that step, since a new run is then starting here."""
+        newest = max(((run, at) for run, at in self._scan() if run is not None), default=None)
+        if newest is None or step >= newest[1]:
+            return 0 if newest is None else newest[0]
+        run, at = newest
+        warnings.warn(
+            f"saving step {step} into {self.root}, whose newest checkpoint is step {at}: this starts run "
+            f"{run + 1} there, whose steps a resume prefers to the earlier run's (those are pruned first). "
+            "If that root belongs to another job, stop and give this one its own checkpoint root.",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+        return run + 1
 
     def path_of(self, step: int) -> Path:
         return self.root / f"step-{step:012d}"
@@ -323,13 +431,33 @@ class CheckpointStore:
         """The newest checkpoint that verifies, or None; skipped ones raise a CheckpointWarning each."""
         return next(self.checkpoints(verify), None)
 
-    def prune(self) -> list[Path]:
+    def load_latest(
+        self, load: Callable[[Checkpoint], _Loaded], verify: Verify = "checksum"
+    ) -> tuple[Checkpoint, _Loaded] | None:
+        """The newest checkpoint that verifies *and* loads, with what ``load(checkpoint)`` returned (e.g.
+        :func:`agent.client.torch.load_torch`); None when there is none. A checkpoint whose ``load`` raises
+        CheckpointError (other than a ``mismatch``) is skipped with a CheckpointWarning like one that fails
+        verification: an emergency step whose deferred CRCs were never written verifies by size alone."""
+        return next(loaded_only(self.checkpoints(verify), load), None)
+
+    def newest(self) -> Checkpoint | None:
+        """The newest committed checkpoint whose manifest reads, not verified (for figures and fallbacks)."""
+        for step in self.steps():
+            try:
+                return Checkpoint.load(self.path_of(step))
+            except CheckpointError:
+                continue
+        return None
+
+    def prune(self, protect: Path | None = None) -> list[Path]:
         """Remove checkpoints beyond the newest ``keep``, and temporary directories this host's dead
-        processes left behind. Returns what was removed."""
+        processes left behind; never ``protect`` (the step just committed). Returns what was removed."""
         removed: list[Path] = []
         if self.keep:
             for step in self.steps()[self.keep :]:
                 victim = self.path_of(step)
+                if victim == protect:
+                    continue
                 trash = self.root / f"{_TRASH_PREFIX}{victim.name}-{uuid.uuid4().hex[:8]}"
                 try:
                     os.rename(victim, trash)  # atomic: never seen half-deleted as a checkpoint
@@ -350,6 +478,77 @@ class CheckpointStore:
 # -- helpers ----------------------------------------------------------------------------------------------
 
 
+_MAX_WHOLE = 2**63 - 1
+
+
+class _Fields:
+    """The fields of one manifest, each checked for its type; CheckpointError naming the file and field."""
+
+    def __init__(self, doc: Mapping[str, Any], where: Path, prefix: str = "") -> None:
+        self.doc = doc
+        self.where = where
+        self.prefix = prefix
+
+    def check(self, ok: bool, name: str, expected: str, value: Any) -> None:
+        if not ok:
+            raise CheckpointError(
+                f"{self.where}: malformed: {self.prefix + name!r} must be {expected}, got {_brief(value)}"
+            )
+
+    def whole(self, name: str, default: int | None = None) -> int:
+        value = self.doc.get(name, default)
+        self.check(_is_whole(value), name, "a whole number from 0 to 2**63-1", value)
+        return int(value)
+
+    def typed(self, name: str, kind: type[_T], default: _T | None) -> _T | None:
+        value = self.doc.get(name, default)
+        self.check(value is None or isinstance(value, kind), name, f"{kind.__name__} or null", value)
+        return cast("_T | None", value)
+
+    def seconds(self, name: str) -> float | None:
+        value = self.doc.get(name)
+        ok = value is None or (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value >= 0
+        )
+        self.check(ok, name, "a finite number of seconds or null", value)
+        return None if value is None else float(value)
+
+    def time(self, name: str) -> datetime:
+        value = self.doc.get(name)
+        try:
+            parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        except ValueError:
+            parsed = None
+        self.check(isinstance(value, str) and parsed is not None, name, "an ISO 8601 time", value)
+        assert parsed is not None
+        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+
+
+def _file_entry(item: Any, where: Path, index: int) -> FileEntry:
+    """One entry of a manifest's ``files``: a relative path inside the checkpoint, its size and CRC."""
+    fields = _Fields(item if isinstance(item, dict) else {}, where, f"files[{index}].")
+    fields.check(isinstance(item, dict), "", "an object", item)
+    path = fields.doc.get("path")
+    inside = isinstance(path, str) and path != "" and not path.startswith("/")
+    inside = inside and ".." not in PurePosixPath(str(path)).parts
+    fields.check(inside, "path", "a relative path inside the checkpoint", path)
+    crc = fields.doc.get("crc32")
+    fields.check(crc is None or (_is_whole(crc) and crc <= 0xFFFFFFFF), "crc32", "a CRC32 or null", crc)
+    return FileEntry(str(path), fields.whole("bytes"), crc)
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_WHOLE
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 _Key = TypeVar("_Key")
 _Found = TypeVar("_Found")
 
@@ -366,6 +565,23 @@ def valid_only(keys: Iterable[_Key], get: Callable[[_Key], _Found]) -> Iterator[
         yield found
 
 
+def loaded_only(
+    found: Iterable[_Found], load: Callable[[_Found], _Loaded]
+) -> Iterator[tuple[_Found, _Loaded]]:
+    """Each checkpoint with what ``load`` made of it, skipping (with a CheckpointWarning) those whose load
+    fails as storage (CheckpointError); a ``mismatch`` (the state does not fit) is raised, as every older
+    step would not fit either."""
+    for checkpoint in found:
+        try:
+            loaded = load(checkpoint)
+        except CheckpointError as exc:
+            if exc.reason == "mismatch":
+                raise
+            warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=3)
+            continue
+        yield checkpoint, loaded
+
+
 def seal(
     directory: Path,
     step: int,
@@ -378,6 +594,7 @@ def seal(
     metadata: Mapping[str, Any] | None = None,
     started: float | None = None,
     presealed: Mapping[str, FileEntry] | None = None,
+    run: int = 0,
 ) -> Checkpoint:
     """Make a directory of finished files durable and describe it: fsync every file (checksumming them at the
     same time on a thread pool), write the manifest last, fsync the directories. Used by the store before its
@@ -420,6 +637,7 @@ def seal(
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "step": step,
+        "run": run,
         "time": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
         "bytes": total,
         "emergency": emergency,
@@ -445,7 +663,171 @@ def seal(
         notice_id=notice_id,
         duration_s=duration,
         metadata=dict(metadata or {}),
+        run=run,
     )
+
+
+def _run_of(directory: Path) -> int | None:
+    """The run of a step directory, from its manifest (0 for manifests from before runs); None when the
+    manifest cannot be read."""
+    try:
+        doc = json.loads((directory / MANIFEST).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    run = doc.get("run", 0) if isinstance(doc, dict) else None
+    return run if _is_whole(run) else None
+
+
+# -- failures ---------------------------------------------------------------------------------------------
+
+
+def convertible(exc: BaseException) -> bool:
+    """Whether a save's exception becomes a CheckpointError: any Exception, and torch DCP's
+    CheckpointException (a BaseException carrying every rank's failure); never an interrupt or an exit."""
+    return isinstance(exc, Exception) or isinstance(getattr(exc, "failures", None), Mapping)
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the file system of ``path``; None when unknown."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def reason_of(exc: OSError) -> str:
+    """The one-word cause of a storage failure (see CheckpointError.reason)."""
+    return _REASONS.get(exc.errno or 0, "os")
+
+
+def os_error(exc: BaseException) -> OSError | None:
+    """The first OSError with an errno in ``exc``, its causes and contexts, and the per-rank failures of a
+    DCP CheckpointException."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop(0)
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        todo += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, Mapping):
+            todo += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+    return None
+
+
+def summary(exc: BaseException) -> str:
+    """What went wrong, in one line: the per-rank causes of a DCP CheckpointException (deduplicated, no
+    tracebacks), else the exception's type and message."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        causes: dict[str, list[str]] = {}
+        for rank, value in sorted(failures.items()):
+            cause = value[0] if isinstance(value, tuple) else value
+            causes.setdefault(f"{type(cause).__name__}: {cause}", []).append(str(rank))
+        return "; ".join(f"rank {', '.join(ranks)}: {cause}" for cause, ranks in causes.items())
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _size(count: int | None) -> str:
+    if count is None:
+        return "an unknown amount"
+    return f"{count} bytes ({count / 2**20:.1f} MiB)"
+
+
+def _written(tmp: Path | None) -> int:
+    if tmp is None:
+        return 0
+    total = 0
+    for path in tmp.rglob("*"):
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except OSError:
+            continue
+    return total
+
+
+def _filled(tmp: Path | None) -> bool:
+    """Whether the file system of ``tmp`` is (nearly) full right now, before the failed save is removed."""
+    if tmp is None:
+        return False
+    try:
+        stat = os.statvfs(tmp if tmp.exists() else tmp.parent)
+    except OSError:
+        return False
+    total = stat.f_blocks * stat.f_frsize
+    return stat.f_bavail * stat.f_frsize <= min(_FULL_AT_MOST, total * _FULL_SHARE)
+
+
+def save_failure(
+    exc: BaseException,
+    step: int,
+    root: Path,
+    tmp: Path | None,
+    free_before: int | None,
+    store: CheckpointStore,
+) -> CheckpointError:
+    """The CheckpointError for a failed save of ``step``, naming its cause. Call it before the temporary
+    directory ``tmp`` is removed: what it holds and the space left then tell a full disk apart when torch
+    hid the errno."""
+    if isinstance(exc, CheckpointError) and exc.reason is not None:
+        return CheckpointError(f"checkpoint save of step {step} failed: {exc}", reason=exc.reason)
+    found = os_error(exc)
+    reason = reason_of(found) if found is not None else ("no_space" if _filled(tmp) else None)
+    where = (found.filename if found is not None else None) or root
+    if reason == "no_space":
+        newest = store.newest()
+        last = f"; the newest committed step, {newest.step}, takes {_size(newest.bytes)}" if newest else ""
+        told = "" if found is not None else f" (torch reported {summary(exc)})"
+        why = (
+            f"no space left on the file system of {root}{told}: {_size(free_before)} were free when the save "
+            f"started and it needs more ({_size(_written(tmp))} written before it failed){last}. Free space "
+            "there (a lower keep helps) or move the checkpoint root"
+        )
+    elif reason == "permission":
+        why = (
+            f"permission denied on {where} ({found}): this user ({os.getuid()}) cannot write there; check "
+            f"the owner and mode of {root}"
+        )
+    elif reason == "io":
+        why = (
+            f"I/O error on {where} ({found}): the disk or network file system failed; see the kernel log "
+            "(dmesg) and the storage's health"
+        )
+    elif reason == "read_only":
+        why = f"the file system of {root} is read-only ({found}); remount it read-write or move the root"
+    else:
+        why = summary(exc)
+    return CheckpointError(f"checkpoint save of step {step} under {root} failed: {why}", reason=reason)
+
+
+def fall_back(
+    store: CheckpointStore, step: int, notice_id: str | None, error: CheckpointError, *, sharded: bool
+) -> Checkpoint | None:
+    """After a failed emergency save: the newest earlier committed checkpoint (its manifest reads and its
+    files have their sizes), recorded for ``preemptd exec`` as the one the notice was handled with, so the
+    job still exits 75 and is requeued; None when there is none."""
+    for found in store.steps():
+        try:
+            checkpoint = Checkpoint.load(store.path_of(found))
+            checkpoint.verify("size")
+        except CheckpointError:
+            continue
+        record_emergency(
+            checkpoint.step,
+            path=checkpoint.path,
+            notice_id=notice_id,
+            sharded=sharded,
+            fallback=True,
+            failed_step=step,
+            error=str(error)[:2000],
+        )
+        return checkpoint
+    return None
 
 
 def _hash_workers() -> int:

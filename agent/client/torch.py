@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,11 +29,14 @@ from agent.client.store import (
     FileEntry,
     Verify,
     Writer,
+    os_error,
+    reason_of,
 )
 from agent.client.watcher import WatcherBase
 
 STATE_FILE = "state.pt"
 SAFETENSORS_FILE = "model.safetensors"
+_Loaded = TypeVar("_Loaded")
 
 
 def torch_writer(obj: Any, filename: str = STATE_FILE, checksum: bool | None = None) -> Writer:
@@ -52,8 +55,16 @@ def torch_writer(obj: Any, filename: str = STATE_FILE, checksum: bool | None = N
 def load_torch(
     checkpoint: Checkpoint, filename: str = STATE_FILE, map_location: Any = "cpu", weights_only: bool = True
 ) -> Any:
-    """Load what :func:`torch_writer` saved (``weights_only`` by default: tensors, numbers, strings)."""
-    return torch.load(checkpoint.file(filename), map_location=map_location, weights_only=weights_only)
+    """Load what :func:`torch_writer` saved (``weights_only`` by default: tensors, numbers, strings).
+    CheckpointError naming the file when torch cannot read it (so a resume can fall back to an earlier
+    step: see :meth:`CheckpointStore.load_latest` and :func:`agree_load`)."""
+    path = checkpoint.file(filename)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as exc:
+        found = os_error(exc)
+        reason = "unreadable" if found is None else reason_of(found)
+        raise CheckpointError(f"{path}: torch cannot load it: {exc}", reason=reason) from exc
 
 
 def safetensors_writer(
@@ -184,9 +195,30 @@ class Coordinator:
 
 def agree_latest(store: CheckpointStore, group: Any = None, verify: Verify = "checksum") -> Checkpoint | None:
     """The newest step that every rank has a valid checkpoint of (each rank reads its own ``store``), so all
-    ranks resume from the same step. Without a process group it is ``store.latest()``."""
+    ranks resume from the same step. Without a process group it is ``store.latest()``. Prefer
+    :func:`agree_load`, which also falls back when a step verifies but does not load."""
+    found = agree_load(store, lambda checkpoint: None, group, verify)
+    return None if found is None else found[0]
+
+
+# What a rank found of one candidate step in agree_load; the lowest across ranks decides.
+_MISMATCH, _SKIP, _LOADED = 0.0, 1.0, 2.0
+
+
+def agree_load(
+    store: CheckpointStore,
+    load: Callable[[Checkpoint], _Loaded],
+    group: Any = None,
+    verify: Verify = "checksum",
+) -> tuple[Checkpoint, _Loaded] | None:
+    """The newest step that every rank has a checkpoint of that verifies *and* loads on every rank (each
+    rank reads its own ``store`` and calls ``load(checkpoint)``, e.g. :func:`load_torch`), with what ``load``
+    returned; None when there is none. A step that fails on any rank (CheckpointError: an emergency step
+    whose deferred CRCs were never written verifies by size alone, then torch cannot read it) is skipped on
+    every rank with a CheckpointWarning, so all ranks resume from the same step. The order is rank 0's
+    (newest run first, see :meth:`CheckpointStore.save`). A ``mismatch`` on any rank raises on every rank."""
     if not (dist.is_available() and dist.is_initialized()):
-        return store.latest(verify)
+        return store.load_latest(load, verify)
     local = store.steps()
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
@@ -194,17 +226,25 @@ def agree_latest(store: CheckpointStore, group: Any = None, verify: Verify = "ch
     for steps in gathered:
         common &= set(steps or ())
     device = Coordinator(group=group)._reduce_device()
-    for step in sorted(common, reverse=True):
-        checkpoint: Checkpoint | None
+    for step in [s for s in gathered[0] or () if s in common]:
+        found: tuple[Checkpoint, _Loaded] | None = None
+        error: CheckpointError | None = None
         try:
             checkpoint = store.get(step, verify)
+            found = (checkpoint, load(checkpoint))
         except CheckpointError as exc:
-            warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=2)
-            checkpoint = None
-        ok = torch.tensor([1.0 if checkpoint is not None else 0.0], dtype=torch.float64, device=device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if ok.item() > 0:
-            return checkpoint
+            error = exc
+            if exc.reason != "mismatch":
+                warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=2)
+        mine = _LOADED if found is not None else _MISMATCH if error and error.reason == "mismatch" else _SKIP
+        outcome = torch.tensor([mine], dtype=torch.float64, device=device)
+        dist.all_reduce(outcome, op=dist.ReduceOp.MIN, group=group)
+        if outcome.item() == _LOADED:
+            return found
+        if outcome.item() == _MISMATCH:
+            if error is not None and error.reason == "mismatch":
+                raise error
+            raise CheckpointError(f"step {step} does not match the state to load into on another rank")
     return None
 
 

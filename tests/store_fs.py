@@ -1,0 +1,34 @@
+"""A small file system of its own for the checkpoint store's tests to fill: a real ENOSPC, not a mock."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SMALL_FS_BYTES = 1 << 20
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs mounted at a fresh directory, unmounted after the test. Mounting needs root (or
+    CAP_SYS_ADMIN): the test is skipped, saying why, where it cannot mount."""
+    mount = tmp_path / "small-fs"
+    mount.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command to make a small tmpfs to fill")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_FS_BYTES}", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, check=False)

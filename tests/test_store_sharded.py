@@ -1,0 +1,144 @@
+"""The sharded store (agent.client.dcp) on its edges, in a real gloo group of one: a root holding another
+run's higher steps, a full disk (torch's CheckpointException becomes a CheckpointError naming the cause),
+malformed manifests, and a step that verifies by size but does not load."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.client import CheckpointError, CheckpointWarning
+from agent.client.preempted import ENV, read_records
+from tests.store_fs import small_fs
+
+__all__ = ["small_fs"]  # the fixture, used by name
+
+torch = pytest.importorskip("torch")
+
+from agent.client.dcp import CRC_SIDECAR, ShardedStore, latest_committed  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def group_of_one() -> Iterator[None]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def state(value: float, size: int = 1000) -> dict[str, Any]:
+    return {"w": torch.full((size,), value)}
+
+
+def test_a_lower_step_than_an_older_runs_starts_a_new_run_that_is_kept_and_resumed(
+    group_of_one: None, tmp_path: Path
+) -> None:
+    s = ShardedStore(tmp_path, keep=3, report=False)
+    for step in (100, 101, 102):
+        s.save(step, state(0.0))
+    with pytest.warns(
+        CheckpointWarning, match="step 5 into .*newest checkpoint is step 102: this starts run 1"
+    ):
+        s.save(5, state(5.0))
+    loaded = state(-1.0)
+    resumed = s.load_latest(loaded)
+    assert resumed is not None
+    assert (5, 5.0, [5, 102, 101]) == (resumed.step, loaded["w"][0].item(), s.steps())
+    s.save(6, state(6.0))
+    s.save(7, state(7.0))
+    assert [7, 6, 5] == s.steps()
+
+
+def test_a_save_that_fills_the_disk_is_a_checkpoint_error_naming_the_space_not_torchs_exception(
+    group_of_one: None, small_fs: Path
+) -> None:
+    s = ShardedStore(small_fs, report=False)
+    s.save(1, state(1.0))
+    with pytest.raises(CheckpointError) as caught:
+        s.save(2, state(2.0, 1 << 19))  # 2 MiB into a 1 MiB file system
+    error = caught.value
+    assert ("no_space", "CheckpointException", [1]) == (
+        error.reason, type(error.__cause__).__name__, s.steps(),
+    )  # fmt: skip
+    assert re.search(
+        rf"save of step 2 under {small_fs} failed: no space left on the file system of {small_fs} "
+        r"\(torch reported rank 0: RuntimeError: .*\): \d+ bytes .* were free when the save started",
+        str(error),
+    ), str(error)
+    assert [] == [p.name for p in small_fs.glob(".tmp-*")]
+
+
+def test_a_failed_emergency_save_falls_back_to_the_committed_step_for_exec(
+    group_of_one: None, small_fs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    channel = tmp_path / "exec"
+    channel.mkdir()
+    monkeypatch.setenv(ENV, str(channel))
+    s = ShardedStore(small_fs, report=False)
+    s.save(1, state(1.0))
+    with pytest.raises(CheckpointError) as caught:
+        s.save(2, state(2.0, 1 << 19), emergency=True, notice_id="n-2")
+    [record] = read_records(channel)
+    fallback = caught.value.fallback
+    assert fallback is not None
+    assert (1, 1, True, True, 2, "n-2") == (
+        fallback.step, record["step"], record["sharded"], record["fallback"], record["failed_step"],
+        record["notice_id"],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [("metadata", 12345, "'metadata' must be dict"), ("step", 1e300, "'step' must be a whole number")],
+)
+def test_a_malformed_manifest_is_skipped_with_a_warning_by_the_store_and_latest_committed(
+    group_of_one: None, tmp_path: Path, field: str, value: Any, why: str
+) -> None:
+    s = ShardedStore(tmp_path, report=False)
+    s.save(1, state(1.0))
+    s.save(2, state(2.0))
+    manifest = tmp_path / "step-000000000002" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc[field] = value
+    manifest.write_text(json.dumps(doc))
+    with pytest.warns(CheckpointWarning, match=f"{re.escape(str(manifest))}: malformed: {why}"):
+        latest = s.latest()
+    with pytest.warns(CheckpointWarning, match=f"{re.escape(str(manifest))}: malformed: {why}"):
+        committed = latest_committed(tmp_path)
+    assert latest is not None and committed is not None
+    assert (1, 1) == (latest.step, committed.step)
+
+
+def test_an_emergency_step_without_its_deferred_crcs_that_does_not_load_falls_back_to_the_previous(
+    group_of_one: None, tmp_path: Path
+) -> None:
+    s = ShardedStore(tmp_path, report=False)
+    s.save(1, state(1.0))
+    s.save(2, state(2.0), emergency=True)
+    assert s.wait_checksums(30)
+    step = tmp_path / "step-000000000002"
+    for sidecar in step.glob(CRC_SIDECAR.format(rank="*")):
+        sidecar.unlink()  # as when the process died before its deferred checksums were written
+    for shard in step.glob("*.distcp"):
+        shard.write_bytes(bytes(shard.stat().st_size))  # the right size, unreadable to torch
+    loaded = state(-1.0)
+    with pytest.warns(CheckpointWarning, match=f"{re.escape(str(step))} cannot be loaded"):
+        resumed = s.load_latest(loaded)
+    assert resumed is not None
+    assert (1, 1.0) == (resumed.step, loaded["w"][0].item())
+
+
+def test_a_state_that_does_not_match_is_refused_not_skipped(group_of_one: None, tmp_path: Path) -> None:
+    s = ShardedStore(tmp_path, report=False)
+    s.save(1, state(1.0))
+    with pytest.raises(CheckpointError, match="does not match the state to load into") as caught:
+        s.load_latest({"w": torch.zeros(7)})
+    assert "mismatch" == caught.value.reason
