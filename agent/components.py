@@ -22,7 +22,7 @@ def build_components(config: Config) -> list[Component[Any]]:
         from agent.advisor.component import AdvisorComponent
 
         components.append(AdvisorComponent())
-    components.append(MetricsComponent(config.metrics.listen))
+    components.append(MetricsComponent(config.metrics, config.api.idle_timeout_s))
     return components
 
 

@@ -262,9 +262,12 @@ class AzureConfig:
 class MetricsConfig:
     """Prometheus metrics beyond the Unix socket's ``/metrics``."""
 
-    # "HOST:PORT" ("0.0.0.0:9464", "127.0.0.1:9464", "[::]:9464") to serve GET /metrics, and nothing else,
-    # over TCP for Prometheus to scrape; "" (the default): off.
+    # "HOST:PORT" (the node's address, "10.0.0.5:9464"; "127.0.0.1:9464"; "[::1]:9464") to serve GET /metrics,
+    # and nothing else, over TCP for Prometheus to scrape; "" (the default): off. Idle connections are closed
+    # after api.idle_timeout_s, as on the socket.
     listen: str = ""
+    # Connections served at once; past it a connection is answered 503.
+    max_connections: AtLeastOne = 64
 
 
 @dataclass(frozen=True)

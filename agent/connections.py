@@ -1,5 +1,6 @@
-"""Connection limits of the API socket: a cap on concurrent connections with a 503 refusal past it, the
-process's descriptor limit and use, and accept failures logged at a bounded rate.
+"""Connection limits of the agent's listeners (the API socket and the TCP metrics listener): a cap on
+concurrent connections with a 503 refusal past it, how the descriptor limit divides into connections and
+event streams, the process's descriptor use, and accept failures logged at a bounded rate.
 
 Idle, slow (slowloris) and idle keep-alive connections are closed by aiohttp's keep-alive timeout, which
 also runs from the moment a connection is accepted until its first complete request head; a request being
@@ -14,6 +15,7 @@ import os
 import resource
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -21,10 +23,32 @@ from aiohttp import web
 from agent.clientlog import ClientMistakes
 
 # Descriptors kept for everything but client connections: state and history files, the journal, cloud
-# metadata requests, hooks and webhooks, the listening socket.
+# metadata requests, hooks and webhooks, the listening socket. Under a low descriptor limit, a quarter of it.
 RESERVED_FDS = 256
+# Connections served at once however low the descriptor limit: one held stream must never lock everyone out.
+MIN_CONNECTIONS = 32
 # How long a refused connection may take to send its request before it is closed anyway.
 REFUSAL_WAIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a descriptor limit allows: ``connections`` at once, of which at most ``streams`` event streams,
+    so that status, reports and drills (answered at once) always find a free connection."""
+
+    connections: int
+    streams: int
+
+
+def connection_budget(fd_limit: int, wanted: int, others: int = 0) -> Budget:
+    """The connection cap for a descriptor limit of ``fd_limit`` when ``wanted`` connections were asked
+    for and ``others`` descriptors go to other listeners (the metrics listener): the limit less the
+    reserve, never below :data:`MIN_CONNECTIONS` (nor above ``wanted``); an eighth of it (1 to 256) is
+    kept from event streams."""
+    reserved = min(RESERVED_FDS, fd_limit // 4)
+    connections = min(wanted, max(MIN_CONNECTIONS, fd_limit - reserved - others))
+    room = max(1, min(256, connections // 8)) if connections > 1 else 0
+    return Budget(connections, connections - room)
 
 
 def descriptor_limit() -> tuple[int, int]:
@@ -93,52 +117,77 @@ class _Refusal(asyncio.Protocol):
         self._transport = None
 
 
-class CappedSockSite(web.SockSite):
-    """A :class:`aiohttp.web.SockSite` that serves at most ``max_connections`` connections at once and
-    answers the next ones with 503 and the reason."""
+class ConnectionCap:
+    """At most ``limit`` connections served at once by one listener; the next ones are answered 503 with
+    the reason (which names ``setting``, the key that sets the limit) and counted."""
 
-    def __init__(
-        self,
-        runner: web.AppRunner,
-        sock: socket.socket,
-        *,
-        backlog: int,
-        max_connections: int,
-        on_refuse: Callable[[int], None],
-    ) -> None:
-        super().__init__(runner, sock, backlog=backlog)
-        self.max_connections = max_connections
+    def __init__(self, limit: int, setting: str, on_refuse: Callable[[int], None]) -> None:
+        self.limit = limit
+        self.setting = setting
         self.refused_total = 0
         self._on_refuse = on_refuse
+
+    def protocol(self, server: web.Server) -> asyncio.BaseProtocol:
+        """A protocol for the connection just accepted: aiohttp's, or the refusal past the cap."""
+        open_now = len(server.connections)
+        if open_now < self.limit:
+            return server()
+        self.refused_total += 1
+        self._on_refuse(open_now)
+        reason = (
+            f"the agent serves at most {self.limit} connections at once ({self.setting}) and all are in "
+            "use; retry shortly"
+        )
+        return _Refusal(json.dumps({"error": reason}).encode())
+
+
+class CappedSockSite(web.SockSite):
+    """A :class:`aiohttp.web.SockSite` (the API socket) whose connections go through a
+    :class:`ConnectionCap`."""
+
+    def __init__(
+        self, runner: web.AppRunner, sock: socket.socket, *, backlog: int, cap: ConnectionCap
+    ) -> None:
+        super().__init__(runner, sock, backlog=backlog)
+        self.cap = cap
         self._sock_ref = sock
         self._backlog_ref = backlog
-
-    @property
-    def open_connections(self) -> int:
-        server = self._runner.server
-        return len(server.connections) if server is not None else 0
 
     async def start(self) -> None:
         # SockSite.start() with a protocol factory that counts first (aiohttp has no hook for this).
         await web.BaseSite.start(self)
         server = self._runner.server
         assert server is not None
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: self._protocol(server), sock=self._sock_ref, backlog=self._backlog_ref
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: self.cap.protocol(server), sock=self._sock_ref, backlog=self._backlog_ref
         )
 
-    def _protocol(self, server: web.Server) -> asyncio.BaseProtocol:
-        open_now = len(server.connections)
-        if open_now < self.max_connections:
-            return server()
-        self.refused_total += 1
-        self._on_refuse(open_now)
-        reason = (
-            f"the agent serves at most {self.max_connections} connections at once "
-            "(api.max_connections) and all are in use; retry shortly"
+
+class CappedTCPSite(web.TCPSite):
+    """A :class:`aiohttp.web.TCPSite` (the metrics listener) whose connections go through a
+    :class:`ConnectionCap`."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, *, cap: ConnectionCap) -> None:
+        super().__init__(runner, host, port, backlog=min(128, cap.limit), reuse_address=True)
+        self.cap = cap
+        self._address = (host, port)
+
+    async def start(self) -> None:
+        # TCPSite.start() with the counting protocol factory, as CappedSockSite.start().
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: self.cap.protocol(server),
+            *self._address,
+            backlog=self._backlog,
+            reuse_address=True,
         )
-        return _Refusal(json.dumps({"error": reason}).encode())
+
+
+def open_connections(runner: web.AppRunner) -> int:
+    server = runner.server
+    return len(server.connections) if server is not None else 0
 
 
 class AcceptFailures:

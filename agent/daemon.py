@@ -40,11 +40,10 @@ from agent.sources.base import Source
 from agent.sources.runner import SourceRunner
 from agent.state import History
 from agent.tasks import TaskSet
-from agent.threads import call_in_thread, drop, wait_or_drop
+from agent.threads import call_bounded
 
 DRILL_SOURCE = "drill"
-# The longest wait for the configuration file on SIGHUP.
-RELOAD_READ_S = 10.0
+RELOAD_READ_S = 10.0  # the longest wait for the configuration file on SIGHUP
 
 
 class Agent:
@@ -313,6 +312,8 @@ class Agent:
         """After the socket is bound: restore the state, build the parts, set them up; returns the app."""
         from agent.api import build_app  # the HTTP handlers; the API is typed against the ports, not Agent
 
+        # Event streams leave room for requests answered at once (status, reports, drills).
+        self.hub.max_subscribers = min(self.config.api.max_subscribers, self.server.budget.streams)
         loaded = self.keeper.load()
         self.hub.seq = loaded.seq
         self.board.restore(loaded.notices, loaded.extra.get("notice_occurrences"))
@@ -368,17 +369,10 @@ class Agent:
             self.log.info("reload_ignored", why="the agent was not started from a configuration file")
             return
         self.notifier.notify(reloading=1, monotonic_usec=int(time.monotonic() * 1_000_000))
-        # Read on a thread of its own, with a bounded wait: a file on a hung mount must not stop the loop
-        # (the loader itself refuses FIFOs and devices).
-        loaded = call_in_thread(self._reload_config, name="preemptd-reload")
         try:
-            if not await wait_or_drop(loaded, RELOAD_READ_S):
-                drop(loaded)
-                raise ConfigError(
-                    f"reading the configuration took longer than {RELOAD_READ_S:g} s (a hung file system?)"
-                )
-            new = loaded.result()
-        except ConfigError as exc:
+            # Off the loop and bounded: a file on a hung mount must not stop it (FIFOs are refused unread).
+            new = await call_bounded(self._reload_config, RELOAD_READ_S, "reading the configuration")
+        except (ConfigError, TimeoutError) as exc:
             self.log.error("reload_failed", error=str(exc), effect="keeping the running configuration")
             self.notifier.notify(ready=1)
             return

@@ -17,6 +17,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from agent.clientlog import ClientMistakes
+from agent.config import MetricsConfig
+from agent.connections import CappedTCPSite, ConnectionCap, open_connections
 from agent.errors import ConfigError
 from agent.notice import Event, EventType
 from agent.ports import MetricsHost, MetricsView
@@ -37,7 +40,8 @@ def parse_listen(text: str) -> tuple[str, int] | None:
     host, sep, port_text = value.rpartition(":")
     if not sep or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
         raise ConfigError(
-            f'metrics.listen: {text!r} is not HOST:PORT (e.g. "0.0.0.0:9464", "127.0.0.1:9464", "[::]:9464")'
+            f'metrics.listen: {text!r} is not HOST:PORT (e.g. the node\'s "10.0.0.5:9464", "127.0.0.1:9464", '
+            '"[::1]:9464")'
         )
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -46,20 +50,44 @@ def parse_listen(text: str) -> tuple[str, int] | None:
         except ValueError as exc:
             raise ConfigError(f"metrics.listen: {host!r} in brackets is not an IPv6 address") from exc
     if not host:
-        raise ConfigError(f"metrics.listen: {text!r} has no host; use 0.0.0.0 for every IPv4 address")
+        raise ConfigError(
+            f"metrics.listen: {text!r} has no host; use the node's address (0.0.0.0 would open the port on "
+            "every interface)"
+        )
     return host, int(port_text)
 
 
 class MetricsListener:
     """A TCP server for ``GET /metrics`` only: every other path is 404 and every other method 405, so
-    opening the port exposes no part of the API."""
+    opening the port exposes no part of the API. It has the socket's limits (agent/connections.py): at
+    most ``max_connections`` at once (503 past it), and a connection idle for ``idle_timeout_s`` (before
+    its request head, or after its answer) is closed."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        *,
+        max_connections: int,
+        idle_timeout_s: float,
+        mistakes: ClientMistakes | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self._registry = registry
+        self._idle_timeout_s = idle_timeout_s
+        self._mistakes = mistakes or ClientMistakes(log)
+        self.cap = ConnectionCap(max_connections, "metrics.max_connections", self._on_refused)
         self._runner: web.AppRunner | None = None
         self.bound: list[tuple[str, int]] = []
+
+    def _on_refused(self, open_now: int) -> None:
+        self._mistakes.warning("metrics_connection_refused", open=open_now, max=self.cap.limit)
+
+    @property
+    def open_connections(self) -> int:
+        return open_connections(self._runner) if self._runner is not None else 0
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE})
@@ -67,9 +95,16 @@ class MetricsListener:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        self._runner = web.AppRunner(
+            app,
+            handle_signals=False,
+            access_log=None,
+            # As on the socket: closes a connection that never completes a request head, or idles after.
+            keepalive_timeout=self._idle_timeout_s,
+            lingering_time=self._idle_timeout_s,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        site = CappedTCPSite(self._runner, self.host, self.port, cap=self.cap)
         try:
             await site.start()
         except OSError as exc:
@@ -176,8 +211,10 @@ class MetricsComponent:
 
     name = "metrics"
 
-    def __init__(self, listen: str) -> None:
-        self._address = parse_listen(listen)
+    def __init__(self, config: MetricsConfig, idle_timeout_s: float) -> None:
+        self._address = parse_listen(config.listen)
+        self._max_connections = config.max_connections
+        self._idle_timeout_s = idle_timeout_s
         self.outcomes = NoticeOutcomes()
         self.listener: MetricsListener | None = None
         self._agent: MetricsHost | None = None
@@ -198,7 +235,12 @@ class MetricsComponent:
             return
         from agent.api import build_registry
 
-        self.listener = MetricsListener(*self._address, build_registry(self._agent))
+        self.listener = MetricsListener(
+            *self._address,
+            build_registry(self._agent),
+            max_connections=self._max_connections,
+            idle_timeout_s=self._idle_timeout_s,
+        )
         await self.listener.start()
 
     async def stop(self) -> None:
@@ -207,4 +249,13 @@ class MetricsComponent:
 
     def status(self) -> dict[str, Any]:
         listener = self.listener
-        return {"listen": [f"{h}:{p}" for h, p in listener.bound] if listener else []}
+        if listener is None:
+            return {"listen": []}
+        return {
+            "listen": [f"{h}:{p}" for h, p in listener.bound],
+            "connections": {
+                "open": listener.open_connections,
+                "max": listener.cap.limit,
+                "refused": listener.cap.refused_total,
+            },
+        }

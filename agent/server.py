@@ -29,10 +29,13 @@ from aiohttp import web
 from agent.clientlog import ClientMistakes
 from agent.config import Config
 from agent.connections import (
-    RESERVED_FDS,
     AcceptFailures,
+    Budget,
     CappedSockSite,
+    ConnectionCap,
+    connection_budget,
     descriptor_limit,
+    open_connections,
     open_descriptors,
     raise_descriptor_limit,
 )
@@ -76,7 +79,10 @@ class Server:
         self.shutdown_event = asyncio.Event()
         self._mistakes = mistakes
         self._accept_failures = AcceptFailures(mistakes)
-        self._max_connections = served.config.api.max_connections
+        wanted = served.config.api.max_connections
+        # What the descriptor limit allows, once the socket is bound (_listen): connections and streams.
+        self.budget = Budget(wanted, wanted)
+        self._cap = ConnectionCap(wanted, "api.max_connections", self._on_refused)
         self._runner: web.AppRunner | None = None
         self._site: CappedSockSite | None = None
         self._listen_sock: socket.socket | None = None
@@ -109,11 +115,7 @@ class Server:
         # also on a socket from systemd: pass ours, or clients connecting at once get EAGAIN. No longer than
         # the connection cap: what waits beyond it would only be refused.
         self._site = CappedSockSite(
-            self._runner,
-            sock,
-            backlog=min(config.api.backlog, self._max_connections),
-            max_connections=self._max_connections,
-            on_refuse=self._on_refused,
+            self._runner, sock, backlog=min(config.api.backlog, self._cap.limit), cap=self._cap
         )
         await self._site.start()
         if self.notifier.watchdog_s:
@@ -182,18 +184,17 @@ class Server:
 
     def connections(self) -> dict[str, Any]:
         """Connections served and refused, and the process's descriptors (status and metrics)."""
-        site = self._site
         return {
-            "open": site.open_connections if site is not None else 0,
-            "max": self._max_connections,
-            "refused": site.refused_total if site is not None else 0,
+            "open": open_connections(self._runner) if self._runner is not None else 0,
+            "max": self._cap.limit,
+            "refused": self._cap.refused_total,
             "accept_failures": self._accept_failures.total,
             "idle_timeout_s": self.served.config.api.idle_timeout_s,
             "descriptors": {"open": open_descriptors(), "limit": descriptor_limit()[0]},
         }
 
     def _on_refused(self, open_now: int) -> None:
-        self._mistakes.warning("connection_refused", open=open_now, max=self._max_connections)
+        self._mistakes.warning("connection_refused", open=open_now, max=self._cap.limit)
 
     # ----- the socket and the lock -----
 
@@ -201,12 +202,15 @@ class Server:
         config = self.served.config
         fd_limit = raise_descriptor_limit()
         wanted = config.api.max_connections
-        self._max_connections = max(1, min(wanted, fd_limit - RESERVED_FDS))
-        if self._max_connections < wanted:
+        metrics = config.metrics.max_connections if config.metrics.listen else 0
+        self.budget = connection_budget(fd_limit, wanted, metrics)
+        self._cap.limit = self.budget.connections
+        if self.budget.connections < wanted:
             self.log.warning(
                 "connection_cap_lowered",
                 wanted=wanted,
-                max_connections=self._max_connections,
+                max_connections=self.budget.connections,
+                event_streams=self.budget.streams,
                 descriptor_limit=fd_limit,
                 fix="raise LimitNOFILE= in the unit (or ulimit -n)",
             )

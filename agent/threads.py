@@ -69,3 +69,13 @@ async def wait_or_drop(future: asyncio.Future[Any], timeout: float) -> bool:
         drop(future)
         raise
     return bool(done)
+
+
+async def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """``fn()`` on a daemon thread of its own (:func:`call_in_thread`), waited for at most ``timeout``
+    seconds; past it, raises TimeoutError ("``what`` took longer than ...") and drops the late outcome."""
+    future = call_in_thread(fn, name=f"preemptd: {what}")
+    if not await wait_or_drop(future, timeout):
+        drop(future)
+        raise TimeoutError(f"{what} took longer than {timeout:g} s")
+    return future.result()

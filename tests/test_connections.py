@@ -15,7 +15,7 @@ from pathlib import Path
 from structlog.testing import capture_logs
 
 from agent.notice import Kind
-from tests.support import SSEClient, eventually, http_json, running_agent
+from tests.support import AgentProcess, SSEClient, eventually, http_json, running_agent
 from tests.test_cli import cli
 
 SHORT = {"api.idle_timeout_s": 0.5}
@@ -171,3 +171,40 @@ async def test_preemptd_status_shows_connections_and_descriptors(base: Path) -> 
     assert 0 == code
     assert line.startswith("Connections: 1 open of 100, 0 refused; descriptors ")
     assert line.endswith(f" of {soft}")
+
+
+async def open_stream(path: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """An event stream on a raw connection, once its answer head arrived (200) or the connection closed."""
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    writer.write(b"GET /v1/events HTTP/1.1\r\nHost: agent\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    if not head.startswith(b"HTTP/1.1 200"):
+        writer.close()
+        raise AssertionError(f"no event stream: {head!r}")
+    return reader, writer
+
+
+async def test_under_a_low_descriptor_limit_streams_leave_room_for_status_and_drills(base: Path) -> None:
+    """An agent started with RLIMIT_NOFILE 128 (hard, so it cannot raise it): the connection cap keeps a
+    floor instead of dropping to 1, and event streams cannot take every connection: with all the streams
+    it allows held open, one more is refused 503 while status and a drill are still answered."""
+    proc = AgentProcess(base, wrapper=["prlimit", "--nofile=128:128", "--"])
+    await proc.start()
+    held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        _, before = await http_json(proc.socket_path, "GET", "/v1/status")
+        held = [await open_stream(proc.socket_path) for _ in range(before["subscribers"]["max"])]
+        refused, why = await http_json(proc.socket_path, "GET", "/v1/events")
+        status, _ = await http_json(proc.socket_path, "GET", "/v1/status")
+        drill, _ = await http_json(proc.socket_path, "POST", "/v1/drills", {"in_s": 60})
+    finally:
+        for _, writer in held:
+            writer.close()
+        assert 0 == await proc.stop()
+    assert (128, 96, 84) == (
+        before["connections"]["descriptors"]["limit"],
+        before["connections"]["max"],
+        before["subscribers"]["max"],
+    )
+    assert (503, 200, 201) == (refused, status, drill)
+    assert "84 subscribers connected, the limit is 84" in why["error"]

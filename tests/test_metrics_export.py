@@ -3,6 +3,7 @@ notice's outcome, and failed reports at 0 from the start — against a real agen
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from collections.abc import AsyncIterator
@@ -16,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.daemon import Agent
 from agent.errors import ConfigError
-from agent.metrics_export import MetricsComponent, parse_listen
+from agent.metrics_export import MetricsComponent, MetricsListener, parse_listen
 from agent.notice import parse_time
-from tests.support import SSEClient, agent_config, http_json, running_agent
+from tests.support import SSEClient, agent_config, eventually, http_json, running_agent
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -177,3 +178,35 @@ async def test_a_notice_whose_participant_failed_is_lost(base: Path) -> None:
         samples['preemptd_notices_lost_total{drill="true",kind="termination"}'],
         samples.get('preemptd_notices_flushed_total{drill="true",kind="termination"}'),
     )
+
+
+def listener_of(agent: Agent) -> MetricsListener:
+    (component,) = [c for c in agent.components if isinstance(c, MetricsComponent)]
+    assert component.listener is not None
+    return component.listener
+
+
+async def test_an_idle_tcp_connection_is_closed_after_the_idle_timeout(base: Path) -> None:
+    """The metrics listener closes a connection that sends nothing, as the socket does (api.idle_timeout_s)."""
+    async with agent_with_listener(base, **{"api.idle_timeout_s": 0.5}) as (agent, _):
+        host, port = listener_of(agent).bound[0]
+        reader, writer = await asyncio.open_connection(host, port)
+        sent = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    assert b"" == sent
+
+
+async def test_past_the_cap_a_tcp_connection_is_answered_503_with_the_reason(base: Path) -> None:
+    settings = {"metrics.max_connections": 2, "api.idle_timeout_s": 30}
+    async with agent_with_listener(base, **settings) as (agent, url):
+        listener = listener_of(agent)
+        held = [await asyncio.open_connection(*listener.bound[0]) for _ in range(2)]
+        await eventually(lambda: listener.open_connections == 2, what="two connections served")
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+            status, body = response.status, await response.json()
+        for _, writer in held:
+            writer.close()
+        _, doc = await http_json(agent.config.socket, "GET", "/v1/status")
+    assert 503 == status
+    assert "at most 2 connections at once (metrics.max_connections)" in body["error"]
+    assert {"max": 2, "refused": 1} == {k: doc["metrics"]["connections"][k] for k in ("max", "refused")}
