@@ -21,10 +21,11 @@ from typing import Any, TextIO
 
 from agent import __version__, cli_help
 from agent.client.transport import AgentHTTPError, AgentUnavailable, EventStream, request_json
+from agent.client.watcher import Backoff
 from agent.durations import format_duration, parse_duration
 from agent.errors import ConfigError
 from agent.paths import client_socket_path
-from agent.render import countdown, format_event, format_status, track
+from agent.render import countdown, format_event, format_status, note, track
 
 # Modules that add verbs: each has register(subparsers) and sets a `func` default on its parser. Only the
 # module of the verb being run is imported (the simulators alone would load aiohttp for `preemptd status`);
@@ -124,9 +125,15 @@ def _socket_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _fail_no_agent(exc: Exception) -> int:
+def _fail_no_agent(exc: Exception, socket: Path | None) -> int:
+    # AgentUnavailable names the socket; other errors (no permission, a server that is not the agent) do not.
+    where = (
+        ""
+        if isinstance(exc, AgentUnavailable)
+        else f"cannot reach the agent at {socket or client_socket_path()}: "
+    )
     print(
-        f"preemptd: {exc}. Is the agent running? (preemptd run, or systemctl status preemptd)",
+        f"preemptd: {where}{exc}. Is the agent running? (preemptd run, or systemctl status preemptd)",
         file=sys.stderr,
     )
     return EXIT_NO_AGENT
@@ -136,7 +143,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         doc = request_json("GET", "/v1/status", socket_path=args.socket)
     except (AgentUnavailable, OSError) as exc:
-        return _fail_no_agent(exc)
+        return _fail_no_agent(exc, args.socket)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -145,41 +152,47 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 class _Reader(threading.Thread):
-    """Reads the event stream on a thread, reconnecting with Last-Event-ID, into a queue."""
+    """Reads the event stream on a thread, reconnecting with Last-Event-ID, into a queue. Unless ``wait``, a
+    first connection that fails ends it with ``("unavailable", error)``: a wrong socket is said at once,
+    while a restart of an agent already seen is waited out."""
 
-    def __init__(self, socket_path: Path | None, out: queue.Queue[tuple[str, Any]]) -> None:
+    def __init__(self, socket_path: Path | None, out: queue.Queue[tuple[str, Any]], wait: bool) -> None:
         super().__init__(daemon=True, name="preemptd-watch")
         self.socket_path = socket_path
         self.out = out
+        self.wait = wait
         self.stop = threading.Event()
 
     def run(self) -> None:
         last_id: str | None = None
-        delay = 0.5
+        backoff = Backoff(initial=0.5, maximum=5.0)
         announced = False
+        connected = False
         while not self.stop.is_set():
             try:
                 with EventStream(self.socket_path, last_event_id=last_id, read_timeout=60.0) as stream:
                     self.out.put(("connected", None))
-                    announced = False
-                    delay = 0.5
+                    connected, announced = True, False
+                    backoff.reset()
                     for message in stream:
                         last_id = stream.decoder.last_event_id or last_id
                         self.out.put(("event", json.loads(message.data)))
                         if self.stop.is_set():
                             return
             except (OSError, AgentHTTPError, ValueError) as exc:
+                if not connected and not self.wait:
+                    self.out.put(("unavailable", exc))
+                    return
                 if not announced:
                     self.out.put(("disconnected", str(exc)))
                     announced = True
-            self.stop.wait(delay)
-            delay = min(delay * 2, 5.0)
+            self.stop.wait(backoff.next())
 
 
 def cmd_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     stream_out = out or sys.stdout
     events: queue.Queue[tuple[str, Any]] = queue.Queue()
-    reader = _Reader(args.socket, events)
+    reader = _Reader(args.socket, events, wait=args.wait)
     reader.start()
     active: dict[str, dict[str, Any]] = {}
     live = stream_out.isatty() and not args.json
@@ -190,6 +203,8 @@ def cmd_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 what, payload = events.get(timeout=1.0 if live else None)
             except queue.Empty:
                 what, payload = "tick", None
+            if what == "unavailable":
+                return _fail_no_agent(payload, args.socket)
             if live:
                 stream_out.write("\r\033[K")
             if what == "event":
@@ -200,11 +215,9 @@ def cmd_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 track(active, payload)
                 shown += 1
             elif what == "disconnected" and not args.json:
-                stream_out.write(
-                    f"(waiting for the agent at {args.socket or client_socket_path()}: {payload})\n"
-                )
+                stream_out.write(note(f"waiting for the agent: {payload}") + "\n")
             elif what == "connected" and not args.json and shown:
-                stream_out.write("(reconnected)\n")
+                stream_out.write(note("reconnected") + "\n")
             if live and active:
                 stream_out.write(countdown(active))
             stream_out.flush()
@@ -234,7 +247,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
         print(f"preemptd: drill refused: {exc}", file=sys.stderr)
         return 1
     except (AgentUnavailable, OSError) as exc:
-        return _fail_no_agent(exc)
+        return _fail_no_agent(exc, args.socket)
     notice = doc["notice"]
     if args.json:
         print(json.dumps(notice))
@@ -282,6 +295,11 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     _socket_arg(p)
     p.add_argument("--json", action="store_true", help="one JSON event per line (NDJSON)")
     p.add_argument("--count", type=int, default=0, help="exit after this many events")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the agent to appear instead of failing when none answers on the socket",
+    )
     p.set_defaults(func=cmd_watch)
 
     p = subparsers.add_parser("drill", help="inject a drill notice to rehearse a checkpoint flush (admin)")
@@ -327,6 +345,13 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         help="notice lead time (default 20s; AWS gives 2m)",
     )
     p.add_argument("--keep", action="store_true", help="keep running after the notice's deadline")
+    p.add_argument(
+        "--job",
+        type=Path,
+        metavar="SCRIPT",
+        help="the training script (default: examples/fault_tolerant_training.py; "
+        "it takes the example's options and prints its JSON progress lines)",
+    )
     p.set_defaults(func=cmd_demo)
 
     for name, module_name in _EXTENSIONS.items():

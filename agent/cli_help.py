@@ -61,10 +61,15 @@ VERBS: Mapping[str, VerbHelp] = {
         ),
     ),
     "watch": VerbHelp(
-        "Stream events as they happen, one line each, with a live countdown to the deadline on a terminal. "
-        "Waits for the agent if it is not running yet, and resumes after a restart.",
-        ("preemptd watch", "preemptd watch --json | jq .notice.deadline", "preemptd watch --count 1"),
-        ((0, "--count events shown, or interrupted (Ctrl-C)"), USAGE),
+        "Stream events as they happen in lines that fit 80 columns (--json: the full objects, one per line), "
+        "with a live countdown to the deadline on a terminal. Fails at once when no agent answers on the "
+        "socket (--wait waits for one to appear); once connected, it resumes after a restart of the agent.",
+        (
+            "preemptd watch",
+            "preemptd watch --json | jq .notice.deadline",
+            "preemptd watch --wait --count 1",
+        ),
+        ((0, "--count events shown, or interrupted (Ctrl-C)"), USAGE, NO_AGENT),
     ),
     "drill": VerbHelp(
         "Inject a drill notice to rehearse a checkpoint flush end to end (root, the agent's own user or the "

@@ -6,6 +6,7 @@ string from the agent escaped for the terminal. Pure (the clock is a parameter w
 from __future__ import annotations
 
 import json
+import textwrap
 from datetime import datetime, timezone
 from typing import Any
 
@@ -98,30 +99,134 @@ def format_status(doc: dict[str, Any]) -> str:
     return "\n".join(printable(line) for line in lines)
 
 
-def format_event(doc: dict[str, Any], now: datetime | None = None) -> str:
-    """One readable line for an event."""
-    stamp = (now or datetime.now(timezone.utc)).astimezone().strftime("%H:%M:%S")
-    kind = doc.get("type", "?")
+WIDTH = 80  # what `preemptd watch` fits its lines into: the classic terminal, and narrow tmux panes
+_INDENT = " " * len("HH:MM:SS ")  # continuation lines start under the event's type
+_MAX_LINES = 4  # of one wrapped part (a long reason): the rest is elided, `--json` has it all
+_MAX_LISTED = 10  # notices in a snapshot, names in a ready sentence
+
+
+def _wrap(text: str, width: int, first: str = "", max_lines: int = _MAX_LINES) -> list[str]:
+    """``text`` (escaped for the terminal) in lines of at most ``width`` characters, the first starting with
+    ``first`` and the rest indented under it."""
+    return textwrap.wrap(
+        printable(text),
+        width,
+        initial_indent=first or _INDENT,
+        subsequent_indent=_INDENT,
+        break_on_hyphens=False,
+        max_lines=max_lines,
+        placeholder=" ...",
+    )
+
+
+def _clock(deadline: str | None, now: datetime) -> str:
+    """The deadline in local time: the time of day when it is today, else the date too."""
+    when = parse_time(deadline)
+    if when is None:
+        return ""
+    local, today = when.astimezone(), now.astimezone()
+    # No-break spaces: a wrapped headline keeps the date and time together.
+    return local.strftime("%H:%M:%S" if local.date() == today.date() else "%d\u00a0%b\u00a0%H:%M")
+
+
+def _seconds(value: Any) -> str:
+    """A measured duration as a reader wants it: milliseconds below a second, else ``format_duration``."""
+    seconds = max(0.0, float(value))
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else format_duration(seconds)
+
+
+def _names(names: list[Any]) -> str:
+    shown = ", ".join(str(name) for name in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _headline(notice: dict[str, Any], now: datetime) -> str:
+    """What a notice is and how long is left: ``termination critical from aws: 1m30s left (12:01:30)``."""
+    source = notice.get("source", "?")
+    drill = " [drill]" if notice.get("drill") and source != "drill" else ""
+    deadline = notice.get("deadline")
+    when = f"{left(deadline, now)} ({_clock(deadline, now)})" if deadline else "no deadline"
+    return f"{notice.get('kind', '?')} {notice.get('severity', '?')} from {source}{drill}: {when}"
+
+
+def _body(notice: dict[str, Any]) -> str:
+    """A notice's id (what `preemptd drill --clear` takes) and reason."""
+    return f"{notice.get('id', '?')}: {notice.get('reason') or '(no reason given)'}"
+
+
+def _ready_sentence(data: dict[str, Any]) -> str:
+    """Who saved, how long after the notice and how much time was left: the ready event in words."""
+    finished = list(data.get("finished") or [])
+    failed = list(data.get("failed") or [])
+    missing = list(data.get("missing") or [])
+    expected = len(data.get("participants") or []) or len(finished) + len(failed) + len(missing)
+    took, margin = data.get("notice_to_ready_s"), data.get("margin_s")
+    timing = f"{_seconds(took)} after the notice" if isinstance(took, (int, float)) else "after the notice"
+    if isinstance(margin, (int, float)):
+        timing += f", with {format_duration(margin)} to spare" if margin > 0 else ", past the deadline"
+    saved = f"{len(finished)} of {_plural(expected, 'participant')} saved" + (
+        f" ({_names(finished)})" if finished else ""
+    )
+    reason = data.get("reason")
+    if reason == "all_participants":
+        sentence = f"all {_plural(expected, 'participant')} saved ({_names(finished)}) {timing}"
+    elif reason == "no_participants":
+        sentence = f"no participant was registered; ready {timing}"
+    elif reason == "grace":
+        sentence = f"the grace ran out {timing}: {saved}"
+    elif reason == "deadline":
+        sentence = f"the deadline came too near {timing}: {saved}"
+    else:
+        sentence = f"ready ({reason}) {timing}: {saved}"
+    if failed:
+        sentence += f"; failed: {_names(failed)}"
+    if missing and reason != "all_participants":
+        sentence += f"; missing: {_names(missing)}"
+    return sentence + "."
+
+
+def format_event(doc: dict[str, Any], now: datetime | None = None, width: int = WIDTH) -> str:
+    """An event as lines of at most ``width`` characters: a headline (time, type, what and how long is
+    left), then the notice's id and reason, or for ``ready`` a sentence saying who saved and how early."""
+    now = now or datetime.now(timezone.utc)
+    stamp = now.astimezone().strftime("%H:%M:%S")
+    kind = str(doc.get("type", "?"))
+    first = f"{stamp} {kind.upper():<8} "
+    notice = doc.get("notice") or {}
     if kind == "snapshot":
         notices = doc.get("notices") or []
-        if not notices:
-            return f"{stamp} SNAPSHOT  no active notices"
-        return printable(
-            f"{stamp} SNAPSHOT  {len(notices)} active: "
-            + "; ".join(f"{n['kind']} ({left(n.get('deadline'), now)})" for n in notices)
-        )
-    notice = doc.get("notice") or {}
+        lines = [f"{first}{_plural(len(notices), 'active notice') if notices else 'no active notices'}"]
+        for item in notices[:_MAX_LISTED]:
+            lines += _wrap(_headline(item, now), width, max_lines=2)
+            lines += _wrap(_body(item), width, _INDENT + "  ", max_lines=1)
+        if len(notices) > _MAX_LISTED:
+            lines.append(f"{_INDENT}... and {len(notices) - _MAX_LISTED} more (preemptd status lists them)")
+        return "\n".join(lines)
     if kind == "ready":
-        return printable(
-            f"{stamp} READY     {notice.get('kind', '')} {notice.get('id', doc.get('data', {}).get('notice_id'))}: {json.dumps(doc.get('data', {}))}"
+        data = dict(doc.get("data") or {})
+        notice_id = notice.get("id") or data.get("notice_id", "?")
+        return "\n".join(
+            _wrap(f"{notice.get('kind', 'notice')} {notice_id}: {_ready_sentence(data)}", width, first)
         )
-    drill = " [drill]" if notice.get("drill") else ""
-    deadline = notice.get("deadline")
-    when = f"deadline {deadline} ({left(deadline, now)})" if kind != "cleared" and deadline else ""
-    return printable(
-        f"{stamp} {kind.upper():<9} {notice.get('kind', ''):<13} {notice.get('severity', ''):<8} "
-        f"{notice.get('source', ''):<8} {notice.get('reason', '')}{drill}  {when}  [{notice.get('id', '')}]"
-    ).rstrip()
+    if not notice:  # an event type this CLI does not know: show it rather than nothing
+        return "\n".join(_wrap(json.dumps(doc, sort_keys=True), width, first))
+    if kind == "cleared":
+        why = (notice.get("detail") or {}).get("cleared_reason") or "no longer reported"
+        headline = (
+            f"{notice.get('kind', '?')} {notice.get('severity', '?')} from {notice.get('source', '?')}: {why}"
+        )
+    else:
+        headline = _headline(notice, now)
+    return "\n".join(_wrap(headline, width, first, max_lines=2) + _wrap(_body(notice), width))
+
+
+def note(text: str, width: int = WIDTH) -> str:
+    """A remark of the CLI's own between the events (``(waiting for the agent ...)``), wrapped like them."""
+    return "\n".join(_wrap(f"({text})", width, "", max_lines=3)).lstrip()
 
 
 def track(active: dict[str, dict[str, Any]], doc: dict[str, Any]) -> None:
@@ -134,8 +239,10 @@ def track(active: dict[str, dict[str, Any]], doc: dict[str, Any]) -> None:
         active.pop(doc["notice"]["id"], None)
 
 
-def countdown(active: dict[str, dict[str, Any]]) -> str:
-    parts = []
-    for notice in active.values():
-        parts.append(f"{notice['kind']}: {left(notice.get('deadline'))}")
-    return printable("  >> " + " | ".join(parts))
+def countdown(active: dict[str, dict[str, Any]], width: int = WIDTH) -> str:
+    """The live line under the events (rewritten in place, so it must never wrap): time left per notice."""
+    parts = [f"{notice.get('kind', '?')}: {left(notice.get('deadline'))}" for notice in active.values()]
+    prefix = "  >> "
+    return prefix + textwrap.shorten(
+        printable(" | ".join(parts)), width - 1 - len(prefix), placeholder=" ..."
+    )

@@ -9,8 +9,6 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-import pytest
-
 from agent.notice import Kind
 from agent.render import format_event, format_status
 from tests.support import REPO, eventually, running_agent
@@ -92,8 +90,7 @@ async def test_print_config_shows_the_effective_configuration(base: Path) -> Non
     assert (0, "none", 3.0) == (code, doc["cloud"], doc["api"]["heartbeat_s"])
 
 
-@pytest.mark.slow
-def test_format_event_shows_kind_deadline_and_countdown() -> None:
+def test_format_event_shows_kind_time_left_id_and_reason() -> None:
     now = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
     deadline = (now + timedelta(seconds=90)).isoformat().replace("+00:00", "Z")
     doc = {
@@ -107,8 +104,11 @@ def test_format_event_shows_kind_deadline_and_countdown() -> None:
             "deadline": deadline,
         },
     }
-    line = format_event(doc, now)
-    assert "NOTICE" in line and "termination" in line and "1m30s left" in line and "[aws-1]" in line
+    headline, body = format_event(doc, now).splitlines()
+    assert ("NOTICE   termination critical from aws: 1m30s left", "aws-1: spot") == (
+        headline[len("HH:MM:SS ") :].split(" (")[0],
+        body.strip(),
+    )
 
 
 def test_format_status_lists_notices_and_sources() -> None:

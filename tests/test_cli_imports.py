@@ -50,11 +50,12 @@ def loaded_by(argv: list[str], socket: Path) -> tuple[int, set[str]]:
     ("argv", "expected_code"),
     [
         (["status"], 69),
+        (["watch"], 69),
         (["drill", "--in", "1m"], 69),
         (["advise"], 69),
         (["advise", "--save-time", "4m", "--mtbp", "6h", "--current", "30m"], 0),
     ],
-    ids=["status", "drill", "advise-live", "advise-offline"],
+    ids=["status", "watch", "drill", "advise-live", "advise-offline"],
 )
 def test_client_verb_imports_none_of_the_daemons_dependencies(
     argv: list[str], expected_code: int, base: Path

@@ -1,0 +1,186 @@
+"""`preemptd watch` against a real agent: every event kind (snapshot, notice, update, ready, cleared) in lines
+that fit 80 columns, READY as a sentence, --json with the full objects, and a wrong socket said at once
+unless --wait asks to wait for the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from agent.daemon import Agent
+from agent.notice import Kind, Observation
+from agent.render import countdown, format_event
+from tests.support import REPO, eventually, http_json, running_agent
+from tests.test_cli import cli
+
+# Long enough to need wrapping at 80 columns, as cloud and operator reasons often are.
+REASON = (
+    "Spot instance interruption: the capacity pool for p5.48xlarge in us-east-1b is being reclaimed "
+    "and this instance will be stopped; save now"
+)
+PARTICIPANT = {"job": "llm-pretraining-70b", "rank": 0, "participant": True}
+EVENT_KINDS = ["snapshot", "notice", "update", "ready", "cleared"]
+
+
+async def every_kind(agent: Agent, watch_args: tuple[str, ...]) -> tuple[int, str, str]:
+    """Run `preemptd watch --count 5 ARGS` while the agent publishes one event of every kind: a snapshot
+    holding a maintenance notice, a drill (notice), the maintenance moved (update), the drill's participant
+    saved (ready), the drill cleared (cleared)."""
+    sock = agent.config.socket
+    status, _ = await http_json(
+        sock, "POST", "/v1/reports", {"kind": "checkpoint", "phase": "started", "client": PARTICIPANT}
+    )
+    assert status < 300
+    maintenance = Observation(
+        key="maintenance-1",
+        kind=Kind.MAINTENANCE,
+        reason=REASON,
+        deadline=agent.now() + timedelta(days=3),
+    )
+    agent.inject("gcp", maintenance)
+    watch = asyncio.ensure_future(cli("watch", "--count", "5", *watch_args, socket=sock))
+    await eventually(lambda: len(agent.hub) == 1, timeout=20, what="watch subscribed")
+    _, body = await http_json(
+        sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 120, "reason": REASON}
+    )
+    drill_id = body["notice"]["id"]
+    agent.inject("gcp", Observation(**{**vars(maintenance), "deadline": agent.now() + timedelta(days=4)}))
+    saved = {
+        "kind": "checkpoint",
+        "phase": "finished",
+        "duration_s": 2.5,
+        "emergency": True,
+        "notice_id": drill_id,
+        "client": PARTICIPANT,
+    }
+    status, _ = await http_json(sock, "POST", "/v1/reports", saved)
+    assert status < 300
+    status, _ = await http_json(sock, "DELETE", f"/v1/drills/{drill_id}")
+    assert status < 300
+    return await watch
+
+
+async def test_every_watch_line_fits_80_columns_for_every_event_kind(base: Path) -> None:
+    async with running_agent(base) as agent:
+        code, out, err = await every_kind(agent, ())
+    headlines = [line.split()[1] for line in out.splitlines() if not line.startswith(" ")]
+    assert (0, [k.upper() for k in EVENT_KINDS]) == (code, headlines), err
+    assert [] == [line for line in out.splitlines() if len(line) > 80]
+
+
+async def test_watch_says_ready_as_a_sentence_of_who_saved_how_fast_and_how_much_was_left(base: Path) -> None:
+    async with running_agent(base) as agent:
+        _, out, _ = await every_kind(agent, ())
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[1:2] == ["READY"])
+    end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" "))
+    sentence = " ".join(
+        line.split(None, 2)[-1] if i == start else line.strip()
+        for i, line in enumerate(lines[start:end], start)
+    )
+    assert sentence.startswith("termination drill-")
+    assert ": all 1 participant saved (llm-pretraining-70b#0) " in sentence
+    assert re.search(r"\) (\d+ ms|[\d.]+s) after the notice, with \dm\d\ds to spare\.$", sentence), sentence
+
+
+async def test_watch_json_keeps_the_full_event_objects(base: Path) -> None:
+    async with running_agent(base) as agent:
+        code, out, _ = await every_kind(agent, ("--json",))
+    events: list[dict[str, Any]] = [json.loads(line) for line in out.splitlines()]
+    ready = events[3]
+    assert (0, EVENT_KINDS) == (code, [e["type"] for e in events])
+    assert (REASON, ["llm-pretraining-70b#0"], "all_participants") == (
+        ready["notice"]["reason"],
+        ready["data"]["finished"],
+        ready["data"]["reason"],
+    )
+    assert {"margin_s", "notice_to_ready_s", "participants", "missing", "failed"} <= set(ready["data"])
+
+
+async def test_watch_without_an_agent_says_where_it_looked_and_exits_69(base: Path) -> None:
+    sock = base / "nobody.sock"
+    code, out, err = await cli("watch", socket=sock)
+    assert (69, "") == (code, out)
+    assert f"preemptd: no agent at {sock}: No such file or directory. Is the agent running?" in err
+
+
+async def test_watch_wait_waits_for_the_agent_to_appear(base: Path) -> None:
+    """With --wait, watch says it is waiting, then shows the snapshot of the agent started after it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+    env.update(PYTHONPATH=str(REPO), PREEMPTD_SOCKET=str(base / "a.sock"))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agent", "watch", "--wait", "--count", "1",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        waiting = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        async with running_agent(base):
+            rest, _ = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert waiting.startswith(f"(waiting for the agent: no agent at {base / 'a.sock'}")
+    assert (0, "SNAPSHOT no active notices") == (
+        proc.returncode,
+        rest.decode().splitlines()[-1].split(None, 1)[1],
+    )
+
+
+# The pure formatting, for what a real agent does not easily produce on demand.
+NOW = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
+
+
+def notice(number: int, **fields: Any) -> dict[str, Any]:
+    deadline = (NOW + timedelta(minutes=number + 1)).isoformat()
+    return {
+        "id": f"gcp-{number:016x}",
+        "kind": "host_degraded",
+        "severity": "critical",
+        "source": "alibaba",
+        "deadline": deadline,
+        "reason": REASON,
+        "drill": True,
+        **fields,
+    }
+
+
+def test_ready_after_the_grace_names_who_saved_failed_and_is_missing() -> None:
+    data = {
+        "reason": "grace",
+        "participants": [f"llm#{rank}" for rank in range(6)],
+        "finished": ["llm#0", "llm#1", "llm#2", "llm#4"],
+        "failed": ["llm#3"],
+        "missing": ["llm#5"],
+        "notice_to_ready_s": 115.0,
+        "margin_s": 3.2,
+    }
+    text = format_event({"type": "ready", "notice": notice(1), "data": data}, NOW)
+    sentence = " ".join(line.strip() for line in text.splitlines()).split(None, 2)[2]
+    assert (
+        "host_degraded gcp-0000000000000001: the grace ran out 1m55s after the notice, with 3.2s to spare: "
+        "4 of 6 participants saved (llm#0, llm#1, llm#2 and 1 more); failed: llm#3; missing: llm#5."
+    ) == sentence
+
+
+def test_a_snapshot_of_many_notices_lists_ten_and_fits_80_columns() -> None:
+    text = format_event({"type": "snapshot", "notices": [notice(n) for n in range(25)]}, NOW)
+    lines = text.splitlines()
+    assert ("25 active notices", "... and 15 more (preemptd status lists them)") == (
+        lines[0].split(None, 2)[2],
+        lines[-1].strip(),
+    )
+    assert [] == [line for line in lines if len(line) > 80]
+
+
+def test_the_live_countdown_never_wraps() -> None:
+    """The countdown line is rewritten in place with a carriage return, so it must stay on one line."""
+    line = countdown({str(n): notice(n) for n in range(12)}, width=80)
+    assert (True, True) == (len(line) < 80, line.startswith("  >> host_degraded: "))
