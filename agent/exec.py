@@ -1,31 +1,51 @@
 """``preemptd exec -- COMMAND…``: run a training command so that its "preempted" exit status (75) reaches the
 scheduler even through a launcher that would turn it into another status (torchrun exits 1 when its workers
-exit 75).
+exit 75), and so that nothing the command started outlives exec.
 
 The command runs in its own process group, with ``PREEMPTD_EXEC_DIR`` naming a private directory. Signals
 that exec receives are forwarded to that group (or to the command alone with ``--no-group``). When the
 command ends, exec exits with its status (128 + N for a command killed by signal N) — except when the status
 is not 0 and a process of the command recorded in the directory that it committed an emergency checkpoint
 (:mod:`agent.client.preempted`): then exec exits 75. Standard library only, so it starts fast.
+
+Process tree (Linux)::
+
+    exec ── keeper (child subreaper) ── COMMAND ── its workers, in any process group or session
+            │                            └ dies with the keeper (parent-death signal SIGKILL)
+            └ parent-death signal: when exec dies, the keeper SIGKILLs everything below it
+
+Every process the command starts stays below the keeper, whatever its session, because an orphan goes to the
+nearest subreaper. When the command exits, the keeper sends SIGTERM to what is left, waits up to
+``--stop-grace`` seconds and SIGKILLs the rest, and only then exits, so exec's own exit means the command's
+whole tree is gone. Caveats: a parent-death signal is sent when the parent *thread* that forked the process
+exits (exec and the keeper are single-threaded, so that is the process) and is cleared by the execution of
+a set-user-ID program; a keeper that is itself SIGKILLed takes the command with it, but the command's workers
+then go to init. The channel directory's name holds exec's pid and start time, so the next exec removes the
+directories of execs that are gone.
+
+At a terminal (stdin is one and exec is in its foreground), the command's group is made the foreground
+group so that it can read the terminal and gets Ctrl-C directly; Ctrl-Z stops the command and then exec, so
+the shell sees a stopped job, and ``fg`` continues both; exec hands the terminal back when the command ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 from agent.client.preempted import ENV, read_records
+from agent.exec_keeper import EXIT_CANNOT_RUN, EXIT_NOT_FOUND, Keeper, give_terminal, load_prctl, start_time
 
 EXIT_PREEMPTED = 75  # the client's EXIT_PREEMPTED (EX_TEMPFAIL); kept here so exec does not import more
-EXIT_CANNOT_RUN = 126
-EXIT_NOT_FOUND = 127
+STOP_GRACE_S = 10.0
 
 # Everything a scheduler, a container runtime or a user may send to stop, warn or poke the job. SIGCHLD, the
 # job-control stops and SIGKILL are not forwarded (the last two cannot be caught).
@@ -45,18 +65,31 @@ FORWARDED = tuple(
     )
     if hasattr(signal, name)
 )
+# tempfile.mkdtemp's name: this prefix, exec's pid and start time (clock ticks after boot), then random.
+CHANNEL_PREFIX = "preemptd-exec-"
+_CHANNEL_NAME = re.compile(re.escape(CHANNEL_PREFIX) + r"(\d+)-(\d+)-[a-z0-9_]+")
 
 
 _HELP = "run a training command; exit 75 when it stopped for a notice after an emergency checkpoint"
 _DESCRIPTION = (
     "Run COMMAND (e.g. torchrun …) in its own process group, forward signals to it and exit with its "
     "status; when it fails after one of its processes committed an emergency checkpoint for a notice, exit "
-    "75 (EX_TEMPFAIL) so the scheduler requeues the job."
+    "75 (EX_TEMPFAIL) so the scheduler requeues the job. Nothing the command started outlives exec."
 )
 
 
 def register(subparsers: Any) -> None:
     _configure(subparsers.add_parser("exec", help=_HELP, description=_DESCRIPTION))
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text} is outside 0…3600 seconds")
+    return value
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
@@ -65,6 +98,14 @@ def _configure(p: argparse.ArgumentParser) -> None:
         dest="group",
         action="store_false",
         help="forward signals to the command's own process only, not to its process group",
+    )
+    p.add_argument(
+        "--stop-grace",
+        type=_seconds,
+        default=STOP_GRACE_S,
+        metavar="SECONDS",
+        help="when the command has exited, how long the processes it left running get after SIGTERM before "
+        f"SIGKILL (default {STOP_GRACE_S:g})",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND …")
     p.set_defaults(func=cmd_exec)
@@ -88,7 +129,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if not command:
         print("preemptd exec: no command given (usage: preemptd exec -- COMMAND …)", file=sys.stderr)
         return 2
-    return run(command, group=args.group)
+    return run(command, group=args.group, stop_grace=args.stop_grace)
 
 
 class _Forwarder:
@@ -139,48 +180,153 @@ def run(
     command: Sequence[str],
     *,
     group: bool = True,
+    stop_grace: float = STOP_GRACE_S,
     stderr: TextIO | None = None,
 ) -> int:
-    """Run ``command`` as described in the module docstring and return the status exec should exit with."""
+    """Run ``command`` as described in the module docstring and return the status exec should exit with.
+    It forks: call it from a process that runs no other thread."""
     err = stderr or sys.stderr
-    channel = tempfile.mkdtemp(prefix="preemptd-exec-")
+    remove_stale_channels()
+    channel = tempfile.mkdtemp(prefix=f"{CHANNEL_PREFIX}{os.getpid()}-{start_time(os.getpid()) or 0}-")
     env = dict(os.environ)
     env[ENV] = channel
+    terminal = _foreground_terminal()
+    prctl = load_prctl()
     forwarder = _Forwarder(group)
     forwarder.install()
+    reports, report_to = os.pipe()
     try:
-        try:
-            # The child makes its own process group so that a signal reaches torchrun *and* its workers, as
-            # a terminal's Ctrl-C would. preexec_fn is safe here: this process runs no other threads.
-            child = subprocess.Popen(
-                list(command),
-                env=env,
-                preexec_fn=os.setpgrp if group else None,  # noqa: PLW1509
+        keeper = os.fork()
+        if keeper == 0:  # the keeper; it never returns
+            os.close(reports)
+            Keeper(command, env, group, terminal, stop_grace, channel, report_to, prctl, FORWARDED).main()
+        os.close(report_to)
+        code, problem = _follow(reports, forwarder, terminal, keeper if not group else None)
+        died = _reap(keeper)
+        if code is None:
+            code = -signal.SIGKILL  # the command was killed with its keeper (parent-death signal)
+            problem = (
+                f"preemptd exec: its keeper process {keeper} {_how(died)}; the command was killed with it"
             )
-        except FileNotFoundError:
-            print(f"preemptd exec: {command[0]}: command not found", file=err)
-            return EXIT_NOT_FOUND
-        except PermissionError as exc:
-            print(f"preemptd exec: {command[0]}: cannot run it: {exc.strerror}", file=err)
-            return EXIT_CANNOT_RUN
-        forwarder.started(child.pid)
-        code = _wait(child)
     finally:
+        os.close(reports)
+        _hand_back(terminal)
         forwarder.restore()
         records = read_records(channel)
         shutil.rmtree(channel, ignore_errors=True)
+    if problem:
+        print(problem, file=err)
+        if code in (EXIT_NOT_FOUND, EXIT_CANNOT_RUN):
+            return code
     return decide(code, records, command, err)
 
 
-def _wait(child: subprocess.Popen[bytes]) -> int:
-    """The command's exit code (negative: killed by that signal). As PID 1 of a container, also reap the
-    orphans that the kernel hands to this process, so they do not linger as zombies."""
-    if os.getpid() != 1:
-        return child.wait()
+def _follow(
+    reports: int, forwarder: _Forwarder, terminal: int | None, shared_group: int | None
+) -> tuple[int | None, str | None]:
+    """Act on the keeper's reports until it closes the pipe: (the command's exit code, a problem to print).
+    ``shared_group`` is the keeper's pid when the command runs in the keeper's process group."""
+    code: int | None = None
+    problem: str | None = None
+    with os.fdopen(reports, "rb", closefd=False) as stream:
+        for line in stream:
+            kind, _, rest = line.decode().rstrip("\n").partition(" ")
+            if kind == "pid":
+                forwarder.started(int(rest))
+            elif kind == "stopped" and terminal is not None and forwarder.pid is not None:
+                _stop_with_the_command(terminal, shared_group or forwarder.pid)
+            elif kind == "exit":
+                code = int(rest)
+                _hand_back(terminal)  # the keeper may spend the grace on stragglers
+            elif kind == "error":
+                number, _, problem = rest.partition(" ")
+                code = int(number)
+    return code, problem
+
+
+def _stop_with_the_command(terminal: int, command_group: int) -> None:
+    """The command was stopped from the terminal (Ctrl-Z): stop exec too, so that its shell sees a stopped
+    job and takes the terminal; once continued (``fg``), give the command the terminal back if exec has it,
+    and continue the command."""
+    _hand_back(terminal)
+    os.kill(os.getpid(), signal.SIGSTOP)  # not SIGTSTP: the kernel drops it for an orphaned process group
+    if _owns_terminal(terminal):
+        give_terminal(terminal, command_group)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(command_group, signal.SIGCONT)
+
+
+def _reap(keeper: int) -> int:
+    """Wait for the keeper; its exit status. As PID 1 of a container, also reap the orphans the kernel hands
+    to this process (the keeper's, should it die), so they do not linger as zombies."""
     while True:
-        pid, status = os.waitpid(-1, 0)
-        if pid == child.pid:
+        pid, status = os.waitpid(-1 if os.getpid() == 1 else keeper, 0)
+        if pid == keeper:
             return os.waitstatus_to_exitcode(status)
+
+
+def _how(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+
+
+# -- the terminal -------------------------------------------------------------------------------------------
+
+
+def _foreground_terminal() -> int | None:
+    """stdin when it is a terminal whose foreground group is exec's (a shell started exec in the
+    foreground); exec started in the background leaves the terminal alone."""
+    try:
+        return 0 if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp() else None
+    except OSError:
+        return None
+
+
+def _owns_terminal(terminal: int) -> bool:
+    try:
+        return os.tcgetpgrp(terminal) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def _hand_back(terminal: int | None) -> None:
+    """Make exec's group the terminal's foreground group again (as its shell left it)."""
+    if terminal is not None:
+        with contextlib.suppress(OSError):
+            give_terminal(terminal, os.getpgrp())
+
+
+# -- the channel directory ----------------------------------------------------------------------------------
+
+
+def remove_stale_channels(directory: str | None = None) -> list[str]:
+    """Remove this user's channel directories whose exec is gone (SIGKILLed before it could remove its own);
+    the names of those removed. A directory whose exec is alive, or cannot be told, is left alone."""
+    base = directory or tempfile.gettempdir()
+    if start_time(os.getpid()) is None:
+        return []  # no /proc: nothing can be told
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _CHANNEL_NAME.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        pid, started = int(match.group(1)), int(match.group(2))
+        if started == 0 or start_time(pid) == started:
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
+
+
+# -- the decision -------------------------------------------------------------------------------------------
 
 
 def decide(code: int, records: list[dict[str, Any]], command: Sequence[str], err: TextIO) -> int:
@@ -190,9 +336,8 @@ def decide(code: int, records: list[dict[str, Any]], command: Sequence[str], err
     if records:
         steps = sorted({int(r["step"]) for r in records})
         notices = sorted({str(r["notice_id"]) for r in records if r.get("notice_id")})
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         print(
-            f"preemptd exec: {os.path.basename(command[0])} {how} after {len(records)} of its processes "
+            f"preemptd exec: {os.path.basename(command[0])} {_how(code)} after {len(records)} of its processes "
             f"committed an emergency checkpoint (step {', '.join(map(str, steps))}"
             + (f", notice {', '.join(notices)}" if notices else "")
             + f"): exiting {EXIT_PREEMPTED} so the job is requeued",

@@ -63,6 +63,20 @@ async def test_a_missing_command_gives_127_and_says_so() -> None:
     assert (127, True) == (code, "/nonexistent/train-it: command not found" in err)
 
 
+async def test_a_file_the_kernel_cannot_run_gives_126_and_says_why(tmp_path: Path) -> None:
+    """An executable file with no ``#!`` line and no binary format (ENOEXEC): a clear message, no traceback."""
+    garbage = tmp_path / "train.sh"
+    garbage.write_bytes(b"\x00\x01 not a program\n")
+    garbage.chmod(0o755)
+    proc = await _exec(str(garbage))
+    code, _, err = await _finish(proc)
+    assert (126, True, False) == (
+        code,
+        f"{garbage}: cannot run it: Exec format error" in err,
+        "Traceback" in err,
+    )
+
+
 async def test_no_command_is_a_usage_error() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
