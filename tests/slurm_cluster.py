@@ -178,6 +178,7 @@ class SlurmCluster:
             if pid is None:
                 continue
             try:
+                os.kill(pid, signal.SIGCONT)  # a paused controller (a test that failed) would ignore SIGTERM
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 continue
@@ -187,6 +188,41 @@ class SlurmCluster:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.root, ignore_errors=True)
+
+    # --- controller outages (the bridge's retries are tested against these) ---
+
+    def pause_controller(self) -> None:
+        """SIGSTOP slurmctld: a hung controller. Its port still accepts connections (the kernel's backlog)
+        and nothing answers them, so every client call runs into its timeout."""
+        os.kill(self._pids["slurmctld"], signal.SIGSTOP)
+
+    def continue_controller(self) -> None:
+        os.kill(self._pids["slurmctld"], signal.SIGCONT)
+
+    def kill_controller(self) -> None:
+        """Stop slurmctld: a dead controller (nothing listens on its port; slurmd and the jobs go on).
+        SIGTERM, so that it saves its job state first: a SIGKILL loses a running job's start, which slurmctld
+        writes only some minutes later, and the restarted controller would not know the job runs."""
+        pid = self._pids.pop("slurmctld")
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        if _alive(pid):
+            raise AssertionError(f"slurmctld ({pid}) did not stop within 30 s{self.logs('slurmctld')}")
+        # The restart must not read the dead daemon's pid.
+        (self.root / "slurmctld.pid").unlink(missing_ok=True)
+
+    def start_controller(self, timeout: float = 60.0) -> None:
+        """Start slurmctld again on the same slurm.conf (state directory and port): it recovers the jobs and
+        the node's drain from its state files. Returns once it answers."""
+        self._daemon("slurmctld", [_sbin("slurmctld"), "-f", str(self.conf)], self.root / "slurmctld.pid")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.run("sinfo", "--json", check=False).returncode == 0:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"slurmctld did not answer within {timeout:g} s{self.logs('slurmctld')}")
 
     # --- what the tests use ---
 

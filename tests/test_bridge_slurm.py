@@ -54,8 +54,9 @@ def cluster(slurm: SlurmCluster) -> Iterator[SlurmCluster]:
 
 
 def bridge_for(cluster: SlurmCluster, **settings: Any) -> SlurmBridge:
-    config = SlurmConfig(enabled=True, slurm_conf=str(cluster.conf), timeout_s=10, retries=1, **settings)
-    return SlurmBridge(config)
+    """A bridge on the test cluster; drills on, since the tests' notices are drills."""
+    chosen: dict[str, Any] = {"timeout_s": 10.0, "retries": 1, "drills": True, **settings}
+    return SlurmBridge(SlurmConfig(enabled=True, slurm_conf=str(cluster.conf), **chosen))
 
 
 async def until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
@@ -209,22 +210,25 @@ async def test_missing_tools_degrade_with_the_reason(tmp_path: Path) -> None:
 
 
 async def test_failing_controller_degrades_with_stderr(tmp_path: Path) -> None:
-    """Slurm's tools fail (here: a slurm.conf they cannot read): degraded, and the stderr is kept."""
+    """Slurm's tools fail (here: a slurm.conf they cannot read): degraded, the stderr is kept, and the drain
+    is pending (tried again) until the notice clears."""
     conf = tmp_path / "slurm.conf"
     conf.write_text("ClusterName=none\nSlurmctldHost=localhost(127.0.0.1)\nNoSuchKey=1\n")
-    bridge = SlurmBridge(SlurmConfig(enabled=True, slurm_conf=str(conf), timeout_s=5, retries=0))
+    settings = {"timeout_s": 5.0, "retries": 0, "retry_first_s": 0.2, "retry_max_s": 0.5}
+    bridge = SlurmBridge(SlurmConfig(enabled=True, slurm_conf=str(conf), drills=True, **settings))
     if not bridge.commands.env.get("PATH") or _missing("sinfo"):
         pytest.skip("Slurm's client tools are not installed")
     notice = make_notice()
     bridge.handle(event(EventType.NOTICE, notice))
-    await bridge.drain_tasks()
+    waiting = await until(pending(bridge, notice, "drain"), what="the drain tried again")
     status = bridge.status()
+    bridge.handle(event(EventType.CLEARED, notice))
+    await bridge.drain_tasks()
     assert status["state"] == "degraded"
-    (failed,) = [a for a in status["actions"] if a["outcome"] == "failed"]
-    assert failed["action"] == "drain"
-    assert "unrecognized key: NoSuchKey" in failed["stderr"]
     assert "exited with status 1" in status["degraded_reason"]
-    assert status["notices"][notice.id]["phase"] == "failed"
+    assert "unrecognized key: NoSuchKey" in status["actions"][0]["stderr"]
+    assert (waiting["target"], waiting["error"]) == ("-", status["degraded_reason"])
+    assert bridge.status()["notices"][notice.id]["phase"] == "cleared"
     await bridge.stop(1)
 
 
@@ -400,6 +404,7 @@ def agent_settings(cluster: SlurmCluster, **extra: Any) -> dict[str, Any]:
     return {
         "actions.slurm.enabled": True,
         "actions.slurm.slurm_conf": str(cluster.conf),
+        "actions.slurm.drills": True,
         "actions.slurm.margin_s": 5.0,
         "actions.slurm.stop_wait_s": 30.0,
         **extra,
@@ -520,7 +525,11 @@ async def test_without_slurm_tools_clients_still_get_the_notice(base: Path, tmp_
     """scontrol and friends missing: the bridge is degraded and says why (status, metrics), and the notice
     still reaches the clients on the socket."""
     sock = base / "a.sock"
-    settings = {"actions.slurm.enabled": True, "actions.slurm.bin_dir": str(tmp_path)}
+    settings = {
+        "actions.slurm.enabled": True,
+        "actions.slurm.drills": True,
+        "actions.slurm.bin_dir": str(tmp_path),
+    }
     async with running_agent(base, settings):
         events = await SSEClient.connect(sock)
         try:
@@ -592,4 +601,131 @@ async def test_signal_at_ready_waits_for_the_flush(cluster: SlurmCluster) -> Non
     bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
     await until(out.exists, what="the signal in the job step")
     assert out.read_text() == "SIGUSR1"
+    await bridge.stop(1)
+
+
+# --- drills, controller outages, idempotent requeue --------------------------------------------------------
+
+
+async def test_drills_are_off_by_default() -> None:
+    """A drill does nothing to Slurm unless ``drills = true``: a requeue cannot be undone."""
+    bridge = SlurmBridge(SlurmConfig(enabled=True, node=NODE))
+    bridge.handle(event(EventType.NOTICE, make_notice(drill=True)))
+    shown = bridge.status()["notices"]
+    await bridge.stop(1)
+    assert (SlurmConfig().drills, shown) == (False, {})
+
+
+# Short calls and pauses: an outage test retries many times within a minute.
+FAST = {"timeout_s": 3.0, "retries": 0, "retry_first_s": 0.2, "retry_max_s": 2.0, "stop_wait_s": 30.0}
+
+
+def exits_75_on(flag: Path) -> str:
+    """A job script that runs until ``flag`` exists and then exits 75, as a job under `preemptd exec` does
+    after its flush."""
+    return f"while [ ! -e {flag} ]; do sleep 0.2; done\nexit 75"
+
+
+def pending(bridge: SlurmBridge, notice: Notice, action: str) -> Callable[[], dict[str, Any] | None]:
+    """The status entry of ``action`` pending for ``notice`` once it failed at least twice."""
+
+    def check() -> dict[str, Any] | None:
+        shown = bridge.status()["notices"][notice.id]["pending"]
+        return next((p for p in shown if p["action"] == action and p["attempts"] >= 2), None)
+
+    return check
+
+
+def job_outcome(bridge: SlurmBridge, notice: Notice, job_id: int) -> Callable[[], str | None]:
+    def check() -> str | None:
+        jobs = {j["job_id"]: j for j in bridge.status()["notices"][notice.id]["jobs"]}
+        return jobs.get(job_id, {}).get("outcome")
+
+    return check
+
+
+async def test_dead_controller_drain_and_requeue_after_its_restart(cluster: SlurmCluster) -> None:
+    """slurmctld stopped (dead: nothing listens) before the notice, the job exits 75 while it is down, the controller restarts on its
+    state: the drain and the requeue are retried until they land, once each; status said what was pending."""
+    flag = cluster.root / f"flush-{time.monotonic_ns()}"
+    job_id = running(cluster, "--requeue", script=exits_75_on(flag))
+    cluster.kill_controller()
+    bridge = bridge_for(cluster, node=NODE, **FAST)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    waiting = await until(pending(bridge, notice, "drain"), what="the drain retried")
+    flag.touch()
+    bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
+    await asyncio.to_thread(cluster.start_controller)
+    await until(drained_with(cluster, drain_reason(notice)), what="the drain after the restart")
+    assert await until(job_outcome(bridge, notice, job_id), 60, "the requeue") == "requeued"
+    job = cluster.job(job_id)
+    assert (job["state"], job["restart_cnt"]) == ("PENDING", 1)
+    assert (waiting["target"], "error" in waiting, "next_try" in waiting) == (NODE, True, True)
+    assert bridge.status()["notices"][notice.id]["pending"] == []
+    assert bridge.counts[("requeue", "ok")] == 1
+    await bridge.stop(1)
+
+
+async def test_hung_controller_drain_and_requeue_once_it_answers(cluster: SlurmCluster) -> None:
+    """slurmctld stopped (SIGSTOP) at the notice: every call times out; the job exits 75 meanwhile; once the
+    controller runs again (SIGCONT) the node is drained and the job requeued exactly once."""
+    flag = cluster.root / f"flush-{time.monotonic_ns()}"
+    job_id = running(cluster, "--requeue", script=exits_75_on(flag))
+    cluster.pause_controller()
+    try:
+        bridge = bridge_for(cluster, node=NODE, **FAST)
+        notice = make_notice(deadline_in=600)
+        bridge.handle(event(EventType.NOTICE, notice))
+        waiting = await until(pending(bridge, notice, "drain"), 60, "the drain retried")
+        flag.touch()
+        bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
+    finally:
+        cluster.continue_controller()
+    await until(drained_with(cluster, drain_reason(notice)), what="the drain once the controller answers")
+    assert await until(job_outcome(bridge, notice, job_id), 60, "the requeue") == "requeued"
+    job = cluster.job(job_id)
+    assert (job["state"], job["restart_cnt"]) == ("PENDING", 1)
+    assert "timed out after 3 s" in waiting["error"]
+    await bridge.stop(1)
+
+
+async def test_a_job_requeued_already_is_not_requeued_again(cluster: SlurmCluster) -> None:
+    """A job the notice found, requeued meanwhile by someone else (``RequeueExit=75``, a requeue that timed
+    out here but reached the controller) and running again: its restart count says so; no second requeue."""
+    job_id = running(cluster, "--requeue")
+    bridge = bridge_for(cluster, stop_wait_s=0.5)
+    notice = await drained_for_a_notice(cluster, bridge)
+    await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "waiting", what="waiting for ready")
+    cluster.run("scontrol", "requeue", str(job_id))
+    await asyncio.to_thread(cluster.wait_job, job_id, lambda j: j["state"] == "PENDING")
+    cluster.run("scontrol", "update", f"NodeName={NODE}", "State=RESUME")
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    await asyncio.to_thread(cluster.wait_job, job_id, lambda j: j["state"] == "RUNNING", 60.0)
+    bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
+    await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "done", what="the requeue step")
+    job = cluster.job(job_id)
+    assert (job["state"], job["restart_cnt"]) == ("RUNNING", 1)
+    assert job_outcome(bridge, notice, job_id)() == "already requeued (restart count 1)"
+    await bridge.stop(1)
+
+
+async def test_status_of_a_no_requeue_job_follows_its_exit(cluster: SlurmCluster) -> None:
+    """A ``--no-requeue`` job left alone at ready and exiting 75 afterwards: its entry shows the end
+    (FAILED, exit 75), not the RUNNING it had when the bridge acted."""
+    flag = cluster.root / f"flush-{time.monotonic_ns()}"
+    job_id = running(cluster, "--no-requeue", script=exits_75_on(flag))
+    bridge = bridge_for(cluster, stop_wait_s=0.5)
+    notice = await drained_for_a_notice(cluster, bridge)
+    bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
+    await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "done", what="the requeue step")
+    flag.touch()
+
+    def ended() -> dict[str, Any] | None:
+        (job,) = bridge.status()["notices"][notice.id]["jobs"]
+        return job if job["state"] != "RUNNING" else None
+
+    job = await until(ended, 60, "the job's end in the status")
+    assert (job["job_id"], job["state"], job["exit_code"]) == (job_id, "FAILED", 75)
+    assert job["outcome"] == "left alone: not requeueable (submitted with --no-requeue)"
     await bridge.stop(1)

@@ -4,30 +4,52 @@ node's requeueable jobs and optionally signals their steps; when the notice clea
 only a drain that is still the agent's own. docs/slurm.md has the timeline and the configuration.
 
 Slurm is reached through its own tools (:mod:`agent.bridges.slurm_commands`); every call is an owned task, so
-a slow or missing controller never delays an event on its way to clients.
+a slow or missing controller never delays an event on its way to clients. A step that fails (the controller
+dead or hung) is tried again with a growing pause until the notice's deadline, and the requeue of a job that
+has stopped and the resume of the node until ``persist_s`` beyond it; each try reads the node or job first, so
+a change that timed out here but reached the controller is never made twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any, Literal
+from datetime import datetime, timedelta
+from typing import Annotated, Any, Literal, TypeVar
 
 import structlog
+from msgspec import Meta
 
 from agent.actions.common import Recent, applies
 from agent.bridges.common import drain_reason, register_metrics
-from agent.bridges.slurm_commands import SlurmCommands, SlurmError, SlurmJob, host_names, parse_signal
+from agent.bridges.slurm_commands import (
+    ACTIVE_JOB_STATES,
+    SlurmCommands,
+    SlurmError,
+    SlurmJob,
+    host_names,
+    parse_signal,
+)
 from agent.config import NoticeKindName, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 from agent.ports import Host
 from agent.tasks import TaskSet, wait_for_any
 
 log = structlog.get_logger("preemptd.slurm")
+
+T = TypeVar("T")
+
+# A pause between two tries: short enough to act soon after the controller is back, never so short that a
+# failing controller is asked in a busy loop.
+Pause = Annotated[float, Meta(ge=0.1, le=3600, description="seconds from 0.1 to 3600")]
+# How long to go on beyond the deadline: up to a week.
+Span = Annotated[float, Meta(ge=0, le=7 * 86400, description="seconds from 0 to 604800")]
+
+# The ended jobs a requeue brings back: one that failed (exit 75 after its flush, or stopped by the signal)
+# or lost its node. One that completed, was cancelled or ran out of time or memory stays as it ended.
+_REQUEUE_ENDED = frozenset({"FAILED", "NODE_FAIL", "PREEMPTED"})
 
 
 @dataclass(frozen=True)
@@ -39,7 +61,8 @@ class SlurmConfig:
     node: str = ""
     kinds: tuple[NoticeKindName, ...] = ("termination",)
     min_severity: SeverityName = "info"
-    drills: bool = True
+    # Off: a drill's requeue stops and restarts real jobs and cannot be undone by clearing the drill.
+    drills: bool = False
     requeue: bool = True
     # A signal for the jobs' steps (``"USR1"``, ``"SIGTERM"``, a number); empty: none.
     signal: str = ""
@@ -52,8 +75,14 @@ class SlurmConfig:
     resume: bool = True
     bin_dir: str = ""
     slurm_conf: str = ""
+    # One call: its timeout and how often it is repeated at once (reads only; a change is made once per try).
     timeout_s: float = 10.0
     retries: int = 2
+    # A failing step is tried again after retry_first_s, doubling up to retry_max_s, until the deadline.
+    retry_first_s: Pause = 1.0
+    retry_max_s: Pause = 30.0
+    # How long beyond the deadline (or the clear) the requeue of a stopped job and the resume go on.
+    persist_s: Span = 3600.0
     history_size: int = 50
 
 
@@ -64,14 +93,23 @@ class _Work:
     notice: Notice
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``cleared``
+    # Set once the drain step is over (done, left alone or given up): the resume waits for it.
+    drain_settled: asyncio.Event = field(default_factory=asyncio.Event)
     cleared: bool = False
+    cleared_at: datetime | None = None
     phase: str = "starting"
     node: str | None = None
     owned_reason: str | None = None
     drain: str = "pending"
     acted_on: str | None = None
+    acted_at: datetime | None = None
     jobs: dict[int, dict[str, Any]] = field(default_factory=dict)
     found: dict[int, SlurmJob] = field(default_factory=dict)
+    # What is being tried again, by step ("drain", "requeue 12"): attempts, last error, next try.
+    pending: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Changes sent that may have reached the controller: a later try that finds them done says so.
+    tried: set[str] = field(default_factory=set)
     run: asyncio.Task[Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -83,7 +121,13 @@ class _Work:
             "drained_by_agent": self.owned_reason is not None,
             "jobs": [self.jobs[k] for k in sorted(self.jobs)],
             "acted_on": self.acted_on,
+            "pending": [self.pending[k] for k in sorted(self.pending)],
         }
+
+    def set_phase(self, phase: str) -> None:
+        """Move on, unless the notice cleared: then the clear's phases are what status shows."""
+        if not self.cleared:
+            self.phase = phase
 
 
 class SlurmBridge:
@@ -139,7 +183,8 @@ class SlurmBridge:
         work = self._work.get(notice.id)
         if event.type is EventType.CLEARED:
             if work is not None and not work.cleared:
-                work.cleared = True
+                work.cleared, work.cleared_at = True, self._clock()
+                work.gone.set()
                 work.changed.set()
                 self.tasks.spawn(self._cleared(work), f"clear:{notice.id}")
             return
@@ -205,59 +250,78 @@ class SlurmBridge:
         return node.name
 
     async def _on_notice(self, work: _Work) -> None:
-        notice = work.notice
         try:
-            node = await self._resolve()
-        except SlurmError as exc:
-            self._degrade(str(exc))
-            work.phase, work.drain = "failed", "failed: node unknown"
-            self._outcome(work, "drain", "-", "failed", exc)
+            await self._act(work)
+        finally:
+            work.drain_settled.set()  # whatever happened, a clear must not wait for the drain step forever
+
+    async def _act(self, work: _Work) -> None:
+        notice = work.notice
+        before_deadline = self._limit(work)
+        # Finding the node is the drain's first part: its failures count as the drain's.
+        node = await self._persist(work, "drain", "-", self._resolve, before_deadline)
+        if node is None:
+            work.set_phase("cleared before acting" if work.cleared else "failed")
+            work.drain = "failed: node unknown"
             return
         work.node = node
-        async with self._lock:
-            await self._drain(work, node)
-            jobs = await self._call(work, "list_jobs", node, self.commands.jobs_on(node))
-        for job in jobs or []:
+        work.set_phase("draining")
+        if await self._persist(work, "drain", node, lambda: self._drain(work, node), before_deadline) is None:
+            work.drain = "not drained: cleared before the drain" if work.cleared else "failed"
+        work.drain_settled.set()
+        # A job that stopped after its flush while the controller could not be asked is the notice's job too.
+        since = notice.detected_at.timestamp()
+        listed = await self._persist(
+            work,
+            "list_jobs",
+            node,
+            lambda: self.commands.jobs_on(node, since),
+            self._limit(work, beyond=True),
+        )
+        jobs = listed or []
+        for job in jobs:
             work.jobs[job.job_id] = job.to_json()
             work.found[job.job_id] = job
         if self.signal and self.config.signal_at == "notice":
-            await self._signal_all(work, jobs or [])
-        work.phase = "waiting"
+            await self._signal_all(work, jobs)
+        work.set_phase("waiting")
         reason = await self._wait(work)
         if reason == "cleared":
-            work.phase = "cleared before acting"
+            work.set_phase("cleared before acting")
             return
-        work.acted_on = reason
-        work.phase = "acting"
+        work.acted_on, work.acted_at = reason, self._clock()
+        work.set_phase("acting")
         log.info("slurm_acting", notice_id=notice.id, node=node, on=reason, jobs=sorted(work.jobs))
         if self.signal and self.config.signal_at == "ready":
-            await self._signal_all(work, jobs or [])
+            await self._signal_all(work, jobs)
         if self.config.requeue and work.jobs:
             await self._requeue_all(work)
-        work.phase = "done"
+        work.set_phase("done")
+        await self._follow(work)
 
-    async def _drain(self, work: _Work, node: str) -> None:
+    async def _drain(self, work: _Work, node: str) -> str:
+        """One try: read the node, then drain it unless it is drained already (by the agent or someone)."""
         reason = drain_reason(work.notice)
-        current = await self._call(work, "read_node", node, self.commands.node(node))
-        if current is None:
-            work.drain = "failed: node state unknown"
-            return
-        owner = self._owner_of(current.reason)
-        if current.drained and current.reason == reason:
-            work.owned_reason, work.drain = reason, "drained by the agent (found after a restart)"
-        elif current.drained and owner is not None:
-            work.drain = f"already drained by the agent for notice {owner.notice.id}"
-        elif current.drained:
-            work.drain = (
-                f"left alone: already drained by {current.reason_set_by or 'someone'}: {current.reason}"
-            )
-            self._outcome(work, "drain", node, "skipped", detail=work.drain)
-        else:
-            done = await self._call(work, "drain", node, self.commands.drain(node, reason), record=True)
-            if done is not None:
-                work.owned_reason, work.drain = reason, "drained"
+        async with self._lock:
+            current = await self.commands.node(node)
+            owner = self._owner_of(current.reason)
+            if current.drained and current.reason == reason:
+                # Our drain from an earlier try that timed out here, or from before a restart of the agent.
+                found = "drained" if "drain" in work.tried else "drained by the agent (found after a restart)"
+                work.owned_reason, work.drain = reason, found
+            elif current.drained and owner is not None:
+                work.drain = f"already drained by the agent for notice {owner.notice.id}"
+            elif current.drained:
+                work.drain = (
+                    f"left alone: already drained by {current.reason_set_by or 'someone'}: {current.reason}"
+                )
+                self._outcome(work, "drain", node, "skipped", detail=work.drain)
             else:
-                work.drain = "failed"
+                work.tried.add("drain")
+                await self.commands.drain(node, reason)
+                self._outcome(work, "drain", node, "ok")
+                work.owned_reason, work.drain = reason, "drained"
+        return work.drain
 
     def _owner_of(self, reason: str) -> _Work | None:
         for work in self._work.values():
@@ -284,56 +348,111 @@ class SlurmBridge:
     async def _signal_all(self, work: _Work, jobs: list[SlurmJob]) -> None:
         async with self._lock:
             for job in jobs:
-                done = await self._call(
-                    work,
-                    "signal",
-                    str(job.job_id),
-                    self.commands.signal(job.job_id, self.signal),
-                    record=True,
-                )
-                work.jobs[job.job_id]["signal"] = self.signal if done else "failed"
+                try:
+                    await self.commands.signal(job.job_id, self.signal)
+                except SlurmError as exc:
+                    self._outcome(work, "signal", str(job.job_id), "failed", exc)
+                    self._degrade(str(exc))
+                    work.jobs[job.job_id]["signal"] = "failed"
+                    continue
+                self._outcome(work, "signal", str(job.job_id), "ok")
+                self._recovered()
+                work.jobs[job.job_id]["signal"] = self.signal
 
     async def _requeue_all(self, work: _Work) -> None:
+        """Give the jobs ``stop_wait_s`` (never past deadline - margin) to exit on their own, then requeue
+        each one that should run again, each until it lands or its time is up."""
         ids = set(work.jobs)
-        latest = time.monotonic() + self.config.stop_wait_s
+        end = self._clock() + timedelta(seconds=self.config.stop_wait_s)
         if work.notice.deadline is not None:
-            left = (work.notice.deadline - self._clock()).total_seconds() - self.config.margin_s
-            latest = min(latest, time.monotonic() + max(0.0, left))
+            end = min(end, work.notice.deadline - timedelta(seconds=self.config.margin_s))
         # A job that stops itself after its flush (exit 75 through `preemptd exec`) is requeued from its
-        # finished state; only one still running at the latest moment is stopped by the requeue.
-        jobs = dict(work.found)
-        while True:
-            found = await self._call(work, "read_jobs", "-", self.commands.jobs(ids))
-            if found is not None:
-                jobs = {job.job_id: job for job in found}
-            if (
-                not any(j.active and j.requeue for j in jobs.values())
-                or time.monotonic() >= latest
-                or work.cleared
-            ):
+        # finished state; only one still running at the latest moment is stopped by the requeue. A failed
+        # read here only shortens the wait: each requeue reads its job again.
+        while self._clock() < end and not work.cleared:
+            try:
+                jobs = await self.commands.jobs(ids)
+            except SlurmError:
+                jobs = list(work.found.values())
+            if not any(self._awaited(work, job) for job in jobs):
                 break
-            await asyncio.sleep(min(1.0, max(0.0, latest - time.monotonic())))
+            await wait_for_any(work.gone, timeout=min(1.0, max(0.0, (end - self._clock()).total_seconds())))
+        await asyncio.gather(*(self._requeue_job(work, job_id) for job_id in sorted(ids)))
+
+    def _awaited(self, work: _Work, job: SlurmJob) -> bool:
+        """Whether the requeue step waits for ``job`` to stop on its own: one of the notice's jobs, running,
+        requeueable and not requeued since."""
+        found = work.found.get(job.job_id)
+        return found is not None and job.active and job.requeue and job.restarts <= found.restarts
+
+    async def _requeue_job(self, work: _Work, job_id: int) -> None:
+        entry = work.jobs[job_id]
+        done = await self._persist(
+            work,
+            "requeue",
+            str(job_id),
+            lambda: self._requeue_once(work, job_id),
+            self._limit(work, beyond=True),
+            stop=lambda: (
+                False
+            ),  # a stopped job comes back only through this requeue: a clear does not stop it
+        )
+        if done is None:
+            entry["outcome"] = "requeue failed"
+
+    async def _requeue_once(self, work: _Work, job_id: int) -> str:
+        """One try: read the job, then requeue it unless it needs none or has been requeued already."""
+        entry = work.jobs[job_id]
+        key = f"requeue {job_id}"
         async with self._lock:
-            for job_id in sorted(ids):
-                entry = work.jobs[job_id]
-                job = jobs.get(job_id)
-                if job is None:
-                    entry["outcome"] = "gone: the controller no longer knows the job"
-                    continue
-                entry["state"] = job.state
-                if job.exit_code is not None:
-                    entry["exit_code"] = job.exit_code
-                if not job.requeue:
-                    entry["outcome"] = "left alone: not requeueable (submitted with --no-requeue)"
-                    self._outcome(work, "requeue", str(job_id), "not_requeueable", detail=entry["outcome"])
-                elif job.state == "PENDING":
-                    entry["outcome"] = "already pending"
-                    self._outcome(work, "requeue", str(job_id), "skipped", detail="already pending")
+            found = await self.commands.jobs([job_id])
+            if not found:
+                entry["outcome"] = "gone: the controller no longer knows the job"
+                return "gone"
+            job = found[0]
+            entry.update(job.to_json())
+            result, outcome = "skipped", ""
+            if not job.requeue:
+                result, outcome = (
+                    "not_requeueable",
+                    "left alone: not requeueable (submitted with --no-requeue)",
+                )
+            elif job.restarts > work.found[job_id].restarts:
+                # Requeued since the notice found it: by a try of ours that timed out here, or by Slurm itself
+                # (RequeueExit=75); a second requeue would stop the run that has started again.
+                if key in work.tried:
+                    result, outcome = "ok", "requeued"
                 else:
-                    done = await self._call(
-                        work, "requeue", str(job_id), self.commands.requeue(job_id), record=True
-                    )
-                    entry["outcome"] = "requeued" if done else "requeue failed"
+                    outcome = f"already requeued (restart count {job.restarts})"
+            elif job.state == "PENDING":
+                outcome = "already pending"
+            elif not job.active and job.state not in _REQUEUE_ENDED:
+                outcome = f"left alone: ended {job.state} (exit {job.exit_code}), not requeued"
+            else:
+                work.tried.add(key)
+                await self.commands.requeue(job_id)
+                result, outcome = "ok", "requeued"
+            entry["outcome"] = outcome
+            self._outcome(work, "requeue", str(job_id), result, detail=outcome)
+            return outcome
+
+    async def _follow(self, work: _Work) -> None:
+        """Keep the entries of jobs still running after the requeue step (one left alone, one not requeued)
+        current until they end, the notice clears or the deadline passes: the status shows how they ended."""
+        delay = self.config.retry_first_s
+        while not work.cleared:
+            running = {k for k, v in work.jobs.items() if v.get("state") in ACTIVE_JOB_STATES}
+            deadline = work.notice.deadline
+            if not running or (deadline is not None and self._clock() >= deadline):
+                return
+            await wait_for_any(work.gone, timeout=delay)
+            delay = min(self.config.retry_max_s, delay * 2)
+            try:
+                jobs = await self.commands.jobs(running)
+            except SlurmError:
+                continue
+            for job in jobs:
+                work.jobs[job.job_id].update(job.to_json())
 
     async def _cleared(self, work: _Work) -> None:
         work.phase = "clearing"
@@ -343,55 +462,125 @@ class SlurmBridge:
             work.phase = "cleared"
 
     async def _on_cleared(self, work: _Work) -> None:
-        if work.run is not None and not work.run.done():
-            # Let the drain and any Slurm call in flight finish; the waiting step sees `cleared` and ends.
-            await asyncio.wait({work.run})
+        # Let the drain step finish (it sees `cleared` and stops trying); requeues may go on meanwhile.
+        await work.drain_settled.wait()
         if work.owned_reason is None or work.node is None:
             return
         node = work.node
+        await self._persist(
+            work,
+            "resume",
+            node,
+            lambda: self._resume_once(work, node),
+            lambda: (work.cleared_at or self._clock()) + timedelta(seconds=self.config.persist_s),
+            stop=lambda: False,
+        )
+
+    async def _resume_once(self, work: _Work, node: str) -> str:
+        """One try: read the node, then resume it, hand the drain to another notice, or leave it."""
         async with self._lock:
-            current = await self._call(work, "read_node", node, self.commands.node(node))
-            if current is None:
-                return
+            current = await self.commands.node(node)
+            heir = next((w for w in self._work.values() if not w.cleared and w.node == node), None)
             if not current.drained or current.reason != work.owned_reason:
+                # An earlier try that timed out here may have landed: the resume, or the hand-over.
+                if not current.drained and "resume" in work.tried:
+                    work.owned_reason, work.drain = None, "resumed"
+                    self._outcome(work, "resume", node, "ok")
+                    return work.drain
+                if heir is not None and current.drained and current.reason == drain_reason(heir.notice):
+                    heir.owned_reason, heir.drain = (
+                        current.reason,
+                        f"drained (taken over from {work.notice.id})",
+                    )
+                    work.owned_reason, work.drain = None, f"drain handed to notice {heir.notice.id}"
+                    return work.drain
                 what = f"{current.reason!r}" if current.drained else "not drained"
                 work.drain = f"not resumed: the node is now {what}"
                 self._outcome(work, "resume", node, "skipped", detail=work.drain)
                 work.owned_reason = None
-                return
-            heir = next((w for w in self._work.values() if not w.cleared and w.node == node), None)
+                return work.drain
             if heir is not None:
                 # Another notice still wants the node drained: hand the drain over rather than resume.
                 reason = drain_reason(heir.notice)
-                if await self._call(heir, "drain", node, self.commands.drain(node, reason), record=True):
-                    heir.owned_reason, heir.drain = (
-                        reason,
-                        f"drained (taken over from notice {work.notice.id})",
-                    )
+                await self.commands.drain(node, reason)
+                self._outcome(heir, "drain", node, "ok")
+                heir.owned_reason, heir.drain = reason, f"drained (taken over from notice {work.notice.id})"
                 work.owned_reason, work.drain = None, f"drain handed to notice {heir.notice.id}"
-                return
+                return work.drain
             if not self.config.resume:
                 work.drain = "left drained (actions.slurm.resume = false)"
-                return
-            if await self._call(work, "resume", node, self.commands.resume(node), record=True) is not None:
-                work.owned_reason, work.drain = None, "resumed"
+                return work.drain
+            work.tried.add("resume")
+            await self.commands.resume(node)
+            self._outcome(work, "resume", node, "ok")
+            work.owned_reason, work.drain = None, "resumed"
+            return work.drain
+
+    # --- trying again ---------------------------------------------------------------------------------
+
+    def _limit(self, work: _Work, *, beyond: bool = False) -> Callable[[], datetime | None]:
+        """Until when a failing step is tried again: the notice's deadline (read at each failure: it may
+        move), or with ``beyond`` ``persist_s`` after it (after acting, without a deadline)."""
+
+        def limit() -> datetime | None:
+            deadline = work.notice.deadline
+            if not beyond:
+                return deadline
+            base = deadline or work.acted_at
+            return None if base is None else base + timedelta(seconds=self.config.persist_s)
+
+        return limit
+
+    async def _persist(
+        self,
+        work: _Work,
+        action: str,
+        target: str,
+        step: Callable[[], Awaitable[T]],
+        limit: Callable[[], datetime | None],
+        *,
+        stop: Callable[[], bool] | None = None,
+    ) -> T | None:
+        """Run ``step`` until it succeeds; after each SlurmError wait ``retry_first_s``, doubling up to
+        ``retry_max_s``, and try again, while status shows what is pending. None once the next try would
+        come after ``limit()``, once ``stop()`` holds (default: the notice cleared) or when a tool is missing."""
+        stopped = stop or (lambda: work.cleared)
+        key = action if target in ("-", work.node) else f"{action} {target}"
+        delay = self.config.retry_first_s
+        attempts = 0
+        try:
+            while True:
+                attempts += 1
+                try:
+                    result = await step()
+                except SlurmError as exc:
+                    error = exc
+                else:
+                    self._recovered()
+                    return result
+                self._degrade(str(error))
+                next_try = self._clock() + timedelta(seconds=delay)
+                end = limit()
+                if error.missing or stopped() or (end is not None and next_try > end):
+                    self._outcome(work, action, target, "failed", error, attempts=str(attempts))
+                    return None
+                work.pending[key] = {
+                    "action": action,
+                    "target": target,
+                    "attempts": attempts,
+                    "error": str(error),
+                    "next_try": format_time(next_try),
+                    "gives_up_at": format_time(end) if end is not None else None,
+                }
+                self._outcome(work, action, target, "retrying", error, attempts=str(attempts))
+                await wait_for_any(work.gone, timeout=delay)
+                if stopped():
+                    return None
+                delay = min(self.config.retry_max_s, delay * 2)
+        finally:
+            work.pending.pop(key, None)
 
     # --- bookkeeping ----------------------------------------------------------------------------------
-
-    async def _call(self, work: _Work, action: str, target: str, call: Any, *, record: bool = False) -> Any:
-        """Await one Slurm call; a failure is recorded (with stderr), degrades the bridge and returns None."""
-        try:
-            result = await call
-        except SlurmError as exc:
-            self._outcome(work, action, target, "failed", exc)
-            self._degrade(str(exc))
-            return None
-        if record:
-            self._outcome(work, action, target, "ok")
-        if self.degraded and self.node is not None:
-            log.info("slurm_recovered", was=self.degraded)
-            self.degraded = None  # the controller answers again
-        return result if result is not None else True
 
     def _outcome(
         self,
@@ -419,6 +608,11 @@ class SlurmBridge:
         if self.degraded != why:
             log.error("slurm_degraded", why=why, effect="notices still reach local clients")
         self.degraded = why
+
+    def _recovered(self) -> None:
+        if self.degraded and self.node is not None:
+            log.info("slurm_recovered", was=self.degraded)
+            self.degraded = None  # the controller answers again
 
     def _trim(self) -> None:
         size = max(1, self.config.history_size)

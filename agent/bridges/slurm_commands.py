@@ -77,6 +77,8 @@ class SlurmJob:
     nodes: str
     restarts: int = 0
     exit_code: int | None = None
+    # When the job ended (Unix seconds); for a job still running Slurm gives its expected end instead.
+    end_time: int | None = None
 
     @property
     def active(self) -> bool:
@@ -91,7 +93,7 @@ class SlurmJob:
             "requeue": self.requeue,
             "restarts": self.restarts,
         }
-        if self.exit_code is not None:
+        if self.exit_code is not None and not self.active:  # a running job's exit code is Slurm's 0
             doc["exit_code"] = self.exit_code
         return doc
 
@@ -187,6 +189,7 @@ def parse_jobs(text: str) -> list[SlurmJob]:
                 nodes=str(item.get("nodes") or ""),
                 restarts=_number(item.get("restart_cnt")) or 0,
                 exit_code=code,
+                end_time=_number(item.get("end_time")),
             )
         )
     return jobs
@@ -350,10 +353,19 @@ class SlurmCommands:
                 return node
         raise SlurmError(f"Slurm knows no node named {name!r} (sinfo --json --nodes {name})")
 
-    async def jobs_on(self, node: str) -> list[SlurmJob]:
-        """The jobs that run on ``node`` now (filtered here too: older squeue --json ignored some filters)."""
-        result = await self.run("squeue", "--json", "--nodelist", node)
-        return [job for job in parse_jobs(result.stdout) if job.active]
+    async def jobs_on(self, node: str, ended_since: float | None = None) -> list[SlurmJob]:
+        """The jobs that run on ``node`` now (filtered here too: older squeue --json ignored some filters),
+        and with ``ended_since`` (Unix seconds) also those that ended there since then: a job that exited
+        after its flush while the controller could not be asked is still the notice's job."""
+        if ended_since is None:
+            result = await self.run("squeue", "--json", "--nodelist", node)
+            return [job for job in parse_jobs(result.stdout) if job.active]
+        result = await self.run("squeue", "--json", "--states", "all", "--nodelist", node)
+        return [
+            job
+            for job in parse_jobs(result.stdout)
+            if job.active or (job.state != "PENDING" and (job.end_time or 0) >= ended_since)
+        ]
 
     async def jobs(self, job_ids: Iterable[int]) -> list[SlurmJob]:
         """These jobs in whatever state the controller still holds them."""
@@ -363,14 +375,19 @@ class SlurmCommands:
         result = await self.run("squeue", "--json", "--states", "all", "--jobs", ",".join(map(str, ids)))
         return [job for job in parse_jobs(result.stdout) if job.job_id in ids]
 
+    # The changes run once per call: one that timed out may still have reached the controller, so only the
+    # caller, after reading the node or job again, may try once more.
+
     async def drain(self, node: str, reason: str) -> CommandResult:
-        return await self.run("scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}")
+        return await self.run(
+            "scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}", retry=False
+        )
 
     async def resume(self, node: str) -> CommandResult:
-        return await self.run("scontrol", "update", f"NodeName={node}", "State=RESUME")
+        return await self.run("scontrol", "update", f"NodeName={node}", "State=RESUME", retry=False)
 
     async def requeue(self, job_id: int) -> CommandResult:
-        return await self.run("scontrol", "requeue", str(job_id))
+        return await self.run("scontrol", "requeue", str(job_id), retry=False)
 
     async def signal(self, job_id: int, signal: str) -> CommandResult:
         # Without --batch/--full scancel signals the job's steps only, as sbatch --signal does.
