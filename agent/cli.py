@@ -308,6 +308,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "--kind",
         default="termination",
         choices=("termination", "rebalance", "maintenance", "gpu_fault", "gpu_degraded", "host_degraded"),
+        metavar="KIND",  # the list of choices would make the usage line wider than 80 columns
+        help="termination (default), rebalance, maintenance, gpu_fault, gpu_degraded or host_degraded",
     )
     p.add_argument(
         "--in",

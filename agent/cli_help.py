@@ -24,7 +24,11 @@ class VerbHelp:
 
     def epilog(self) -> str:
         lines = ["examples:", *(f"  {line}" for line in self.examples), "", "exit status:"]
-        lines += [f"  {code:<3} {meaning}" for code, meaning in self.exits]
+        # The raw formatter keeps this layout as it is, so long meanings are wrapped here, under themselves.
+        lines += [
+            textwrap.fill(meaning, width=78, initial_indent=f"  {code:<3} ", subsequent_indent=" " * 6)
+            for code, meaning in self.exits
+        ]
         return "\n".join(lines)
 
 

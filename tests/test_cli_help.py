@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import build_parser, main
-from agent.cli_help import EXIT_BROKEN_PIPE
+from agent.cli_help import EXIT_BROKEN_PIPE, verb_parser
 from tests.support import REPO, running_agent
 
 
@@ -79,3 +79,12 @@ def test_exec_help_outside_the_cli_has_examples_and_exit_statuses(capsys: pytest
         main(["exec", "--help"])
     out = capsys.readouterr().out
     assert (True, True) == ("examples:\n  preemptd exec -- torchrun" in out, "\n  75  " in out)
+
+
+@pytest.mark.parametrize("verb", ["", *sorted(verbs())])
+def test_every_help_screen_fits_80_columns(verb: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`preemptd --help` and every verb's --help, on an 80-column terminal: no line is longer."""
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = build_parser()
+    text = (verb_parser(parser, verb) if verb else parser).format_help()
+    assert [] == [line for line in text.splitlines() if len(line) > 80]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import signal
@@ -67,3 +68,32 @@ async def test_simulate_rejects_an_unknown_scenario() -> None:
     )  # fmt: skip
     _, err = await asyncio.wait_for(proc.communicate(), 15)
     assert (proc.returncode, b"unknown scenario" in err) == (2, True)
+
+
+def simulate_help() -> str:
+    from agent.cli import build_parser
+    from agent.cli_help import verb_parser
+
+    return verb_parser(build_parser(), "simulate").format_help()
+
+
+def test_simulate_help_shows_readable_choices() -> None:
+    """argparse mangles a choice written with brackets (`{,404}` in the usage, `{[],404}` below it)."""
+    text = simulate_help()
+    assert (2, []) == (
+        text.count("--empty-maintenance {empty,404}"),
+        [word for word in text.split() if word.startswith(("{,", "{[", "[{,"))],
+    )
+
+
+def test_empty_maintenance_empty_serves_an_empty_list() -> None:
+    """`--empty-maintenance empty` is the simulator's "[]" (and "[]" itself is still accepted)."""
+    from agent.simulate.cli import _options, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    chosen = [
+        _options(parser.parse_args(["aws", "--empty-maintenance", value]))["empty_maintenance"]
+        for value in ("empty", "[]", "404")
+    ]
+    assert ["[]", "[]", "404"] == chosen

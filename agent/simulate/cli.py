@@ -54,15 +54,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list-scenarios", action="store_true", help="list the cloud's scenarios and exit")
     p.add_argument("--port-file", type=Path, help="write the bound port to this file once listening")
     p.add_argument("--imdsv1", action="store_true", help="aws: also answer requests without a token")
-    p.add_argument("--empty-maintenance", choices=("[]", "404"), help="aws: answer for no scheduled events")
+    p.add_argument(
+        "--empty-maintenance",
+        # "empty" rather than "[]": argparse mangles brackets in its usage line ("{,404}"); "[]" still works.
+        type=lambda text: "empty" if text == "[]" else text,
+        choices=("empty", "404"),
+        help="aws: the scheduled-events answer when none is scheduled: an empty list [] (default) or 404",
+    )
     p.add_argument("--vm-name", help="azure: this VM's name (default gpu-trainer-0)")
     p.add_argument("--not-before-format", choices=("rfc1123", "iso"), help="azure: NotBefore layout")
     p.add_argument("--no-upcoming", action="store_true", help="gcp: no upcoming-maintenance endpoint (404)")
     p.add_argument(
         "--upcoming-idle",
         choices=("empty", "no-notifications", "no-notifications-503"),
-        help='gcp: upcoming-maintenance with nothing scheduled: {} (empty), or the "no notifications" error '
-        "with 200 or 503",
+        metavar="ANSWER",  # the list of choices would make the usage line wider than 80 columns
+        help="gcp: the upcoming-maintenance answer when nothing is scheduled: empty ({}), no-notifications "
+        '(the "no notifications" error with 200) or no-notifications-503 (the same with 503)',
     )
     p.add_argument("--hardened", action="store_true", help="alibaba: require a metadata token")
 
@@ -73,7 +80,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     if cloud == "aws":
         options["imdsv1"] = args.imdsv1
         if args.empty_maintenance:
-            options["empty_maintenance"] = args.empty_maintenance
+            options["empty_maintenance"] = "[]" if args.empty_maintenance == "empty" else "404"
     elif cloud == "azure":
         if args.vm_name:
             options["vm_name"] = args.vm_name
