@@ -154,6 +154,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     except HubFull as exc:
         request.app[MISTAKES_KEY].warning("subscriber_refused", error=str(exc), peer=peer)
         return _error(503, str(exc))
+    agent.subscriber_connected(peer)
     last_event_id = request.headers.get("Last-Event-ID")
     resume = agent.hub.resume_from(last_event_id)
     transport = request.transport

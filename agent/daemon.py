@@ -96,6 +96,7 @@ class Agent:
         self._capabilities: dict[str, Any] = {}
         self._report_listeners: list[Callable[[Report], None]] = []
         self._report_checks: list[Callable[[Report, bool], tuple[int, str] | None]] = []
+        self._subscriber_listeners: list[Callable[[Mapping[str, Any]], None]] = []
         self._board_changed = asyncio.Event()
         self._drills = 0
         self._restored = 0
@@ -156,6 +157,16 @@ class Agent:
 
     def add_report_check(self, fn: Callable[[Report, bool], tuple[int, str] | None]) -> None:
         self._report_checks.append(fn)
+
+    def on_subscriber(self, fn: Callable[[Mapping[str, Any]], None]) -> None:
+        self._subscriber_listeners.append(fn)
+
+    def subscriber_connected(self, peer: Mapping[str, Any]) -> None:
+        for listener in self._subscriber_listeners:
+            try:
+                listener(peer)
+            except Exception as exc:
+                self.log.error("subscriber_listener_failed", listener=repr(listener), error=repr(exc))
 
     def check_report(self, report: Report, privileged: bool) -> tuple[int, str] | None:
         for check in self._report_checks:

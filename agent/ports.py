@@ -83,7 +83,8 @@ class Reactor(Protocol):
     reactor owns. An exception is logged and does not stop the event reaching the other reactors.
     ``status()`` is shown in ``/v1/status`` under ``actions.reactors.<name>``. ``start()`` runs once the
     socket serves; ``stop(timeout)`` must return within ``timeout`` seconds (cancel what is still running).
-    Optional: ``on_report(report)`` for every accepted client report, ``refusal(report, privileged)`` to
+    Optional: ``on_report(report)`` for every accepted client report, ``on_subscriber(peer)`` for every
+    event-stream client as its stream opens (see Host.on_subscriber), ``refusal(report, privileged)`` to
     refuse a report before anyone hears of it (returns an HTTP status and the reason, or None), and
     ``carry_over(previous)`` to take over the state of the instance it replaces when the configuration is
     reloaded.
@@ -154,6 +155,11 @@ class Host(Protocol):
         """``fn(report, privileged)`` may refuse a client report before anyone hears of it: it returns an
         HTTP status and the reason, or None. ``privileged``: the sender is root, the agent's user or in the
         admin group."""
+        ...
+
+    def on_subscriber(self, fn: Callable[[Mapping[str, Any]], None]) -> None:
+        """Call ``fn(peer)`` on the loop when an event-stream client's stream opens; ``peer`` holds its
+        ``pid``, ``uid`` and ``gid`` from SO_PEERCRED (empty when unknown). Must not block."""
         ...
 
     def capability(self, name: str) -> Any | None:
@@ -320,6 +326,10 @@ class ApiHost(MetricsView, Protocol):
     def check_report(self, report: Report, privileged: bool) -> tuple[int, str] | None: ...
 
     def accept_report(self, report: Report) -> None: ...
+
+    def subscriber_connected(self, peer: Mapping[str, Any]) -> None:
+        """An event stream opened for ``peer`` (pid, uid, gid): tell the ``on_subscriber`` listeners."""
+        ...
 
     def drill(
         self, kind: Kind, in_s: float, severity: Severity | None, reason: str, peer: Mapping[str, Any]

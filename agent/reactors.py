@@ -192,6 +192,16 @@ class ReactorSet:
             except Exception as exc:
                 log.error("reactor_failed", reactor=reactor.name, report=report.phase, error=repr(exc))
 
+    def on_subscriber(self, peer: Mapping[str, Any]) -> None:
+        for reactor in self._active:
+            on_subscriber = getattr(reactor, "on_subscriber", None)
+            if on_subscriber is None:
+                continue
+            try:
+                on_subscriber(peer)
+            except Exception as exc:
+                log.error("reactor_failed", reactor=reactor.name, subscriber=dict(peer), error=repr(exc))
+
     def refusal(self, report: Report, privileged: bool) -> tuple[int, str] | None:
         """The first reactor's reason to refuse ``report`` (its optional ``refusal(report, privileged)``),
         as (HTTP status, reason), or None."""

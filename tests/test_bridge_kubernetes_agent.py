@@ -6,12 +6,14 @@ the notice ready, or at deadline - grace - margin when it never reports; clearin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator
+import textwrap
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,42 @@ def taint_keys(kube: FakeKube) -> list[str]:
 
 def write_state(directory: Path) -> None:
     (directory / "model.bin").write_bytes(os.urandom(4096))
+
+
+@contextlib.contextmanager
+def pod_cgroup(pod_uid: str) -> Iterator[Path]:
+    """A cgroup named as the kubelet's systemd driver names a pod's, for a process that the agent must find
+    in that pod (as it does on a node, through /proc/<pid>/cgroup); yields its ``cgroup.procs``. Skips where
+    no cgroup can be made here (not root, no writable hierarchy)."""
+    name = f"kubepods-besteffort-pod{pod_uid.replace('-', '_')}.slice"
+    for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+        if not (root / "cgroup.procs").exists():
+            continue
+        try:
+            (root / name).mkdir()
+        except OSError:
+            continue
+        try:
+            yield root / name / "cgroup.procs"
+        finally:
+            with contextlib.suppress(OSError):
+                (root / name).rmdir()
+        return
+    pytest.skip("no cgroup can be created here to stand for a pod (needs root and a writable cgroup mount)")
+
+
+# A training process that has not saved yet: it joins the cgroup given, subscribes, and prints each event's
+# type (the snapshot first, so the test knows it is subscribed).
+SUBSCRIBER = textwrap.dedent(
+    """
+    import os, sys
+    from agent.client.transport import EventStream
+    with open(sys.argv[2], "w") as procs:
+        procs.write(str(os.getpid()))
+    for message in EventStream(sys.argv[1], read_timeout=None):
+        print(message.event, flush=True)
+    """
+)
 
 
 async def test_drill_taints_at_once_and_evicts_the_training_pod_after_its_checkpoint(
@@ -153,6 +191,53 @@ async def test_the_training_examples_emergency_checkpoint_releases_its_pod(
     assert eviction.time is not None and eviction.time >= parse_time(ready["time"])
     pod = shown["drains"][notice_id]["pods"][f"ml/{TRAIN_POD}"]
     assert ("evicted", True, "ready") == (pod["state"], pod["participant"], pod["because"])
+
+
+async def test_a_subscribed_process_holds_its_pod_until_ready_before_it_ever_reported(
+    kube: FakeKube, base: Path
+) -> None:
+    """A training process that is subscribed but has not saved yet (so it never reported): its pod is a
+    training pod from its first connection, held for the notice's ready; a pod without one goes at once."""
+    train = kube.add_pod("ml", "train-0", node=NODE, owner="Job", grace_s=30)
+    kube.add_pod("web", "inference-6d8f-x", node=NODE, owner="ReplicaSet")
+    sock = base / "a.sock"
+    with pod_cgroup(train["metadata"]["uid"]) as procs:
+        async with running_agent(base, settings(kube, base)):
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", SUBSCRIBER, str(sock), str(procs),
+                stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=str(REPO),
+            )  # fmt: skip
+            assert child.stdout is not None
+            try:
+                assert b"snapshot\n" == await asyncio.wait_for(child.stdout.readline(), 60)
+                notice_id = await drill(sock, in_s=120)
+                await kube.wait_for(lambda: ("web", "inference-6d8f-x") in kube.evicted)
+                shown = await bridge_status(sock)
+            finally:
+                child.kill()
+                await child.wait()
+    pod = shown["drains"][notice_id]["pods"]["ml/train-0"]
+    assert ("waiting", True) == (pod["state"], pod["participant"])
+    assert ("ml", "train-0") not in kube.evicted
+
+
+async def test_an_eviction_refused_with_409_for_a_while_happens_once_the_api_answers_again(
+    kube: FakeKube, base: Path
+) -> None:
+    """The API answers the training pod's eviction with 409 Conflict for its first seven attempts (about
+    half a minute with a doubling backoff): the drain goes on retrying and evicts the pod, before the
+    deadline, once the API takes it (with the default retry_max_s of 30 s)."""
+    kube.add_pod("ml", "train-0", node=NODE, owner="Job", grace_s=3)
+    kube.fail("POST", r"/api/v1/namespaces/ml/pods/train-0/eviction", 409, times=7)
+    sock = base / "a.sock"
+    extra = {"actions.kubernetes.retry_max_s": 30.0, "actions.kubernetes.eviction_retry_s": 1.0}
+    async with running_agent(base, settings(kube, base, **extra)):
+        notice_id = await drill(sock, in_s=50)  # no participant: the pod goes at once
+        await kube.wait_for(lambda: ("ml", "train-0") in kube.evicted, timeout=60)
+        shown = await bridge_status(sock)
+    pod = shown["drains"][notice_id]["pods"]["ml/train-0"]
+    assert ("evicted", 8) == (pod["state"], pod["attempts"])
+    assert [409] * 7 + [201] == [r.status for r in kube.calls("POST", r".*/pods/train-0/eviction")]
 
 
 async def test_a_participant_that_never_reports_is_evicted_at_deadline_minus_grace_minus_margin(

@@ -48,6 +48,7 @@ class ActionsComponent:
             )
         host.on_event(self.reactors.handle)
         host.on_report(self.reactors.on_report)
+        host.on_subscriber(self.reactors.on_subscriber)
         host.add_report_check(self.reactors.refusal)
         host.add_status_section("actions", self.status)
         host.add_metrics_collector(_Collector(self))

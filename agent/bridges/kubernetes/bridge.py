@@ -2,8 +2,9 @@
 
 On a notice of the configured kinds it taints and cordons the node, sets a Node condition and posts an
 Event at once; it evicts the node's pods through the Eviction API once the node's training participants
-reported their emergency checkpoint (the agent's ``ready``), or at the latest moment a pod's grace period
-still ends before the deadline; pods without participants go at once. When the last notice clears it
+(processes subscribed on the socket or reporting as participants) reported their emergency checkpoint (the
+agent's ``ready``), or at the latest moment a pod's grace period still ends before the deadline; pods
+without participants go at once. When the last notice clears it
 removes what it set, and only that. Every call runs in tasks the bridge owns, so nothing here holds up an
 event on its way to the local clients.
 """
@@ -36,7 +37,7 @@ log = structlog.get_logger("preemptd.kubernetes")
 
 # Conflicts (409) are retried at once from a fresh read, this many times in a row before backing off.
 CONFLICT_RETRIES = 5
-# Participants remembered (processes that reported as one); dead ones are forgotten first.
+# Participants remembered (processes that reported as one or subscribed); dead ones are forgotten first.
 MAX_PARTICIPANTS = 256
 
 
@@ -152,14 +153,25 @@ class KubernetesBridge:
             self.drainer.begin(notice)
 
     def on_report(self, report: Report) -> None:
+        """A participant's report (a save, or its registration) marks its pod as a training pod."""
         if report.client.get("participant") is not True:
             return
         key = (
             f"{report.client.get('job', report.client.get('name', 'client'))}#{report.client.get('rank', '')}"
         )
         pid = report.peer_pid or report.client.get("pid")
-        key += f"@{pid}"
-        self._participants[key] = {"pid": pid, "host": report.client.get("host"), "seen": report.received_at}
+        self._remember(f"{key}@{pid}", pid, report.client.get("host"))
+
+    def on_subscriber(self, peer: Mapping[str, Any]) -> None:
+        """A process that subscribed to the notices marks its pod as a training pod from its first
+        connection: a job that has not saved (or reported) yet is still held for the notice's ready, not
+        evicted at once. Its pod is found through the pid's cgroup while the process lives."""
+        pid = peer.get("pid")
+        if isinstance(pid, int) and pid > 0:
+            self._remember(f"subscriber@{pid}", pid, None)
+
+    def _remember(self, key: str, pid: Any, host: Any) -> None:
+        self._participants[key] = {"pid": pid, "host": host, "seen": self._now()}
         if len(self._participants) > MAX_PARTICIPANTS:
             # Forget processes that are gone; past the bound, the longest silent ones.
             for old in [k for k, who in self._participants.items() if not alive(who)]:

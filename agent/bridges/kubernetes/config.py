@@ -56,7 +56,8 @@ class KubernetesConfig:
     pods_without_participants: Literal["at_once", "with_participants"] = "at_once"
     # A pod is evicted no later than deadline - its terminationGracePeriodSeconds - drain_margin_s.
     drain_margin_s: float = 10.0
-    # Wait between attempts at an eviction a PodDisruptionBudget blocks, when the API gives no Retry-After.
+    # Wait between attempts at an eviction a PodDisruptionBudget blocks, when the API gives no Retry-After;
+    # the cap of the backoff between attempts at an eviction that failed otherwise (409, 5xx, no answer).
     eviction_retry_s: float = 5.0
     # Longest wait honoured from a Retry-After, and the cap of the backoff while the API is unreachable.
     retry_max_s: float = 30.0

@@ -9,7 +9,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,12 @@ class PodDrain:
     name: str
     grace_s: float
     participant: bool
-    state: str = "waiting"  # waiting → evicting → evicted | gone | blocked | failed | cancelled
+    # waiting → evicting (→ retrying | blocked_by_budget → evicting) → evicted | gone | blocked | failed |
+    # cancelled
+    state: str = "waiting"
     attempts: int = 0
     evict_at: datetime | None = None
+    retry_at: datetime | None = None  # the next attempt, while retrying
     done_at: datetime | None = None
     because: str | None = None  # ready, deadline (its latest moment) or no_participants
     last_error: str | None = None
@@ -65,6 +68,8 @@ class PodDrain:
         }
         if self.evict_at is not None:
             doc["evict_at"] = format_time(self.evict_at)
+        if self.retry_at is not None and self.state in ("retrying", "blocked_by_budget"):
+            doc["retry_at"] = format_time(self.retry_at)
         if self.done_at is not None:
             doc["done_at"] = format_time(self.done_at)
         if self.because is not None:
@@ -167,7 +172,7 @@ class Drainer:
             1
             for drain in self.drains.values()
             for pod in drain.pods.values()
-            if pod.state in ("waiting", "evicting", "blocked_by_budget")
+            if pod.state in ("waiting", "evicting", "retrying", "blocked_by_budget")
         )
 
     async def _drain(self, drain: Drain) -> None:
@@ -201,21 +206,23 @@ class Drainer:
         drain.state = "done"
 
     async def _list_pods(self, drain: Drain) -> list[dict[str, Any]] | None:
-        backoff = BACKOFF_START_S
+        backoff = min(BACKOFF_START_S, self.config.eviction_retry_s)
         while True:
             try:
                 pods: list[dict[str, Any]] = await self._call(lambda api: api.list_pods(), "list", "pods")
                 return pods
             except KubeError as exc:
+                # Paced as an eviction's retries: the drain is under way on a node that is going away.
                 delay = exc.retry_after if exc.retry_after is not None else backoff
-                backoff = min(backoff * 2, self.config.retry_max_s)
-                if not self._before_deadline(drain, delay):
+                backoff = min(backoff * 2, self.config.eviction_retry_s)
+                wait = self._retry_wait(drain, delay)
+                if wait is None:
                     drain.state = "failed"
                     log.error(
                         "kubernetes_drain_failed", node=self.node, notice_id=drain.notice.id, error=str(exc)
                     )
                     return None
-                await asyncio.sleep(min(delay, self.config.retry_max_s))
+                await asyncio.sleep(wait)
 
     def _plan(self, drain: Drain, pods: list[dict[str, Any]]) -> list[PodDrain]:
         """Add the pods not yet in the drain; return those added."""
@@ -257,9 +264,15 @@ class Drainer:
             drain.changed.clear()
             await wait_for_any(drain.ready, drain.changed, timeout=delay)
 
-    def _before_deadline(self, drain: Drain, delay: float) -> bool:
+    def _retry_wait(self, drain: Drain, delay: float) -> float | None:
+        """How long to wait before the next attempt: ``delay`` (at most retry_max_s), cut short so that one
+        more attempt is made at the deadline; None once the deadline has passed (give up)."""
+        wait = min(delay, self.config.retry_max_s)
         deadline = drain.notice.deadline
-        return deadline is None or (deadline - self._now()).total_seconds() > delay
+        if deadline is None:
+            return wait
+        left = (deadline - self._now()).total_seconds()
+        return None if left <= 0 else min(wait, left)
 
     async def _evict(self, drain: Drain, pod: PodDrain) -> None:
         try:
@@ -269,10 +282,10 @@ class Drainer:
             raise
         why = "ready" if drain.ready.is_set() else "deadline" if pod.participant else "no_participants"
         pod.because = why
-        pod.state = "evicting"
-        backoff = BACKOFF_START_S
+        backoff = min(BACKOFF_START_S, self.config.eviction_retry_s)
         while True:
             pod.attempts += 1
+            pod.state = "evicting"
             try:
                 await self._call(lambda api: api.evict(pod.namespace, pod.name), "create", "pods/eviction")
             except KubeError as exc:
@@ -285,16 +298,21 @@ class Drainer:
                     delay = exc.retry_after if exc.retry_after else self.config.eviction_retry_s
                 elif exc.failure in ("forbidden", "unauthorized"):
                     delay = self.config.retry_max_s
+                elif exc.retry_after is not None:
+                    delay = exc.retry_after
                 else:
+                    # A conflict, a server error, no answer: an eviction is one cheap call on a node that is
+                    # going away, so it is tried again every eviction_retry_s at most (and at the deadline),
+                    # never left a whole retry_max_s behind an API that has come back.
                     delay = backoff
-                    backoff = min(backoff * 2, self.config.retry_max_s)
-                delay = min(delay, self.config.retry_max_s)
-                if not self._before_deadline(drain, delay):
+                    backoff = min(backoff * 2, self.config.eviction_retry_s)
+                wait = self._retry_wait(drain, delay)
+                if wait is None:
                     self._finish(drain, pod, "blocked" if blocked else "failed", why)
                     return
-                if blocked:
-                    pod.state = "blocked_by_budget"
-                await asyncio.sleep(delay)
+                pod.state = "blocked_by_budget" if blocked else "retrying"
+                pod.retry_at = self._now() + timedelta(seconds=wait)
+                await asyncio.sleep(wait)
                 continue
             self._finish(drain, pod, "evicted", why)
             return
