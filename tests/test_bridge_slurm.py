@@ -729,3 +729,48 @@ async def test_status_of_a_no_requeue_job_follows_its_exit(cluster: SlurmCluster
     assert (job["job_id"], job["state"], job["exit_code"]) == (job_id, "FAILED", 75)
     assert job["outcome"] == "left alone: not requeueable (submitted with --no-requeue)"
     await bridge.stop(1)
+
+
+async def test_a_job_that_exited_75_is_requeued_after_the_deadline(cluster: SlurmCluster) -> None:
+    """The controller is away past the deadline: the drain is given up there, but the job that exited 75
+    meanwhile is found and requeued once the controller is back."""
+    flag, exited = (cluster.root / f"{name}-{time.monotonic_ns()}" for name in ("flush", "exited"))
+    job_id = running(
+        cluster, "--requeue", script=f"while [ ! -e {flag} ]; do sleep 0.2; done\ntouch {exited}\nexit 75"
+    )
+    cluster.kill_controller()
+    bridge = bridge_for(cluster, node=NODE, margin_s=1.0, **FAST)
+    notice = make_notice(deadline_in=5)
+    bridge.handle(event(EventType.NOTICE, notice))
+    flag.touch()
+    await until(exited.exists, what="the job's exit")
+    await until(lambda: bridge.status()["notices"][notice.id]["drain"] == "failed", what="the drain given up")
+    await asyncio.to_thread(cluster.start_controller)
+    assert await until(job_outcome(bridge, notice, job_id), 60, "the requeue") == "requeued"
+    job = cluster.job(job_id)
+    assert (job["restart_cnt"], bridge.counts[("requeue", "ok")]) == (1, 1)
+    assert bridge.status()["notices"][notice.id]["acted_on"] == "deadline"
+    await bridge.stop(1)
+
+
+async def test_requeue_exit_in_slurm_conf_and_the_agent_requeue_once(cluster: SlurmCluster) -> None:
+    """``RequeueExit=75`` in slurm.conf beside the bridge: Slurm requeues the job as it exits 75, and the
+    bridge, seeing the raised restart count, does not requeue it again."""
+    original = cluster.conf.read_text()
+    cluster.conf.write_text(original + "RequeueExit=75\n")
+    cluster.run("scontrol", "reconfigure")
+    try:
+        flag = cluster.root / f"flush-{time.monotonic_ns()}"
+        job_id = running(cluster, "--requeue", script=exits_75_on(flag))
+        bridge = bridge_for(cluster, stop_wait_s=0.5)
+        notice = await drained_for_a_notice(cluster, bridge)
+        flag.touch()
+        await asyncio.to_thread(cluster.wait_job, job_id, lambda j: j["restart_cnt"] == 1)
+        bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
+        await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "done", what="the requeue step")
+    finally:
+        cluster.conf.write_text(original)
+        cluster.run("scontrol", "reconfigure")
+    assert job_outcome(bridge, notice, job_id)() == "already requeued (restart count 1)"
+    assert (cluster.job(job_id)["restart_cnt"], bridge.counts[("requeue", "ok")]) == (1, 0)
+    await bridge.stop(1)
