@@ -19,6 +19,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,20 @@ from agent.notice import Event, EventType
 from agent.paths import user_socket_path
 from agent.simulate import AwsSimulator
 from agent.sources.detect import cloud_sources
+from agent.tasks import TaskSet, wait_for_any
 
 WIDTH = 80
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fault_tolerant_training.py"
 EXIT_PREEMPTED = 75
-JOB_START_TIMEOUT_S = 120.0
+JOB_START_TIMEOUT_S = 120.0  # to import PyTorch and connect, or to load the checkpoint after the restart
+FLUSH_GRACE_S = 10.0  # past the deadline, before a job that has not exited 75 is called a failure
+PROGRESS_EVERY_S = 5.0  # a line saying what the demo waits for, after this long without one
+STDERR_TAIL_LINES = 15  # of a failed job's stderr, shown
+STREAM_LIMIT = 1 << 20  # the longest line read from the job (a long traceback line must not stop the demo)
+FIRST_LINE = (
+    "starting the agent and a small training job on the CPU; waiting for the job to import PyTorch, which "
+    "takes longest on a first run"
+)
 
 
 class Screen:
@@ -78,7 +88,7 @@ def describe(event: Event) -> tuple[str, str] | None:
         margin = data.get("margin_s")
         spare = f", {format_duration(float(margin))} to spare" if isinstance(margin, (int, float)) else ""
         if expected == 0:
-            return "READY", f"no training job was connected; nothing to wait for{spare}"
+            return "READY", f"no training job had reported to the agent yet; none waited for{spare}"
         if saved == expected:
             return "READY", f"every job saved its checkpoint ({saved} of {expected}){spare}"
         return "READY", f"{saved} of {expected} jobs saved before the grace ran out{spare}"
@@ -114,23 +124,38 @@ def describe_job(doc: dict[str, Any]) -> str | None:
     return None
 
 
-class DemoJob:
-    """The example training job as a child process; its JSON lines become sentences on the screen."""
+class DemoFailed(PreemptdError):
+    """The training job did not do its part; the message says which part, ``stderr`` is the tail to show."""
 
-    def __init__(self, socket_path: Path, workdir: Path, screen: Screen) -> None:
+    def __init__(self, message: str, stderr: list[str]) -> None:
+        super().__init__(message)
+        self.stderr = stderr
+
+
+class DemoJob:
+    """One run of the training job as a child process: its JSON lines become sentences on the screen and the
+    milestones the demo waits for; the tail of its stderr is kept to show when it fails."""
+
+    def __init__(self, script: Path, socket_path: Path, workdir: Path, screen: Screen) -> None:
+        self.script = script
         self.socket_path = socket_path
         self.workdir = workdir
         self.screen = screen
         self.proc: asyncio.subprocess.Process | None = None
+        self.talking = False  # it printed a progress line: PyTorch is imported
         self.connected = asyncio.Event()
+        self.flushed_step: int | None = None
         self.resumed = asyncio.Event()
-        self._reader: asyncio.Task[None] | None = None
+        self.exited = asyncio.Event()
+        self.returncode: int | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self._follower: asyncio.Task[None] | None = None
 
     @staticmethod
-    def available() -> str | None:
+    def available(script: Path) -> str | None:
         """Why the job cannot run here, or None when it can."""
-        if not EXAMPLE.exists():
-            return f"the example is not here ({EXAMPLE}): run the demo from a source checkout"
+        if not script.exists():
+            return f"the training script is not here ({script}): run the demo from a source checkout"
         if importlib.util.find_spec("torch") is None:
             return "PyTorch is not installed (pip install -e '.[torch]')"
         return None
@@ -141,36 +166,78 @@ class DemoJob:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         # --no-signals: the demo stops the job with SIGTERM at the end, which must not look like a notice.
         self.proc = await asyncio.create_subprocess_exec(
-            *(sys.executable, str(EXAMPLE), "--checkpoint-dir", str(self.workdir)),
+            *(sys.executable, str(self.script), "--checkpoint-dir", str(self.workdir)),
             *("--steps", "1000000", "--step-time", "0.05", "--interval-s", "3600", "--no-signals"),
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
             env=env,
+            limit=STREAM_LIMIT,
         )
-        self._reader = asyncio.ensure_future(self._read(self.proc))
+        self._follower = asyncio.ensure_future(self._follow(self.proc))
 
-    async def _read(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stdout is not None
-        async for raw in proc.stdout:
+    async def _follow(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            await asyncio.gather(self._read_progress(proc.stdout), self._read_stderr(proc.stderr))
+            self.returncode = await proc.wait()
+        finally:
+            self.exited.set()
+
+    async def _read_progress(self, stream: asyncio.StreamReader) -> None:
+        async for raw in stream:
             try:
                 doc = json.loads(raw)
             except ValueError:
                 continue
             if not isinstance(doc, dict):
                 continue
-            if doc.get("event") == "agent_connected":
+            self.talking = True
+            event = doc.get("event")
+            if event == "agent_connected":
                 self.connected.set()
-            if doc.get("event") == "resumed":
+            elif event == "resumed":
                 self.resumed.set()
+            elif event == "checkpoint" and doc.get("emergency"):
+                self.flushed_step = doc.get("step")
             text = describe_job(doc)
             if text:
                 self.screen.say("job", text)
 
-    async def wait(self) -> int:
-        assert self.proc is not None and self._reader is not None
-        code = await self.proc.wait()
-        await self._reader
-        return code
+    async def _read_stderr(self, stream: asyncio.StreamReader) -> None:
+        async for raw in stream:
+            self.stderr_tail.append(raw.decode(errors="replace").rstrip())
+
+    async def until(
+        self,
+        milestone: asyncio.Event,
+        timeout: float,
+        doing: Callable[[], str],
+        every: float = PROGRESS_EVERY_S,
+    ) -> bool:
+        """Wait for ``milestone`` or the job's exit, at most ``timeout`` seconds, with a line saying what it is
+        still ``doing`` every ``every`` seconds; True when the milestone came."""
+        start = time.monotonic()
+        while not (milestone.is_set() or self.exited.is_set()):
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                break
+            await wait_for_any(milestone, self.exited, timeout=min(every, timeout - waited))
+            if not (milestone.is_set() or self.exited.is_set()):
+                self.screen.say("job", f"{doing()} ({format_duration(time.monotonic() - start)} so far)")
+        return milestone.is_set()
+
+    async def finish(self) -> None:
+        """Wait until the process has ended and both of its streams are read to the end."""
+        assert self._follower is not None
+        await self._follower
+
+    def failed(self, what: str, how: str) -> DemoFailed:
+        """The error to stop the demo with: ``what`` did not happen, ``how`` it went instead."""
+        return DemoFailed(f"the training job {what}: {how}", list(self.stderr_tail))
+
+    def exit_status(self) -> str:
+        code = self.returncode
+        return f"killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
 
     async def stop(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -180,35 +247,68 @@ class DemoJob:
             if self.proc.returncode is None:
                 self.proc.kill()
                 await self.proc.wait()
-        if self._reader is not None:
-            self._reader.cancel()
+        if self._follower is not None:
+            self._follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+                await self._follower
 
 
-async def _demo(args: argparse.Namespace, state_dir: Path) -> int:
+async def _demo(args: argparse.Namespace, state_dir: Path, screen: Screen) -> int:
     socket_path = args.socket or user_socket_path()
     simulator = AwsSimulator()
     await simulator.start()
     try:
-        return await _demo_with(args, state_dir, socket_path, simulator)
+        return await _demo_with(args, state_dir, socket_path, simulator, screen)
     finally:
         await simulator.stop()
 
 
-async def _run_job(job: DemoJob, screen: Screen) -> None:
-    """The job until it is preempted, then once more, restarted as a scheduler would on exit status 75."""
-    code = await job.wait()
-    if code != EXIT_PREEMPTED:
-        screen.say("job", f"exited with status {code}")
-        return
-    screen.say("job", "exited 75 (preempted): restarting it, as a scheduler would")
+async def _preempt_and_resume(
+    args: argparse.Namespace, job: DemoJob, notify: Callable[[], None], screen: Screen
+) -> DemoJob:
+    """The job's side of the demo: it starts and connects, flushes and exits 75 after the notice, and is
+    restarted to resume from its checkpoint. Returns the restarted run; DemoFailed at the first step missed."""
     await job.start()
-    await job.wait()
+    screen.say("job", f"starting {job.script.name}: importing PyTorch")
+
+    def starting() -> str:
+        return "started, not connected to the agent yet" if job.talking else "still importing PyTorch"
+
+    if not await job.until(job.connected, JOB_START_TIMEOUT_S, starting):
+        if job.exited.is_set():
+            raise job.failed("did not start", f"it {job.exit_status()} before it connected to the agent")
+        raise job.failed(
+            "did not start", f"it has not connected to the agent in {format_duration(JOB_START_TIMEOUT_S)}"
+        )
+    notify()
+    await wait_for_any(job.exited, timeout=args.after + args.lead + FLUSH_GRACE_S)
+    step = job.flushed_step
+    if not job.exited.is_set():
+        if step is None:
+            raise job.failed("did not flush", "no emergency checkpoint by the notice's deadline")
+        raise job.failed("did not exit", f"it flushed step {step} but was still running after the deadline")
+    await job.finish()
+    if job.returncode != EXIT_PREEMPTED or step is None:
+        saved = f"after flushing step {step}" if step is not None else "with no emergency checkpoint reported"
+        raise job.failed("did not flush", f"it {job.exit_status()} {saved} (75: preempted and saved)")
+    screen.say("job", "exited 75 (preempted): restarting it, as a scheduler would")
+    again = DemoJob(job.script, job.socket_path, job.workdir, screen)
+    await again.start()
+
+    def loading() -> str:
+        return f"restarting: importing PyTorch, then loading step {step}"
+
+    if not await again.until(again.resumed, JOB_START_TIMEOUT_S, loading):
+        if again.exited.is_set():
+            raise again.failed("did not resume", f"the restarted job {again.exit_status()}")
+        raise again.failed(
+            "did not resume", f"no resume from step {step} in {format_duration(JOB_START_TIMEOUT_S)}"
+        )
+    return again
 
 
 async def _demo_with(
-    args: argparse.Namespace, state_dir: Path, socket_path: Path, simulator: AwsSimulator
+    args: argparse.Namespace, state_dir: Path, socket_path: Path, simulator: AwsSimulator, screen: Screen
 ) -> int:
     config = load_config(
         path=None,
@@ -223,8 +323,9 @@ async def _demo_with(
         },
     )
     agent = Agent(config, sources=cloud_sources(config))
-    screen = Screen()
     finished = asyncio.Event()
+    script: Path = args.job or EXAMPLE
+    tasks = TaskSet("demo", "task_failed")
 
     def show(event: Event) -> None:
         shown = describe(event)
@@ -233,55 +334,77 @@ async def _demo_with(
         if event.type is EventType.CLEARED and not args.keep:
             finished.set()
 
-    agent.on_event(show)
-    await agent.start()
-    screen.say("agent", f"listening on {socket_path}")
-    screen.say("agent", f"watch it from another terminal: PREEMPTD_SOCKET={socket_path} preemptd watch")
-    job = DemoJob(socket_path, state_dir / "checkpoints", screen)
-    why_not = DemoJob.available()
-    runner: asyncio.Task[None] | None = None
-    try:
-        if why_not is None:
-            await job.start()
-            runner = asyncio.ensure_future(_run_job(job, screen))
-            await asyncio.wait_for(job.connected.wait(), JOB_START_TIMEOUT_S)
-        else:
-            screen.say("job", f"no training job: {why_not}")
+    def notify() -> None:
+        """The cloud's part: a spot termination notice after ``--after``, gone at its deadline."""
         screen.say(
             "cloud",
             f"simulated EC2 metadata at {simulator.url}: a spot termination notice in "
             f"{format_duration(args.after)}, {format_duration(args.lead)} before the deadline",
         )
-        await asyncio.sleep(args.after)
-        simulator.trigger({"type": "spot", "action": "terminate", "in_s": args.lead})
-        await asyncio.sleep(args.lead)
-        if not args.keep:
-            # The instance is gone at its deadline: the metadata service stops announcing the interruption.
-            simulator.trigger({"type": "spot-clear"})
-        await finished.wait()
-        if runner is not None:
-            # The restarted job may still be importing PyTorch: show it resume before ending.
-            await asyncio.wait_for(job.resumed.wait(), JOB_START_TIMEOUT_S)
+        tasks.spawn(_notice(simulator, args), "notice")
+
+    agent.on_event(show)
+    await agent.start()
+    screen.say("agent", f"listening on {socket_path}")
+    screen.say("agent", f"watch it from another terminal: PREEMPTD_SOCKET={socket_path} preemptd watch")
+    jobs = [DemoJob(script, socket_path, state_dir / "checkpoints", screen)]
+    try:
+        why_not = DemoJob.available(script)
+        if why_not is None:
+            resumed = await _preempt_and_resume(args, jobs[0], notify, screen)
+            jobs.append(resumed)
+            await wait_for_any(finished, resumed.exited)
+            if not finished.is_set():
+                await resumed.finish()
+                raise resumed.failed("stopped", f"it {resumed.exit_status()} after it resumed")
+        else:
+            screen.say("job", f"no training job: {why_not}")
+            notify()
+            await finished.wait()
     finally:
-        await job.stop()
-        if runner is not None:
-            runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await runner
+        for job in jobs:
+            await job.stop()
+        await tasks.close(timeout=5.0, grace=0)
         await agent.stop()
     print("preemptd demo: done.", flush=True)
     return 0
 
 
+async def _notice(simulator: AwsSimulator, args: argparse.Namespace) -> None:
+    await asyncio.sleep(args.after)
+    simulator.trigger({"type": "spot", "action": "terminate", "in_s": args.lead})
+    if not args.keep:
+        # The instance is gone at its deadline: the metadata service stops announcing the interruption.
+        await asyncio.sleep(args.lead)
+        simulator.trigger({"type": "spot-clear"})
+
+
+def _show_failure(exc: DemoFailed) -> None:
+    lines = textwrap.wrap(f"preemptd demo: {exc}.", WIDTH, subsequent_indent="  ")
+    if exc.stderr:
+        lines.append("The last lines of its stderr:")
+        lines += [
+            wrapped
+            for line in exc.stderr
+            for wrapped in textwrap.wrap(line, WIDTH, initial_indent="  ", subsequent_indent="    ") or [""]
+        ]
+    else:
+        lines.append("It wrote nothing to stderr.")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    screen = Screen()
+    # The first line comes before the agent and the job start, and says what the wait is for.
+    screen.say("demo", FIRST_LINE)
     configure_logging("console" if sys.stdout.isatty() else "json", "error")
     with tempfile.TemporaryDirectory(prefix="preemptd-demo-") as state_dir:
         try:
-            return asyncio.run(_demo(args, Path(state_dir)))
+            return asyncio.run(_demo(args, Path(state_dir), screen))
         except KeyboardInterrupt:
             return 130
-        except asyncio.TimeoutError:
-            print("preemptd demo: the training job did not start in time", file=sys.stderr)
+        except DemoFailed as exc:
+            _show_failure(exc)
             return 1
         except PreemptdError as exc:
             print(f"preemptd demo: {exc}", file=sys.stderr)
