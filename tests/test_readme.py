@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,3 +48,35 @@ def test_readme_says_how_a_training_image_gets_the_client() -> None:
 def test_pyproject_license_is_an_spdx_expression() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert "Apache-2.0" == project["license"]
+
+
+def _readme_command(heading: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "readme_command.py"), heading],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+
+
+def test_ci_takes_the_try_it_line_from_the_readme() -> None:
+    """The command CI runs in a clean venv (.ci/try-it) is the README's "Try it" line: a new venv, the torch
+    extra with PyTorch's CPU index, then the demo."""
+    done = _readme_command("Try it")
+    line = done.stdout.strip()
+    assert (0, True, True, True) == (
+        done.returncode,
+        line.startswith("python3 -m venv .venv && .venv/bin/pip install "),
+        "--extra-index-url https://download.pytorch.org/whl/cpu -e '.[torch]'" in line,
+        line.endswith("&& .venv/bin/preemptd demo"),
+    ), done
+
+
+def test_readme_command_names_a_missing_section() -> None:
+    """A heading the README does not have: exit status 1 and a message naming the file and the heading."""
+    done = _readme_command("Try it on Windows")
+    assert (1, f"{REPO / 'README.md'}: no '## Try it on Windows' section") == (
+        done.returncode,
+        done.stderr.strip(),
+    )
