@@ -46,6 +46,7 @@ from agent.exec_keeper import EXIT_CANNOT_RUN, EXIT_NOT_FOUND, Keeper, give_term
 
 EXIT_PREEMPTED = 75  # the client's EXIT_PREEMPTED (EX_TEMPFAIL); kept here so exec does not import more
 STOP_GRACE_S = 10.0
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 # Everything a scheduler, a container runtime or a user may send to stop, warn or poke the job. SIGCHLD, the
 # job-control stops and SIGKILL are not forwarded (the last two cannot be caught).
@@ -336,6 +337,12 @@ def decide(code: int, records: list[dict[str, Any]], command: Sequence[str], err
     if records:
         steps = sorted({int(r["step"]) for r in records})
         notices = sorted({str(r["notice_id"]) for r in records if r.get("notice_id")})
+        if _is_torchrun(command):
+            print(
+                "preemptd exec: torchrun's ChildFailedError traceback above reports workers that exited "
+                f"{EXIT_PREEMPTED} after their emergency checkpoint: expected after a preemption",
+                file=err,
+            )
         print(
             f"preemptd exec: {os.path.basename(command[0])} {_how(code)} after {len(records)} of its processes "
             f"committed an emergency checkpoint (step {', '.join(map(str, steps))}"
@@ -345,3 +352,10 @@ def decide(code: int, records: list[dict[str, Any]], command: Sequence[str], err
         )
         return EXIT_PREEMPTED
     return 128 - code if code < 0 else code
+
+
+def _is_torchrun(command: Sequence[str]) -> bool:
+    """``torchrun …`` or ``python -m torch.distributed.run …`` (or the older ``…launch``)."""
+    return os.path.basename(command[0]) == "torchrun" or any(
+        word in _TORCHRUN_MODULES for word in command[1:3]
+    )

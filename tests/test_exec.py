@@ -163,6 +163,26 @@ def test_decision_table(code: int, records: list[dict[str, Any]], expected: int)
     assert expected == decide(code, records, ["torchrun"], io.StringIO())
 
 
+@pytest.mark.parametrize(
+    ("command", "explained"),
+    [
+        (["torchrun", "--nproc-per-node", "2", "train.py"], True),
+        (["/usr/bin/python3", "-m", "torch.distributed.run", "train.py"], True),
+        (["python", "train.py"], False),
+    ],
+)
+def test_torchruns_traceback_is_explained_before_exiting_75(command: list[str], explained: bool) -> None:
+    """The ChildFailedError traceback torchrun prints after a preemption gets one line saying it is expected."""
+    err = io.StringIO()
+    code = decide(1, [{"step": 7}], command, err)
+    lines = err.getvalue().splitlines()
+    assert (EXIT_PREEMPTED, explained, True) == (
+        code,
+        "ChildFailedError traceback above" in lines[0],
+        lines[-1].endswith("exiting 75 so the job is requeued"),
+    )
+
+
 _FAMILY = textwrap.dedent(
     """
     import os, signal, subprocess, sys, time
