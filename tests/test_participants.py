@@ -1,6 +1,6 @@
 """Who may say what about participants, against a real agent with peers of other uids (SO_PEERCRED): a
-participant belongs to the uid that registered it, registrations are bounded, lapse with their process,
-and status summarises them."""
+participant's name lives in the namespace of the uid that registered it (nobody can take it first),
+registrations are bounded, lapse with their process, and status summarises them."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ async def test_another_uids_checkpoint_report_is_refused_and_ready_waits_for_the
         await client.next()
         registered = await post_as(sock, ALICE, report("started"))
         notice = agent.drill(Kind.TERMINATION, 600, None, "drill", {})
-        forged = await post_as(sock, MALLORY, report("finished", emergency=True))
+        forged = await post_as(sock, MALLORY, report("finished", participant=False, emergency=True))
         _, status = await http_json(sock, "GET", "/v1/status")
         owner = await post_as(sock, ALICE, report("finished", emergency=True))
         ready = await client.until(lambda e: e["type"] == "ready")
@@ -77,20 +77,50 @@ async def test_another_uids_checkpoint_report_is_refused_and_ready_waits_for_the
     assert ("all_participants", ["train#0"]) == (ready["data"]["reason"], ready["data"]["finished"])
 
 
-async def test_registering_another_uids_participant_again_is_refused(shared: Path) -> None:
+async def test_a_name_registered_first_by_another_uid_does_not_take_it_from_its_owner(shared: Path) -> None:
+    """Squatting: Mallory registers ``train#0`` before Alice's job starts. Alice's registration is still
+    accepted, in her own namespace: her report finishes her participant, and Mallory's stays Mallory's."""
     async with running_agent(shared, OPEN) as agent:
-        first = await post_as(agent.config.socket, ALICE, report("started"))
-        again = await post_as(agent.config.socket, MALLORY, report("started"))
-        _, status = await http_json(agent.config.socket, "GET", "/v1/status")
-    assert (202, 403) == (first[0], again[0])
-    assert [("train#0", ALICE)] == [(p["key"], p["uid"]) for p in status["actions"]["ready"]["participants"]]
+        sock = agent.config.socket
+        squat = await post_as(sock, MALLORY, report("started"))
+        owner = await post_as(sock, ALICE, report("started"))
+        notice = agent.drill(Kind.TERMINATION, 600, None, "drill", {})
+        finished = await post_as(sock, ALICE, report("finished", emergency=True))
+        _, status = await http_json(sock, "GET", "/v1/status")
+    ready = status["actions"]["ready"]
+    waiting = ready["notices"][notice.id]
+    assert (202, 202, 202) == (squat[0], owner[0], finished[0])
+    assert [("train#0", ALICE), ("train#0", MALLORY)] == sorted(
+        (p["key"], p["uid"]) for p in ready["participants"]
+    )
+    assert (["train#0 (uid 64001)"], ["train#0 (uid 64002)"]) == (waiting["finished"], waiting["missing"])
 
 
-async def test_root_may_report_for_any_participant(shared: Path) -> None:
+async def test_root_may_report_for_another_uids_participant(shared: Path) -> None:
     async with running_agent(shared, OPEN) as agent:
-        await post_as(agent.config.socket, ALICE, report("started"))
-        status, _ = await post_as(agent.config.socket, 0, report("finished", emergency=True))
-    assert 202 == status
+        sock = agent.config.socket
+        client = await SSEClient.connect(sock)
+        await client.next()
+        await post_as(sock, ALICE, report("started"))
+        agent.drill(Kind.TERMINATION, 600, None, "drill", {})
+        status, _ = await post_as(sock, 0, report("finished", participant=False, emergency=True))
+        ready = await client.until(lambda e: e["type"] == "ready")
+        await client.close()
+    assert (202, "all_participants", ["train#0"]) == (
+        status,
+        ready["data"]["reason"],
+        ready["data"]["finished"],
+    )
+
+
+async def test_roots_report_for_a_name_two_uids_hold_is_refused_as_ambiguous(shared: Path) -> None:
+    async with running_agent(shared, OPEN) as agent:
+        sock = agent.config.socket
+        await post_as(sock, ALICE, report("started"))
+        await post_as(sock, MALLORY, report("started"))
+        status, body = await post_as(sock, 0, report("finished", participant=False, emergency=True))
+    assert 409 == status
+    assert "participant 'train#0' is registered by uids 64001, 64002" in body["error"]
 
 
 async def test_registrations_are_capped_per_uid_and_in_all(shared: Path) -> None:

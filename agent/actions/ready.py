@@ -23,10 +23,13 @@ from agent.reports import Report
 from agent.tasks import TaskSet
 
 Publish = Callable[[str, Mapping[str, Any]], Any]
+# A participant: the uid that registered it (SO_PEERCRED) and its name. Names live in their owner's
+# namespace, so nobody can take a name before its owner's job starts (squatting).
+Owned = tuple[int | None, str]
 
 
 def participant_key(report: Report) -> str:
-    """Who a report is from: ``job#rank`` for a distributed job, else ``name@pid``."""
+    """The name a report gives: ``job#rank`` for a distributed job, else ``name@pid``."""
     client = report.client
     if "job" in client and "rank" in client:
         return f"{client['job']}#{client['rank']}"
@@ -39,10 +42,19 @@ def participant_key(report: Report) -> str:
 STATUS_SAMPLE = 20
 
 
+def labels(owned: set[Owned]) -> dict[Owned, str]:
+    """How participants are shown: by name, and with the uid where two uids hold the same name."""
+    uids: dict[str, int] = {}
+    for _, name in owned:
+        uids[name] = uids.get(name, 0) + 1
+    return {(uid, name): name if uids[name] == 1 else f"{name} (uid {uid})" for uid, name in owned}
+
+
 @dataclass
 class Participant:
-    """A registration: the key belongs to ``uid`` (the registering peer's, from SO_PEERCRED), and counts
-    while the registering process (``pid``, started at ``started``) lives and it keeps reporting."""
+    """A registration: the name ``key`` in the namespace of ``uid`` (the registering peer's, from
+    SO_PEERCRED); it counts while the registering process (``pid``, started at ``started``) lives and it
+    keeps reporting."""
 
     key: str
     pid: int | None
@@ -75,17 +87,36 @@ def _process_start(pid: int | None) -> float | None:
 @dataclass
 class Pending:
     notice: Notice
-    expected: set[str]
+    expected: set[Owned]
     started: float
     cutoff_s: float
-    done: dict[str, str] = field(default_factory=dict)
-    owners: dict[str, int] = field(default_factory=dict)
+    done: dict[Owned, str] = field(default_factory=dict)
     ready_at: datetime | None = None
     data: dict[str, Any] = field(default_factory=dict)
     timer: asyncio.Task[Any] | None = None
     cleared: bool = False
 
+    @property
+    def waiting(self) -> bool:
+        return self.ready_at is None and not self.cleared
+
+    def outcome(self) -> dict[str, list[str]]:
+        """The participants by name (the uid added where two hold one name): all, finished, failed,
+        missing."""
+        shown = labels(self.expected | set(self.done))
+
+        def names(keys: Any) -> list[str]:
+            return sorted(shown[k] for k in keys)
+
+        return {
+            "participants": names(self.expected),
+            "finished": names(k for k, v in self.done.items() if v == "finished"),
+            "failed": names(k for k, v in self.done.items() if v == "failed"),
+            "missing": names(self.expected - set(self.done)),
+        }
+
     def to_json(self) -> dict[str, Any]:
+        outcome = self.outcome()
         doc: dict[str, Any] = {
             "kind": self.notice.kind.value,
             "state": "cleared"
@@ -93,10 +124,7 @@ class Pending:
             else "ready"
             if self.ready_at
             else "waiting",
-            "participants": sorted(self.expected)[:STATUS_SAMPLE],
-            "finished": sorted(k for k, v in self.done.items() if v == "finished")[:STATUS_SAMPLE],
-            "failed": sorted(k for k, v in self.done.items() if v == "failed")[:STATUS_SAMPLE],
-            "missing": sorted(self.expected - set(self.done))[:STATUS_SAMPLE],
+            **{key: names[:STATUS_SAMPLE] for key, names in outcome.items()},
             "counts": {
                 "participants": len(self.expected),
                 "finished": sum(1 for v in self.done.values() if v == "finished"),
@@ -123,7 +151,7 @@ class ReadyEngine(OwnedTasks):
         self.config = config
         self._publish = publish
         self._tasks = tasks
-        self._participants: dict[str, Participant] = {}
+        self._participants: dict[Owned, Participant] = {}
         self._pending: dict[str, Pending] = {}
         self._history = max(1, history)
         # The data of the last ready event seen (for the last-ready metrics).
@@ -151,17 +179,26 @@ class ReadyEngine(OwnedTasks):
     # --- inputs -------------------------------------------------------------------------------------
 
     def refusal(self, report: Report, privileged: bool) -> tuple[int, str] | None:
-        """Why ``report`` must be refused, as (HTTP status, reason), or None. A participant belongs to the
-        uid that registered it: nobody else (but root and the admin group) may report for it or register it
-        again. Registrations are bounded per uid and in all."""
+        """Why ``report`` must be refused, as (HTTP status, reason), or None. A registration is always in
+        the registering uid's own namespace (bounded per uid and in all); a report for a name only other
+        uids hold is refused, but from root and the admin group, when one uid holds it."""
         key = participant_key(report)
-        owner = self._owner(key)
-        if owner is not None and report.peer_uid is not None and owner != report.peer_uid and not privileged:
-            return 403, (
-                f"participant {key!r} belongs to uid {owner}; uid {report.peer_uid} may not report for it"
-                " or register it (only its owner, root and the admin group may)"
-            )
-        if report.client.get("participant") is not True or key in self._participants:
+        registering = report.client.get("participant") is True
+        others = sorted((uid for uid in self._owners(key) if uid != report.peer_uid), key=str)
+        if not registering and others and not self._known((report.peer_uid, key)):
+            holders = ", ".join(str(uid) for uid in others)
+            if not privileged:
+                return 403, (
+                    f"participant {key!r} belongs to uid {holders}; uid {report.peer_uid} may not report for"
+                    " it (only its owner, root and the admin group may); to take part, register your own"
+                    " (client.participant: true)"
+                )
+            if len(others) > 1:
+                return 409, (
+                    f"participant {key!r} is registered by uids {holders}; only each owner may report for"
+                    " its own"
+                )
+        if not registering or (report.peer_uid, key) in self._participants:
             return None
         cfg = self.config
         if len(self._participants) >= cfg.max_participants:
@@ -182,14 +219,28 @@ class ReadyEngine(OwnedTasks):
                 )
         return None
 
-    def _owner(self, key: str) -> int | None:
-        who = self._participants.get(key)
-        if who is not None and who.uid is not None:
-            return who.uid
+    def _owners(self, key: str) -> set[int | None]:
+        """The uids that hold the name ``key``: registered, or awaited by a notice."""
+        owners = {uid for uid, name in self._participants if name == key}
         for pending in self._pending.values():
-            if pending.ready_at is None and not pending.cleared and key in pending.owners:
-                return pending.owners[key]
-        return None
+            if pending.waiting:
+                owners.update(uid for uid, name in pending.expected if name == key)
+        return owners
+
+    def _known(self, owned: Owned) -> bool:
+        return owned in self._participants or any(
+            p.waiting and owned in p.expected for p in self._pending.values()
+        )
+
+    def _target(self, report: Report) -> Owned:
+        """The participant a report is about: the peer's own, or (from root or the admin group, which
+        :meth:`refusal` let through) the one other uid's that holds the name."""
+        key = participant_key(report)
+        mine = (report.peer_uid, key)
+        if report.client.get("participant") is True or self._known(mine):
+            return mine
+        others = self._owners(key) - {report.peer_uid}
+        return (others.pop(), key) if len(others) == 1 else mine
 
     def _prune(self, now: datetime) -> None:
         """Forget registrations whose process is gone or that lapsed."""
@@ -199,17 +250,15 @@ class ReadyEngine(OwnedTasks):
                 del self._participants[key]
 
     def on_report(self, report: Report) -> None:
-        key = participant_key(report)
+        key = self._target(report)
         if report.client.get("participant") is True:
             # The peer's pid (SO_PEERCRED) is in the agent's PID namespace; the client's own may be a
             # container's.
             pid = report.peer_pid or report.client.get("pid")
             current = self._participants.get(key)
-            # A registration by root or the admin group for someone else's key keeps that key's owner.
-            uid = current.uid if current is not None and current.uid is not None else report.peer_uid
             started = current.started if current is not None and current.pid == pid else _process_start(pid)
             self._participants[key] = Participant(
-                key, pid, report.received_at, dict(report.client), uid=uid, started=started
+                key[1], pid, report.received_at, dict(report.client), uid=key[0], started=started
             )
         elif key in self._participants:
             self._participants[key].last_seen = report.received_at
@@ -225,7 +274,11 @@ class ReadyEngine(OwnedTasks):
             pending.expected.add(key)
             pending.done[key] = report.phase
             log.info(
-                "ready_participant_done", notice_id=pending.notice.id, participant=key, phase=report.phase
+                "ready_participant_done",
+                notice_id=pending.notice.id,
+                participant=key[1],
+                uid=key[0],
+                phase=report.phase,
             )
             if pending.expected <= set(pending.done):
                 self._declare(pending, "all_participants")
@@ -254,21 +307,18 @@ class ReadyEngine(OwnedTasks):
         now = utcnow()
         self._prune(now)
         expected = set(self._participants)
-        owners = {k: p.uid for k, p in self._participants.items() if p.uid is not None}
         cutoff = self.config.grace_s
         if notice.deadline is not None:
             cutoff = min(cutoff, (notice.deadline - now).total_seconds() - self.config.deadline_margin_s)
         cutoff = max(0.0, cutoff)
-        pending = Pending(
-            notice=notice, expected=expected, started=time.monotonic(), cutoff_s=cutoff, owners=owners
-        )
+        pending = Pending(notice=notice, expected=expected, started=time.monotonic(), cutoff_s=cutoff)
         self._pending[notice.id] = pending
         self._trim()
         log.info(
             "ready_waiting",
             notice_id=notice.id,
             participants=len(expected),
-            sample=sorted(expected)[:STATUS_SAMPLE],
+            sample=pending.outcome()["participants"][:STATUS_SAMPLE],
             grace_s=round(cutoff, 3),
         )
         # Even an immediate ready goes through a task: this runs inside the agent's dispatch of the notice
@@ -294,10 +344,7 @@ class ReadyEngine(OwnedTasks):
         pending.ready_at = now
         data: dict[str, Any] = {
             "reason": reason,
-            "participants": sorted(pending.expected),
-            "finished": sorted(k for k, v in pending.done.items() if v == "finished"),
-            "failed": sorted(k for k, v in pending.done.items() if v == "failed"),
-            "missing": sorted(pending.expected - set(pending.done)),
+            **pending.outcome(),
             "notice_to_ready_s": round((now - notice.detected_at).total_seconds(), 3),
             "margin_s": round((notice.deadline - now).total_seconds(), 3) if notice.deadline else None,
         }
