@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import unicodedata
 from datetime import datetime, timezone
 from typing import Any
 
@@ -106,9 +107,9 @@ _MAX_LISTED = 10  # notices in a snapshot, names in a ready sentence
 
 
 def _wrap(text: str, width: int, first: str = "", max_lines: int = _MAX_LINES) -> list[str]:
-    """``text`` (escaped for the terminal) in lines of at most ``width`` characters, the first starting with
+    """``text`` (escaped for the terminal) in lines of at most ``width`` columns, the first starting with
     ``first`` and the rest indented under it."""
-    return textwrap.wrap(
+    lines = textwrap.wrap(
         printable(text),
         width,
         initial_indent=first or _INDENT,
@@ -117,6 +118,23 @@ def _wrap(text: str, width: int, first: str = "", max_lines: int = _MAX_LINES) -
         max_lines=max_lines,
         placeholder=" ...",
     )
+    return [piece for line in lines for piece in _fit(line, width)]
+
+
+def _fit(line: str, width: int) -> list[str]:
+    """``line`` cut where it passes ``width`` columns: textwrap counts characters, and a wide (East Asian)
+    character takes two columns (a cloud in China may describe its events in Chinese)."""
+    if line.isascii():
+        return [line]
+    pieces, piece, used = [], "", 0
+    for char in line:
+        size = 2 if unicodedata.east_asian_width(char) in "WF" else 0 if unicodedata.combining(char) else 1
+        if used + size > width:
+            pieces.append(piece)
+            piece, used = _INDENT, len(_INDENT)
+        piece += char
+        used += size
+    return [*pieces, piece]
 
 
 def _clock(deadline: str | None, now: datetime) -> str:

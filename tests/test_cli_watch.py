@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import unicodedata
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -184,3 +185,15 @@ def test_the_live_countdown_never_wraps() -> None:
     """The countdown line is rewritten in place with a carriage return, so it must stay on one line."""
     line = countdown({str(n): notice(n) for n in range(12)}, width=80)
     assert (True, True) == (len(line) < 80, line.startswith("  >> host_degraded: "))
+
+
+def columns(line: str) -> int:
+    """What a terminal gives the line: two columns for each wide (East Asian) character."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line)
+
+
+def test_a_reason_in_wide_characters_fits_80_columns() -> None:
+    """Alibaba and Tencent may describe an event in Chinese: each character takes two columns."""
+    reason = "实例将因系统维护而重启\uff0c请在截止时间之前保存检查点并停止训练任务\u3002" * 3
+    text = format_event({"type": "notice", "notice": notice(1, reason=reason)}, NOW)
+    assert [] == [line for line in text.splitlines() if columns(line) > 80]
