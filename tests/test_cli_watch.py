@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pty
 import re
 import sys
 import unicodedata
@@ -197,3 +198,43 @@ def test_a_reason_in_wide_characters_fits_80_columns() -> None:
     reason = "实例将因系统维护而重启\uff0c请在截止时间之前保存检查点并停止训练任务\u3002" * 3
     text = format_event({"type": "notice", "notice": notice(1, reason=reason)}, NOW)
     assert [] == [line for line in text.splitlines() if columns(line) > 80]
+
+
+async def test_on_a_terminal_the_countdown_and_every_line_fit_80_columns(base: Path) -> None:
+    """On a terminal watch redraws a countdown line under the events; no line, drawn or redrawn, passes 80."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+    env.update(PYTHONPATH=str(REPO), PREEMPTD_SOCKET=str(base / "a.sock"), COLUMNS="80")
+    controller, terminal = pty.openpty()
+    try:
+        async with running_agent(base) as agent:
+            for kind in (Kind.TERMINATION, Kind.MAINTENANCE, Kind.GPU_DEGRADED, Kind.REBALANCE):
+                agent.drill(kind, 6000, None, REASON, {})
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "agent", "watch", "--count", "1",
+                env=env, stdin=terminal, stdout=terminal, stderr=terminal,
+            )  # fmt: skip
+            os.close(terminal)
+            terminal = -1
+            shown = await asyncio.to_thread(read_all, controller)
+            code = await asyncio.wait_for(proc.wait(), 30)
+    finally:
+        os.close(controller)
+        if terminal >= 0:
+            os.close(terminal)
+    drawn = [line.replace("\x1b[K", "") for line in re.split(r"[\r\n]+", shown.decode())]
+    assert (0, True) == (code, any(line.startswith("  >> termination: ") for line in drawn))
+    assert [] == [line for line in drawn if len(line) > 80]
+
+
+def read_all(fd: int) -> bytes:
+    """Everything a terminal's controller side receives until the last program on it closes it."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the other side is closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
