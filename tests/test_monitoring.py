@@ -141,7 +141,10 @@ def test_the_monitoring_overlay_opens_the_port_the_podmonitor_scrapes() -> None:
     listen = load_config(
         path=None, env={"PREEMPTD_METRICS__LISTEN": env["PREEMPTD_METRICS__LISTEN"]}
     ).metrics.listen
-    assert (("0.0.0.0", ports[endpoint["port"]]), "/run/preemptd/preemptd.sock") == (
+    # The node's own address (a host-network pod's IP), which Kubernetes puts in for $(POD_IP).
+    pod_ip = next(e for e in container["env"] if e["name"] == "POD_IP")
+    assert (("$(POD_IP)", ports[endpoint["port"]]), "/run/preemptd/preemptd.sock", "status.podIP") == (
         parse_listen(listen),
         env["PREEMPTD_SOCKET"],
+        pod_ip["valueFrom"]["fieldRef"]["fieldPath"],
     )
