@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ from structlog.testing import capture_logs
 from agent.errors import AlreadyRunningError
 from agent.notice import Kind
 from agent.state import STATE_FILE
-from tests.support import REPO, AgentProcess, SSEClient, eventually, http_json, running_agent
+from tests.support import AgentProcess, SSEClient, eventually, http_json, running_agent
+from tests.test_cli import cli
 from tests.test_systemd import hup_and_wait_ready
 
 
@@ -238,12 +238,34 @@ async def test_run_with_a_fifo_as_the_config_file_exits_2_with_a_clear_error(bas
     """``preemptd run --config FIFO`` refuses at start instead of blocking on the read."""
     fifo = base / "config.toml"
     os.mkfifo(fifo)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agent", "run", "--config", str(fifo), "--socket", str(base / "a.sock"),
-        cwd=str(REPO), stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    _, stderr = await asyncio.wait_for(proc.communicate(), 30)
+    code, _, err = await cli("run", "--config", str(fifo), "--socket", str(base / "a.sock"))
     assert (2, f"preemptd: configuration error: {fifo}: is a FIFO, not a regular file") == (
-        proc.returncode,
-        stderr.decode().split(";")[0],
+        code,
+        err.split(";")[0],
     )
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            ["api=5", "api.heartbeat_s=1"],
+            "command line: key 'api' is set to 5 and 'api.heartbeat_s' sets a key inside it",
+        ),
+        (
+            ["api.backlog=1099511627776"],
+            "command line: key 'api.backlog': expected an integer >= 1 and <= 65535",
+        ),
+        (
+            ["host.poll_interval_s=1e-9"],
+            "command line: key 'host.poll_interval_s': expected a finite number of",
+        ),
+    ],
+)
+async def test_run_with_bad_settings_exits_2_with_the_error_and_no_traceback(
+    settings: list[str], message: str
+) -> None:
+    args = [arg for setting in settings for arg in ("--set", setting)]
+    code, out, err = await cli("run", *args, "--print-config")
+    expected = f"preemptd: configuration error: {message}"
+    assert (2, "", expected, False) == (code, out, err[: len(expected)], "Traceback" in err)
