@@ -103,7 +103,7 @@ def format_status(doc: dict[str, Any]) -> str:
 WIDTH = 80  # what `preemptd watch` fits its lines into: the classic terminal, and narrow tmux panes
 _INDENT = " " * len("HH:MM:SS ")  # continuation lines start under the event's type
 _MAX_LINES = 4  # of one wrapped part (a long reason): the rest is elided, `--json` has it all
-_MAX_LISTED = 10  # notices in a snapshot, names in a ready sentence
+_MAX_LISTED = 10  # notices in a snapshot (`preemptd status` lists them all)
 
 
 def _wrap(text: str, width: int, first: str = "", max_lines: int = _MAX_LINES) -> list[str]:
@@ -208,12 +208,12 @@ def _ready_sentence(data: dict[str, Any]) -> str:
 
 
 def format_event(doc: dict[str, Any], now: datetime | None = None, width: int = WIDTH) -> str:
-    """An event as lines of at most ``width`` characters: a headline (time, type, what and how long is
+    """An event as lines of at most ``width`` columns: a headline (time, type, what and how long is
     left), then the notice's id and reason, or for ``ready`` a sentence saying who saved and how early."""
     now = now or datetime.now(timezone.utc)
     stamp = now.astimezone().strftime("%H:%M:%S")
     kind = str(doc.get("type", "?"))
-    first = f"{stamp} {kind.upper():<8} "
+    first = printable(f"{stamp} {kind.upper():<8} ")
     notice = doc.get("notice") or {}
     if kind == "snapshot":
         notices = doc.get("notices") or []
@@ -244,7 +244,7 @@ def format_event(doc: dict[str, Any], now: datetime | None = None, width: int = 
 
 def note(text: str, width: int = WIDTH) -> str:
     """A remark of the CLI's own between the events (``(waiting for the agent ...)``), wrapped like them."""
-    return "\n".join(_wrap(f"({text})", width, "", max_lines=3)).lstrip()
+    return "\n".join(_wrap(f"{text})", width, "(", max_lines=3))
 
 
 def track(active: dict[str, dict[str, Any]], doc: dict[str, Any]) -> None:
