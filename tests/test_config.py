@@ -369,3 +369,15 @@ def test_a_config_file_over_1_mib_is_refused(tmp_path: Path) -> None:
     path = write(tmp_path, "# padding\n" * (1 << 17))
     with pytest.raises(ConfigError, match=f"^{path}: is larger than 1024 KiB"):
         load_config(path, env={})
+
+
+@pytest.mark.parametrize("key", ["eviction_retry_s", "retry_max_s", "request_timeout_s"])
+def test_the_kubernetes_bridges_retry_intervals_have_the_same_floor(tmp_path: Path, key: str) -> None:
+    """A plug-in table that declares its intervals as ``agent.config.Seconds`` gets the floor and the error."""
+    from agent.bridges.kubernetes.config import KubernetesConfig
+
+    path = write(tmp_path, f"[actions.kubernetes]\n{key} = 1e-9\n")
+    with pytest.raises(
+        ConfigError, match=rf"^{path}: key 'actions\.kubernetes\.{key}': {SECONDS}, got 1e-09$"
+    ):
+        load_config(path, env={}).table("actions.kubernetes", KubernetesConfig)

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from agent.config import NoticeKindName, SeverityName
+from agent.config import NoticeKindName, Seconds, SeverityName
 from agent.errors import ConfigError
 
 TABLE = "actions.kubernetes"
@@ -58,10 +58,10 @@ class KubernetesConfig:
     drain_margin_s: float = 10.0
     # Wait between attempts at an eviction a PodDisruptionBudget blocks, when the API gives no Retry-After;
     # the cap of the backoff between attempts at an eviction that failed otherwise (409, 5xx, no answer).
-    eviction_retry_s: float = 5.0
+    eviction_retry_s: Seconds = 5.0
     # Longest wait honoured from a Retry-After, and the cap of the backoff while the API is unreachable.
-    retry_max_s: float = 30.0
-    request_timeout_s: float = 10.0
+    retry_max_s: Seconds = 30.0
+    request_timeout_s: Seconds = 10.0
 
     def __post_init__(self) -> None:
         where = TABLE
