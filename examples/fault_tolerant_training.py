@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from agent.client import EXIT_PREEMPTED, CheckpointSchedule, CheckpointStore, Watcher
-from agent.client.torch import Coordinator, agree_latest, load_torch, torch_writer
+from agent.client import EXIT_PREEMPTED, CheckpointError, CheckpointSchedule, CheckpointStore, Watcher
+from agent.client.torch import Coordinator, agree_load, load_torch, torch_writer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     coordinator = Coordinator(watcher, schedule, every=args.every)
 
     start = 0
-    resumed = agree_latest(store)
-    if resumed is not None:
-        state = load_torch(resumed)
+    found = agree_load(store, load_torch)  # the newest step every rank can load; a broken one is skipped
+    if found is not None:
+        resumed, state = found
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = resumed.step
@@ -141,13 +141,23 @@ def main(argv: list[str] | None = None) -> int:
             if not decision.checkpoint:
                 continue
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            checkpoint = store.save(
-                step + 1,
-                torch_writer(state),
-                emergency=decision.emergency,
-                notice_id=decision.notice_id,
-                metadata={"rank": rank, "world_size": world_size, "loss": loss.detach().item()},
-            )
+            try:
+                checkpoint = store.save(
+                    step + 1,
+                    torch_writer(state),
+                    emergency=decision.emergency,
+                    notice_id=decision.notice_id,
+                    metadata={"rank": rank, "world_size": world_size, "loss": loss.detach().item()},
+                )
+            except CheckpointError as exc:
+                # A failed emergency save (a full disk) hands the notice to the newest earlier step, which the
+                # store recorded for `preemptd exec`: exit 75 all the same, so the job is requeued from there.
+                if not decision.emergency or exc.fallback is None:
+                    raise
+                emit("preempted", rank=rank, step=exc.fallback.step, notice_id=decision.notice_id,
+                     failed_step=step + 1, error=str(exc)[:1000])  # fmt: skip
+                status = EXIT_PREEMPTED
+                break
             coordinator.done(decision)
             left = decision.time_left()
             emit(

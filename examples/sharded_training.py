@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from agent.client import EXIT_PREEMPTED, CheckpointSchedule, Watcher
+from agent.client import EXIT_PREEMPTED, CheckpointError, CheckpointSchedule, Watcher
 from agent.client.dcp import Progress, ShardedStore, TrainState
 from agent.client.torch import Coordinator
 
@@ -186,9 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     state = {"train": TrainState(model, optimizer), "progress": progress}
 
     start = 0
-    resumed = store.latest()
+    resumed = store.load_latest(state)  # the newest step every rank can load; a broken one is skipped
     if resumed is not None:
-        store.load(resumed, state)
         start = resumed.step
         watcher.mark_handled([resumed.notice_id])
         emit(
@@ -238,14 +237,24 @@ def main(argv: list[str] | None = None) -> int:
                     digest=digest(model, optimizer),  # the state just staged
                 )
                 continue
-            saved = store.save(
-                step + 1,
-                state,
-                emergency=decision.emergency,
-                notice_id=decision.notice_id,
-                metadata={"loss": loss.detach().item()},
-                deadline=decision.deadline,
-            )
+            try:
+                saved = store.save(
+                    step + 1,
+                    state,
+                    emergency=decision.emergency,
+                    notice_id=decision.notice_id,
+                    metadata={"loss": loss.detach().item()},
+                    deadline=decision.deadline,
+                )
+            except CheckpointError as exc:
+                # A failed emergency save (a full disk) hands the notice to the newest earlier step, which the
+                # store recorded for `preemptd exec`: exit 75 all the same, so the job is requeued from there.
+                if not decision.emergency or exc.fallback is None:
+                    raise
+                emit("preempted", rank=rank, step=exc.fallback.step, notice_id=decision.notice_id,
+                     failed_step=step + 1, error=str(exc)[:1000])  # fmt: skip
+                status = EXIT_PREEMPTED
+                break
             coordinator.done(decision)
             budget = store.last_budget
             emit(

@@ -8,6 +8,7 @@ overwritten; a root the ranks do not share is refused at start-up.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import shutil
@@ -22,7 +23,10 @@ from typing import Any
 import pytest
 
 from agent.client import EXIT_PREEMPTED, Checkpoint
+from tests.store_fs import small_fs
 from tests.support import REPO, http_json, running_agent
+
+__all__ = ["small_fs"]  # the fixture, used by name
 
 torch = pytest.importorskip("torch")
 
@@ -189,6 +193,50 @@ async def test_a_rank_killed_mid_save_commits_nothing_and_resume_uses_the_previo
     [start] = resumed.of("resumed")
     assert (1, run.of("checkpoint")[0]["digest"]) == (start["next_step"], start["digest"])
     assert [] == [p.name for p in ckpt.iterdir() if p.name.startswith(".tmp-")]  # nothing half-saved left
+
+
+def _fill(directory: Path) -> None:
+    """Write a file into ``directory`` until its file system is full (a real ENOSPC)."""
+    with open(directory / "filler", "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(bytes(64 * 1024))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+        try:
+            while True:  # the last few bytes, so that nothing is left
+                handle.write(bytes(512))
+        except OSError:
+            pass
+
+
+async def test_a_drill_on_a_full_disk_exits_75_with_the_earlier_step_and_resumes_from_it(
+    base: Path, small_fs: Path
+) -> None:
+    """Step 1 fits; the disk is then full, so the emergency save fails on both ranks with a CheckpointError
+    (not torch's CheckpointException): the notice is handled with step 1, exec exits 75."""
+    ckpt = small_fs / "ckpt"
+    nowhere = str(base / "none.sock")
+    first = await Run.start(_example(2, ckpt, "--steps", "1", "--interval-s", "0.001", "--socket", nowhere))
+    assert 0 == await first.finish(), first.stderr[-3000:]
+    async with running_agent(base):
+        sock = base / "a.sock"
+        run = await Run.start(
+            _example(2, ckpt, "--steps", "100000", "--step-time", "0.02", "--socket", str(sock), exec_=True)
+        )
+        await run.until("agent_connected", 2)
+        _fill(small_fs)  # the disk fills up while the job trains
+        status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+        assert status == 201, body
+        await run.finish()
+    full = [(p["step"], "no space left on the file system" in p["error"]) for p in run.of("preempted")]
+    assert (EXIT_PREEMPTED, [(1, True)] * 2) == (run.proc.returncode, full), run.stderr[-3000:]
+    assert [1] == [c.step for c in _committed(ckpt)]
+    (small_fs / "filler").unlink()
+    resumed = await Run.start(_example(1, ckpt, "--steps", "1", "--socket", nowhere))
+    assert 0 == await resumed.finish(), resumed.stderr[-3000:]
+    [start] = resumed.of("resumed")
+    assert (1, first.of("checkpoint")[-1]["digest"]) == (start["next_step"], start["digest"])
 
 
 @pytest.fixture(scope="module")

@@ -142,3 +142,18 @@ def test_a_state_that_does_not_match_is_refused_not_skipped(group_of_one: None, 
     with pytest.raises(CheckpointError, match="does not match the state to load into") as caught:
         s.load_latest({"w": torch.zeros(7)})
     assert "mismatch" == caught.value.reason
+
+
+def test_a_full_disk_at_start_still_lets_the_job_start_and_resume(group_of_one: None, small_fs: Path) -> None:
+    """The check that the root is shared takes no space, so a requeued job on a full disk can resume."""
+    ShardedStore(small_fs, report=False).save(1, state(1.0))
+    with open(small_fs / "filler", "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(bytes(4096))
+        except OSError:
+            pass
+    loaded = state(-1.0)
+    resumed = ShardedStore(small_fs, report=False).load_latest(loaded)
+    assert resumed is not None
+    assert (1, 1.0) == (resumed.step, loaded["w"][0].item())

@@ -122,12 +122,20 @@ class Ranks:
         return root / str(self.from_zero(name))
 
     def check_shared(self, root: Path) -> None:
-        """Rank 0 writes a probe file under ``root``; every rank must see it, or CheckpointError."""
+        """Rank 0 creates an empty probe file under ``root`` (empty: a full disk still takes it, and the job
+        can start and resume); every rank must see it, or CheckpointError on every rank. A root rank 0 cannot
+        write is a CheckpointError on every rank too."""
         probe = None
+        problem = None
         if self.rank == 0:
             probe = root / f"{_PROBE_PREFIX}{uuid.uuid4().hex}"
-            _write_durably(probe, socket.gethostname().encode())
-        name = self.from_zero(probe.name if probe is not None else None)
+            try:
+                _write_durably(probe, b"")
+            except OSError as exc:
+                problem = (f"checkpoint root {root} cannot be written by rank 0: {exc}", reason_of(exc))
+        name, problem = self.from_zero((probe.name if probe is not None else None, problem))
+        if problem is not None:
+            raise CheckpointError(problem[0], reason=problem[1])
         seen = self.gather((self.rank, socket.gethostname(), (root / name).is_file()))
         if self.rank == 0 and probe is not None:
             probe.unlink(missing_ok=True)
