@@ -66,9 +66,9 @@ FORWARDED = tuple(
     )
     if hasattr(signal, name)
 )
-# tempfile.mkdtemp's name: this prefix, exec's pid and start time (clock ticks after boot), then random.
+# tempfile.mkdtemp's name: this prefix, then exec's channel_owner (where it can be told), then random.
 CHANNEL_PREFIX = "preemptd-exec-"
-_CHANNEL_NAME = re.compile(re.escape(CHANNEL_PREFIX) + r"(\d+)-(\d+)-[a-z0-9_]+")
+_CHANNEL_NAME = re.compile(re.escape(CHANNEL_PREFIX) + r"([0-9a-f]{12}-\d+)-(\d+)-(\d+)-[a-z0-9_]+")
 
 
 _HELP = "run a training command; exit 75 when it stopped for a notice after an emergency checkpoint"
@@ -188,7 +188,7 @@ def run(
     It forks: call it from a process that runs no other thread."""
     err = stderr or sys.stderr
     remove_stale_channels()
-    channel = tempfile.mkdtemp(prefix=f"{CHANNEL_PREFIX}{os.getpid()}-{start_time(os.getpid()) or 0}-")
+    channel = _new_channel()
     env = dict(os.environ)
     env[ENV] = channel
     terminal = _foreground_terminal()
@@ -299,29 +299,53 @@ def _hand_back(terminal: int | None) -> None:
 # -- the channel directory ----------------------------------------------------------------------------------
 
 
+def channel_owner(pid: int) -> str | None:
+    """``BOOT-PIDNS-PID-START`` of a process of this host and PID namespace: which exec a channel directory
+    belongs to, told apart from a later process with the same pid, and from execs of other hosts or
+    containers that share the temporary directory (NFS, a shared volume). None when it cannot be told."""
+    started = start_time(pid)
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            boot = handle.read().strip().replace("-", "")[:12]
+        namespace = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return None
+    inode = namespace[namespace.find("[") + 1 : -1]
+    if started is None or not inode.isdigit():
+        return None
+    return f"{boot}-{inode}-{pid}-{started}"
+
+
+def _new_channel() -> str:
+    owner = channel_owner(os.getpid())
+    return tempfile.mkdtemp(prefix=f"{CHANNEL_PREFIX}{owner}-" if owner else CHANNEL_PREFIX)
+
+
 def remove_stale_channels(directory: str | None = None) -> list[str]:
     """Remove this user's channel directories whose exec is gone (SIGKILLed before it could remove its own);
-    the names of those removed. A directory whose exec is alive, or cannot be told, is left alone."""
-    base = directory or tempfile.gettempdir()
-    if start_time(os.getpid()) is None:
-        return []  # no /proc: nothing can be told
+    the names of those removed. A directory of a live exec, of another host or PID namespace, or whose owner
+    cannot be told is left alone."""
+    here = channel_owner(os.getpid())
+    if here is None:
+        return []
+    scope = here.rsplit("-", 2)[0]
     removed: list[str] = []
     try:
-        entries = list(os.scandir(base))
+        entries = list(os.scandir(directory or tempfile.gettempdir()))
     except OSError:
         return removed
     for entry in entries:
         match = _CHANNEL_NAME.fullmatch(entry.name)
-        if match is None:
+        if match is None or match.group(1) != scope:
             continue
         try:
             if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
                 continue
         except OSError:
             continue
-        pid, started = int(match.group(1)), int(match.group(2))
-        if started == 0 or start_time(pid) == started:
-            continue
+        owner = f"{scope}-{match.group(2)}-{match.group(3)}"
+        if channel_owner(int(match.group(2))) == owner:
+            continue  # its exec is running
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.name)
     return removed

@@ -149,6 +149,8 @@ class Keeper:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
         if not _signal_descendants(self.me, signal.SIGTERM):
             return
+        # A stopped process runs its SIGTERM handler only once continued (as systemd does it too).
+        _signal_descendants(self.me, signal.SIGCONT)
         deadline = time.monotonic() + self.stop_grace
         while _reap_exited():
             left = deadline - time.monotonic()

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from agent.exec import channel_owner, remove_stale_channels
 from tests.support import REPO, eventually
 
 # The command starts one worker in a session of its own (torchrun's start_new_session=True: no signal to the
@@ -147,6 +148,33 @@ async def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace(tmp_path:
         _kill(members.worker)
 
 
+_STOPPED_WORKER = textwrap.dedent(
+    '''
+    import os, signal, subprocess, sys
+    worker = """
+    import os, signal, sys
+    def leave(signum, frame):
+        open(sys.argv[1], "w").write("got SIGTERM")
+        os._exit(0)
+    signal.signal(signal.SIGTERM, leave)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    """
+    child = subprocess.Popen([sys.executable, "-c", worker, sys.argv[1]])
+    os.waitpid(child.pid, os.WUNTRACED)  # the command leaves only once its worker is stopped
+    '''
+)
+
+
+async def test_a_stopped_worker_left_behind_is_continued_to_act_on_its_sigterm(tmp_path: Path) -> None:
+    """SIGCONT follows SIGTERM: a stopped process would otherwise wait for the SIGKILL after the grace."""
+    family = _Family(tmp_path)
+    script, marker = tmp_path / "stopped.py", tmp_path / "marker"
+    script.write_text(_STOPPED_WORKER)
+    proc = await family.exec("--stop-grace", "45", "--", sys.executable, str(script), str(marker))
+    _, err = await asyncio.wait_for(proc.communicate(), 50)
+    assert (0, "got SIGTERM") == (proc.returncode, marker.read_text() if marker.exists() else None), err
+
+
 async def test_the_channel_of_a_killed_exec_is_removed_at_the_next_start(tmp_path: Path) -> None:
     """exec and its keeper both SIGKILLed: nobody could remove the directory; the next exec does."""
     family = _Family(tmp_path)
@@ -178,3 +206,27 @@ async def test_the_channel_of_a_running_exec_is_left_alone(tmp_path: Path) -> No
         await asyncio.wait_for(proc.communicate(), 30)
     finally:
         _kill(members.command, members.worker)
+
+
+def test_a_channel_is_removed_only_when_its_exec_on_this_host_and_pid_namespace_is_gone(
+    tmp_path: Path,
+) -> None:
+    """A temporary directory may be shared with other hosts or containers: their pids mean nothing here."""
+    me = channel_owner(os.getpid())
+    assert me is not None
+    boot, namespace, pid, started = me.split("-")
+    later = int(started) + 1  # this pid, but a process started after the one the directory belongs to
+    names = {
+        "gone": f"preemptd-exec-{boot}-{namespace}-{pid}-{later}-abc",
+        "alive": f"preemptd-exec-{me}-abc",
+        "other host": f"preemptd-exec-{'f' if boot[0] != 'f' else 'e'}{boot[1:]}-{namespace}-{pid}-{later}-abc",
+        "other namespace": f"preemptd-exec-{boot}-1-{pid}-{later}-abc",
+        "unidentified": "preemptd-exec-abc123",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    removed = remove_stale_channels(str(tmp_path))
+    assert ([names["gone"]], sorted(set(names.values()) - {names["gone"]})) == (
+        removed,
+        sorted(p.name for p in tmp_path.iterdir()),
+    )
