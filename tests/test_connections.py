@@ -12,8 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
+from agent.connections import Budget, connection_budget
 from agent.notice import Kind
 from tests.support import AgentProcess, SSEClient, eventually, http_json, running_agent
 from tests.test_cli import cli
@@ -208,3 +210,23 @@ async def test_under_a_low_descriptor_limit_streams_leave_room_for_status_and_dr
     )
     assert (503, 200, 201) == (refused, status, drill)
     assert "84 subscribers connected, the limit is 84" in why["error"]
+
+
+@pytest.mark.parametrize(
+    ("fd_limit", "wanted", "others", "expected"),
+    [
+        (65536, 8192, 0, Budget(8192, 7936)),
+        (1024, 8192, 0, Budget(768, 672)),
+        (1024, 8192, 64, Budget(704, 616)),
+        (128, 8192, 0, Budget(96, 84)),
+        (40, 8192, 0, Budget(32, 28)),
+        (1024, 3, 0, Budget(3, 2)),
+    ],
+    ids=["plenty", "1024", "1024-with-metrics", "128", "floor", "asked-for-3"],
+)
+def test_the_descriptor_limit_divides_into_connections_and_event_streams(
+    fd_limit: int, wanted: int, others: int, expected: Budget
+) -> None:
+    """The cap is the limit less a reserve, never below 32 unless fewer were asked for; an eighth of it (1 to
+    256) is kept from event streams."""
+    assert expected == connection_budget(fd_limit, wanted, others)
