@@ -38,7 +38,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
 from agent.client.preempted import ENV, read_records
@@ -358,24 +358,52 @@ def decide(code: int, records: list[dict[str, Any]], command: Sequence[str], err
     """exec's exit status for a command that ended with ``code`` after writing ``records``."""
     if code in (0, EXIT_PREEMPTED):
         return code
-    if records:
-        steps = sorted({int(r["step"]) for r in records})
-        notices = sorted({str(r["notice_id"]) for r in records if r.get("notice_id")})
-        if _is_torchrun(command):
-            print(
-                "preemptd exec: torchrun's ChildFailedError traceback above reports workers that exited "
-                f"{EXIT_PREEMPTED} after their emergency checkpoint: expected after a preemption",
-                file=err,
-            )
+    if not records:
+        return 128 - code if code < 0 else code
+    if _is_torchrun(command):
         print(
-            f"preemptd exec: {os.path.basename(command[0])} {_how(code)} after {len(records)} of its processes "
-            f"committed an emergency checkpoint (step {', '.join(map(str, steps))}"
-            + (f", notice {', '.join(notices)}" if notices else "")
-            + f"): exiting {EXIT_PREEMPTED} so the job is requeued",
+            "preemptd exec: torchrun's ChildFailedError traceback above reports workers that exited "
+            f"{EXIT_PREEMPTED} for a notice: expected after a preemption",
             file=err,
         )
-        return EXIT_PREEMPTED
-    return 128 - code if code < 0 else code
+    print(
+        f"preemptd exec: {os.path.basename(command[0])} {_how(code)} after {_what_was_saved(records)}: "
+        f"exiting {EXIT_PREEMPTED} so the job is requeued",
+        file=err,
+    )
+    return EXIT_PREEMPTED
+
+
+def _what_was_saved(records: list[dict[str, Any]]) -> str:
+    """What the records say: emergency checkpoints committed, and emergency saves that failed and handed the
+    notice to an earlier committed step (the store's ``fallback`` records, e.g. on a full disk)."""
+    saved = [r for r in records if not r.get("fallback")]
+    fell = [r for r in records if r.get("fallback")]
+    notices = _listed(r.get("notice_id") for r in records)
+    parts = []
+    if saved:
+        steps = _listed(r["step"] for r in saved)
+        notice = f", notice {notices}" if notices and not fell else ""
+        parts.append(
+            f"{len(saved)} of its processes committed an emergency checkpoint (step {steps}{notice})"
+        )
+    if fell:
+        error = next((str(r["error"]) for r in fell if r.get("error")), "")
+        parts.append(
+            f"{len(fell)} of its processes could not save step {_listed(r.get('failed_step') for r in fell)}"
+            + (f" ({error.splitlines()[0][:200]})" if error else "")
+            + f" and fell back to the committed step {_listed(r['step'] for r in fell)}"
+            + (f" (notice {notices})" if notices else "")
+        )
+    return " and ".join(parts)
+
+
+def _listed(values: Iterable[Any]) -> str:
+    """The distinct values (None left out), numbers in numeric order, comma-separated."""
+    distinct = {v for v in values if v is not None}
+    return ", ".join(
+        str(v) for v in sorted(distinct, key=lambda v: (0, v, "") if isinstance(v, int) else (1, 0, str(v)))
+    )
 
 
 def _is_torchrun(command: Sequence[str]) -> bool:

@@ -199,7 +199,8 @@ def _stat(pid: int) -> list[bytes] | None:
     return raw[raw.rfind(b")") + 2 :].split()  # the name in parentheses may hold spaces and parentheses
 
 
-def _descendants(root: int) -> list[int]:
+def descendants(root: int) -> list[int]:
+    """The pids of every process below ``root`` now (read from /proc; empty without it)."""
     children: dict[int, list[int]] = {}
     for pid, fields in _processes():
         children.setdefault(int(fields[1]), []).append(pid)
@@ -214,7 +215,7 @@ def _descendants(root: int) -> list[int]:
 
 def _signal_descendants(root: int, signum: int) -> bool:
     """Send ``signum`` to every process below ``root``; whether there was any."""
-    found = _descendants(root)
+    found = descendants(root)
     for pid in found:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)

@@ -20,7 +20,9 @@ import pytest
 from agent.client import EXIT_PREEMPTED, CheckpointStore
 from agent.client.preempted import ENV, read_records, record_emergency
 from agent.exec import decide
-from tests.support import REPO, http_json, running_agent
+from agent.exec_keeper import descendants
+from tests.support import REPO, eventually, http_json, running_agent
+from tests.test_exec_lifetime import _alive
 
 EXAMPLE = REPO / "examples" / "fault_tolerant_training.py"
 
@@ -161,6 +163,23 @@ def test_unwritable_channel_is_a_warning_not_an_error(
 )
 def test_decision_table(code: int, records: list[dict[str, Any]], expected: int) -> None:
     assert expected == decide(code, records, ["torchrun"], io.StringIO())
+
+
+def test_a_failed_emergency_save_that_fell_back_to_an_earlier_step_exits_75_and_says_so() -> None:
+    """The store's record for a notice handled with an earlier committed step (the emergency save failed)."""
+    error = "no space left on device: 5.0 MB needed, 1.0 MB free\nmore detail"
+    records = [
+        {"step": 40, "fallback": True, "failed_step": 41, "error": error, "notice_id": "n1", "pid": pid}
+        for pid in (11, 12)
+    ]
+    err = io.StringIO()
+    code = decide(1, records, ["/usr/bin/python3", "train.py"], err)
+    expected = (
+        "preemptd exec: python3 exited with status 1 after 2 of its processes could not save step 41 (no space "
+        "left on device: 5.0 MB needed, 1.0 MB free) and fell back to the committed step 40 (notice n1): "
+        "exiting 75 so the job is requeued\n"
+    )
+    assert (EXIT_PREEMPTED, expected) == (code, err.getvalue())
 
 
 @pytest.mark.parametrize(
@@ -326,3 +345,21 @@ async def test_sigterm_to_exec_reaches_the_workers_and_gives_75(base: Path) -> N
     latest = [CheckpointStore(ckpt / f"rank-{r}", report=False).latest() for r in (0, 1)]
     assert all(c is not None and c.emergency for c in latest), err[-3000:]
     assert EXIT_PREEMPTED == code, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_sigkill_of_exec_leaves_no_torchrun_worker_behind(base: Path) -> None:
+    """torchrun starts each worker in a session of its own; a SIGKILLed exec still takes them all along."""
+    proc = await _torchrun(base / "ckpt", base / "none.sock", under_exec=True)
+    await _lines_until(proc, '"fresh"', 2)
+    tree = descendants(proc.pid)  # the keeper, torchrun and its two workers
+    proc.kill()
+    try:
+        await asyncio.wait_for(proc.communicate(), 60)
+        await eventually(lambda: not any(map(_alive, tree)), 60, "torchrun and its workers gone")
+    finally:
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert 4 <= len(tree), tree
