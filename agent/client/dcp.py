@@ -58,13 +58,10 @@ from agent.client.store import (
     CheckpointWarning,
     ChecksumThreads,
     Verify,
-    convertible,
-    fall_back,
-    free_bytes,
     loaded_only,
-    save_failure,
     valid_only,
 )
+from agent.client.store_failure import convertible, fall_back, free_bytes, save_failure
 
 __all__ = [
     "CRC_SIDECAR",
@@ -246,7 +243,7 @@ class ShardedStore:
                 raise
             error = self._failure(exc, step, tmp, free_before)
             if emergency:
-                error.fallback = fall_back(self._local, step, notice_id, error, sharded=True)
+                error.fallback = fall_back(self._local.committed(), step, notice_id, error, sharded=True)
                 if error.fallback is not None:
                     flush = {**flush, "fallback_step": error.fallback.step}
             self._report("failed", step, emergency=emergency, notice_id=notice_id, flush=flush)
@@ -293,7 +290,7 @@ class ShardedStore:
         the others. Only failures every rank has (DCP's CheckpointException, a failed commit) are told over
         the group; any other stays this rank's own, since the other ranks may not be listening."""
         shared = getattr(exc, "failures", None) is not None or isinstance(exc, CheckpointError)
-        error = save_failure(exc, step, self.root, tmp, free_before, self._local)
+        error = save_failure(exc, step, self.root, tmp, free_before, self._local.newest)
         if shared and self.distributed:
             try:
                 told = self.ranks.from_zero((str(error), error.reason), group)

@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from agent.client.dcp_commit import Commit, Ranks, ShardedCheckpoint
 from agent.client.dcp_state import layout
 from agent.client.preempted import record_emergency
-from agent.client.store import Checkpoint, CheckpointError, CheckpointStore, convertible, free_bytes
+from agent.client.store import Checkpoint, CheckpointError, CheckpointStore
+from agent.client.store_failure import convertible, free_bytes
 
 _log = logging.getLogger("agent.client.dcp")
 

@@ -21,25 +21,20 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from agent.client.store import (
-    _TMP_PREFIX,
+from agent.client.manifest import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
     Checkpoint,
     CheckpointError,
-    CheckpointStore,
     FileEntry,
     Verify,
-    _file_crc,
-    _hash_workers,
-    _write_durably,
-    fsync_dir,
-    fsync_file,
-    os_error,
+    default_hash_workers,
+    file_crc,
     reason_of,
-    summary,
 )
+from agent.client.store import _TMP_PREFIX, CheckpointStore, _write_durably, fsync_dir, fsync_file
+from agent.client.store_failure import os_error, summary
 
 DCP_METADATA = ".metadata"
 # Deferred CRCs of an emergency save: each rank adds its own file's sums here after the commit.
@@ -215,11 +210,11 @@ def describe_own(directory: Path, rank: int, world_size: int, checksum: bool) ->
         if p.is_file() and owner(p.relative_to(directory).as_posix(), world_size) == rank
     )
     entries: list[dict[str, Any]] = []
-    with ThreadPoolExecutor(max_workers=_hash_workers() + 1) as pool:
+    with ThreadPoolExecutor(max_workers=default_hash_workers() + 1) as pool:
         pending: list[tuple[str, int, Future[None], Callable[[], int] | None]] = []
         for path in mine:
             size = path.stat().st_size
-            crc = _file_crc(pool, path, size) if checksum else None
+            crc = file_crc(pool, path, size) if checksum else None
             pending.append((path.relative_to(directory).as_posix(), size, pool.submit(fsync_file, path), crc))
         for name, size, synced, crc in pending:
             synced.result()
@@ -292,8 +287,8 @@ def add_own_checksums(directory: Path, own: list[FileEntry], rank: int) -> None:
     """After an emergency commit: this rank's CRCs into its sidecar (atomic write), so later resumes can
     detect a corrupt shard. A step removed meanwhile is left alone."""
     try:
-        with ThreadPoolExecutor(max_workers=_hash_workers()) as pool:
-            sums = {e.path: _file_crc(pool, directory / e.path, e.bytes) for e in own}
+        with ThreadPoolExecutor(max_workers=default_hash_workers()) as pool:
+            sums = {e.path: file_crc(pool, directory / e.path, e.bytes) for e in own}
             doc = {path: crc() for path, crc in sums.items()}
         target = directory / CRC_SIDECAR.format(rank=rank)
         staged = directory / f".{target.name}.tmp"

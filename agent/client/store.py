@@ -8,15 +8,14 @@ then step: a save of a step lower than the newest one starts a new run that outr
 :meth:`CheckpointStore.save`). Every failure to save or read is a :class:`CheckpointError` naming its cause.
 Each save is reported to the agent (started, finished or failed) so the advisor learns what a checkpoint costs.
 
-Over 450 lines because saving, verifying, resuming and pruning share the on-disk format and its
-invariants, which are kept in one place.
+The manifest and its verification live in :mod:`agent.client.manifest`, the reading of a failure's cause in
+:mod:`agent.client.store_failure`. Over 450 lines because saving (with :class:`DurableFile`), resuming and
+pruning share the store's directory layout and its invariants, which are kept in one place.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import math
 import os
 import re
 import shutil
@@ -25,165 +24,66 @@ import threading
 import time
 import uuid
 import warnings
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextvars import ContextVar
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
-from typing import Any, Literal, TypeVar, cast
+from pathlib import Path
+from typing import Any, TypeVar
 
+from agent.client.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    HASH_PIECE,
+    MANIFEST,
+    Checkpoint,
+    CheckpointError,
+    CheckpointWarning,
+    FileEntry,
+    Verify,
+    crc32_combine,
+    crc_fd_range,
+    default_hash_workers,
+    file_crc,
+    reason_of,
+    run_of,
+)
 from agent.client.preempted import record_emergency
 from agent.client.reporting import Reporter
+from agent.client.store_failure import convertible, fall_back, free_bytes, save_failure
 
-MANIFEST = "manifest.json"
-FORMAT = "preemptd-checkpoint"
-FORMAT_VERSION = 1
+# What other modules (and users) import from here: the on-disk format comes from agent.client.manifest.
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "HASH_PIECE",
+    "MANIFEST",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointStore",
+    "CheckpointWarning",
+    "ChecksumThreads",
+    "DurableFile",
+    "FileEntry",
+    "Verify",
+    "Writer",
+    "crc32_combine",
+    "fsync_dir",
+    "fsync_file",
+    "loaded_only",
+    "seal",
+    "valid_only",
+]
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
-_READ_BLOCK = 8 * 1024 * 1024
-# Large files are checksummed in pieces of this size on several threads; the CRCs are combined after.
-HASH_PIECE = 64 * 1024 * 1024
 
 Writer = Callable[[Path], Any]
 # Whether files written for the save in progress should be checksummed now (see DurableFile).
 _CHECKSUM_NOW: ContextVar[bool] = ContextVar("preemptd_checksum_now", default=True)
-Verify = Literal["checksum", "size", "none"]
 _Loaded = TypeVar("_Loaded")
-_T = TypeVar("_T")
-# Why a save or a read failed, from the OSError's errno (EDQUOT, a quota, is "no space" to the user too).
-_REASONS = {
-    errno.ENOSPC: "no_space",
-    errno.EDQUOT: "no_space",
-    errno.EACCES: "permission",
-    errno.EPERM: "permission",
-    errno.EIO: "io",
-    errno.EROFS: "read_only",
-}
-# Free space below this share of the file system (at most 1 MiB) right after a failed write means the write
-# filled it: torch's zip writer reports a failed write as "unexpected pos", without the errno.
-_FULL_SHARE = 0.01
-_FULL_AT_MOST = 1 << 20
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped on resume because it is incomplete, corrupt or malformed, or a save started a
-    new run in a root that holds higher steps."""
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be saved, read or verified; the message says which file and why.
-
-    ``reason`` names a storage cause in one word when there is one: ``no_space``, ``permission``, ``io``,
-    ``read_only``, ``os`` (another errno), ``unreadable`` (the format itself cannot be read), ``mismatch`` (it
-    does not fit the state to load into); else None. ``fallback``, after a failed emergency save: the earlier
-    committed checkpoint the notice was handled with (recorded for ``preemptd exec`` and reported to the
-    agent), or None when there is none.
-    """
-
-    def __init__(
-        self, message: str, *, reason: str | None = None, fallback: Checkpoint | None = None
-    ) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.fallback = fallback
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str
-    bytes: int
-    crc32: int | None = None
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A committed checkpoint directory and its manifest."""
-
-    step: int
-    path: Path
-    time: datetime
-    bytes: int
-    files: tuple[FileEntry, ...]
-    emergency: bool = False
-    notice_id: str | None = None
-    duration_s: float | None = None
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-    run: int = 0
-
-    def file(self, name: str) -> Path:
-        return self.path / name
-
-    @classmethod
-    def load(cls, directory: Path, manifest: str = MANIFEST) -> Checkpoint:
-        """Read the manifest of ``directory``; CheckpointError naming the file and the field when it is
-        missing, unreadable or malformed (a wrong type, a step that is not a whole number, a file path that
-        leaves the directory)."""
-        where = directory / manifest
-        try:
-            doc = json.loads(where.read_bytes())
-        except FileNotFoundError as exc:
-            raise CheckpointError(f"{directory}: no {manifest} (incomplete checkpoint)") from exc
-        except OSError as exc:
-            raise CheckpointError(f"{where}: unreadable: {exc.strerror}", reason=reason_of(exc)) from exc
-        except (ValueError, RecursionError) as exc:
-            raise CheckpointError(f"{where}: unreadable: {exc}", reason="unreadable") from exc
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise CheckpointError(f"{where}: not a {FORMAT} manifest")
-        fields = _Fields(doc, where)
-        files = doc.get("files", [])
-        fields.check(isinstance(files, list), "files", "a list", files)
-        return cls(
-            step=fields.whole("step"),
-            path=directory,
-            time=fields.time("time"),
-            bytes=fields.whole("bytes"),
-            files=tuple(_file_entry(item, where, index) for index, item in enumerate(files)),
-            emergency=bool(fields.typed("emergency", bool, False)),
-            notice_id=fields.typed("notice_id", str, None),
-            duration_s=fields.seconds("duration_s"),
-            metadata=fields.typed("metadata", dict, None) or {},
-            run=fields.whole("run", 0),
-        )
-
-    def verify(self, level: Verify = "checksum", workers: int | None = None) -> None:
-        """Check every file's presence and size (and CRC for ``checksum``); CheckpointError when one fails."""
-        if level == "none":
-            return
-        for entry in self.files:
-            target = self.path / entry.path
-            try:
-                size = target.stat().st_size
-            except FileNotFoundError as exc:
-                raise CheckpointError(f"{target}: missing ({exc.strerror})") from exc
-            except OSError as exc:
-                raise CheckpointError(
-                    f"{target}: unreadable ({exc.strerror})", reason=reason_of(exc)
-                ) from exc
-            if size != entry.bytes:
-                raise CheckpointError(f"{target}: {size} bytes, the manifest says {entry.bytes}")
-        if level != "checksum":
-            return
-        with ThreadPoolExecutor(max_workers=workers or _hash_workers()) as pool:
-            sums = {
-                e.path: _file_crc(pool, self.path / e.path, e.bytes)
-                for e in self.files
-                if e.crc32 is not None
-            }
-            for entry in self.files:
-                if entry.crc32 is None:
-                    continue
-                target = self.path / entry.path
-                try:
-                    crc = sums[entry.path]()
-                except OSError as exc:
-                    raise CheckpointError(
-                        f"{target}: unreadable ({exc.strerror})", reason=reason_of(exc)
-                    ) from exc
-                if crc != entry.crc32:
-                    raise CheckpointError(f"{target}: checksum mismatch (corrupt)")
 
 
 class ChecksumThreads:
@@ -240,7 +140,7 @@ class CheckpointStore:
         self.keep = keep
         self.checksum = checksum
         self.reporter = reporter if reporter is not None or not report else Reporter(socket_path)
-        self.hash_workers = hash_workers or _hash_workers()
+        self.hash_workers = hash_workers or default_hash_workers()
         self.defer_emergency_checksum = defer_emergency_checksum
         self.last_save: Checkpoint | None = None
         self._checksummers = ChecksumThreads()
@@ -280,7 +180,7 @@ class CheckpointStore:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             self._report("failed", step, emergency=emergency, notice_id=notice_id)
-            raise save_failure(exc, step, self.root, None, None, self) from exc
+            raise save_failure(exc, step, self.root, None, None, self.newest) from exc
         free_before = free_bytes(self.root)
         run = self.run_for(step)
         try:
@@ -312,11 +212,11 @@ class CheckpointStore:
                 shutil.rmtree(tmp, ignore_errors=True)
                 self._report("failed", step, emergency=emergency, notice_id=notice_id)
                 raise
-            error = save_failure(exc, step, self.root, tmp, free_before, self)
+            error = save_failure(exc, step, self.root, tmp, free_before, self.newest)
             shutil.rmtree(tmp, ignore_errors=True)
             flush = None
             if emergency:
-                error.fallback = fall_back(self, step, notice_id, error, sharded=False)
+                error.fallback = fall_back(self.committed(), step, notice_id, error, sharded=False)
                 flush = {"fallback_step": error.fallback.step} if error.fallback is not None else None
             self._report("failed", step, emergency=emergency, notice_id=notice_id, flush=flush)
             raise error from exc
@@ -393,7 +293,7 @@ class CheckpointStore:
         for entry in entries:
             match = _STEP_DIR.match(entry.name)
             if match and entry.is_dir():
-                found.append((_run_of(entry), int(match.group(1))))
+                found.append((run_of(entry), int(match.group(1))))
         return found
 
     def run_for(self, step: int) -> int:
@@ -414,6 +314,10 @@ class CheckpointStore:
 
     def path_of(self, step: int) -> Path:
         return self.root / f"step-{step:012d}"
+
+    def committed(self) -> list[Path]:
+        """The committed step directories, newest first (not verified)."""
+        return [self.path_of(step) for step in self.steps()]
 
     def get(self, step: int, verify: Verify = "checksum") -> Checkpoint:
         """The checkpoint of ``step``, verified; CheckpointError when it is missing, incomplete or corrupt."""
@@ -478,77 +382,6 @@ class CheckpointStore:
 # -- helpers ----------------------------------------------------------------------------------------------
 
 
-_MAX_WHOLE = 2**63 - 1
-
-
-class _Fields:
-    """The fields of one manifest, each checked for its type; CheckpointError naming the file and field."""
-
-    def __init__(self, doc: Mapping[str, Any], where: Path, prefix: str = "") -> None:
-        self.doc = doc
-        self.where = where
-        self.prefix = prefix
-
-    def check(self, ok: bool, name: str, expected: str, value: Any) -> None:
-        if not ok:
-            raise CheckpointError(
-                f"{self.where}: malformed: {self.prefix + name!r} must be {expected}, got {_brief(value)}"
-            )
-
-    def whole(self, name: str, default: int | None = None) -> int:
-        value = self.doc.get(name, default)
-        self.check(_is_whole(value), name, "a whole number from 0 to 2**63-1", value)
-        return int(value)
-
-    def typed(self, name: str, kind: type[_T], default: _T | None) -> _T | None:
-        value = self.doc.get(name, default)
-        self.check(value is None or isinstance(value, kind), name, f"{kind.__name__} or null", value)
-        return cast("_T | None", value)
-
-    def seconds(self, name: str) -> float | None:
-        value = self.doc.get(name)
-        ok = value is None or (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and value >= 0
-        )
-        self.check(ok, name, "a finite number of seconds or null", value)
-        return None if value is None else float(value)
-
-    def time(self, name: str) -> datetime:
-        value = self.doc.get(name)
-        try:
-            parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
-        except ValueError:
-            parsed = None
-        self.check(isinstance(value, str) and parsed is not None, name, "an ISO 8601 time", value)
-        assert parsed is not None
-        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
-
-
-def _file_entry(item: Any, where: Path, index: int) -> FileEntry:
-    """One entry of a manifest's ``files``: a relative path inside the checkpoint, its size and CRC."""
-    fields = _Fields(item if isinstance(item, dict) else {}, where, f"files[{index}].")
-    fields.check(isinstance(item, dict), "", "an object", item)
-    path = fields.doc.get("path")
-    inside = isinstance(path, str) and path != "" and not path.startswith("/")
-    inside = inside and ".." not in PurePosixPath(str(path)).parts
-    fields.check(inside, "path", "a relative path inside the checkpoint", path)
-    crc = fields.doc.get("crc32")
-    fields.check(crc is None or (_is_whole(crc) and crc <= 0xFFFFFFFF), "crc32", "a CRC32 or null", crc)
-    return FileEntry(str(path), fields.whole("bytes"), crc)
-
-
-def _is_whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_WHOLE
-
-
-def _brief(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
 _Key = TypeVar("_Key")
 _Found = TypeVar("_Found")
 
@@ -608,7 +441,7 @@ def seal(
     if not paths:
         raise CheckpointError(f"the writer put no files into {directory}")
     done = dict(presealed or {})
-    workers = hash_workers or _hash_workers()
+    workers = hash_workers or default_hash_workers()
     with ThreadPoolExecutor(max_workers=workers + 1) as pool:
         pending: list[tuple[str, int, Future[None] | None, Callable[[], int | None]]] = []
         for path in paths:
@@ -621,7 +454,7 @@ def seal(
                 pending.append((name, size, None, _known(entry.crc32)))
                 continue
             synced: Future[None] = pool.submit(fsync_file, path)
-            crc: Callable[[], int | None] = _file_crc(pool, path, size) if checksum else _known(None)
+            crc: Callable[[], int | None] = file_crc(pool, path, size) if checksum else _known(None)
             pending.append((name, size, synced, crc))
         files = []
         for name, size, sync, checksum_of in pending:
@@ -665,173 +498,6 @@ def seal(
         metadata=dict(metadata or {}),
         run=run,
     )
-
-
-def _run_of(directory: Path) -> int | None:
-    """The run of a step directory, from its manifest (0 for manifests from before runs); None when the
-    manifest cannot be read."""
-    try:
-        doc = json.loads((directory / MANIFEST).read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    run = doc.get("run", 0) if isinstance(doc, dict) else None
-    return run if _is_whole(run) else None
-
-
-# -- failures ---------------------------------------------------------------------------------------------
-
-
-def convertible(exc: BaseException) -> bool:
-    """Whether a save's exception becomes a CheckpointError: any Exception, and torch DCP's
-    CheckpointException (a BaseException carrying every rank's failure); never an interrupt or an exit."""
-    return isinstance(exc, Exception) or isinstance(getattr(exc, "failures", None), Mapping)
-
-
-def free_bytes(path: Path) -> int | None:
-    """Bytes an unprivileged writer may still use on the file system of ``path``; None when unknown."""
-    try:
-        stat = os.statvfs(path)
-    except OSError:
-        return None
-    return stat.f_bavail * stat.f_frsize
-
-
-def reason_of(exc: OSError) -> str:
-    """The one-word cause of a storage failure (see CheckpointError.reason)."""
-    return _REASONS.get(exc.errno or 0, "os")
-
-
-def os_error(exc: BaseException) -> OSError | None:
-    """The first OSError with an errno in ``exc``, its causes and contexts, and the per-rank failures of a
-    DCP CheckpointException."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [exc]
-    while todo:
-        current = todo.pop(0)
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
-        todo += [current.__cause__, current.__context__]
-        failures = getattr(current, "failures", None)
-        if isinstance(failures, Mapping):
-            todo += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
-    return None
-
-
-def summary(exc: BaseException) -> str:
-    """What went wrong, in one line: the per-rank causes of a DCP CheckpointException (deduplicated, no
-    tracebacks), else the exception's type and message."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, Mapping) and failures:
-        causes: dict[str, list[str]] = {}
-        for rank, value in sorted(failures.items()):
-            cause = value[0] if isinstance(value, tuple) else value
-            causes.setdefault(f"{type(cause).__name__}: {cause}", []).append(str(rank))
-        return "; ".join(f"rank {', '.join(ranks)}: {cause}" for cause, ranks in causes.items())
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _size(count: int | None) -> str:
-    if count is None:
-        return "an unknown amount"
-    return f"{count} bytes ({count / 2**20:.1f} MiB)"
-
-
-def _written(tmp: Path | None) -> int:
-    if tmp is None:
-        return 0
-    total = 0
-    for path in tmp.rglob("*"):
-        try:
-            total += path.stat().st_size if path.is_file() else 0
-        except OSError:
-            continue
-    return total
-
-
-def _filled(tmp: Path | None) -> bool:
-    """Whether the file system of ``tmp`` is (nearly) full right now, before the failed save is removed."""
-    if tmp is None:
-        return False
-    try:
-        stat = os.statvfs(tmp if tmp.exists() else tmp.parent)
-    except OSError:
-        return False
-    total = stat.f_blocks * stat.f_frsize
-    return stat.f_bavail * stat.f_frsize <= min(_FULL_AT_MOST, total * _FULL_SHARE)
-
-
-def save_failure(
-    exc: BaseException,
-    step: int,
-    root: Path,
-    tmp: Path | None,
-    free_before: int | None,
-    store: CheckpointStore,
-) -> CheckpointError:
-    """The CheckpointError for a failed save of ``step``, naming its cause. Call it before the temporary
-    directory ``tmp`` is removed: what it holds and the space left then tell a full disk apart when torch
-    hid the errno."""
-    if isinstance(exc, CheckpointError) and exc.reason is not None:
-        return CheckpointError(f"checkpoint save of step {step} failed: {exc}", reason=exc.reason)
-    found = os_error(exc)
-    reason = reason_of(found) if found is not None else ("no_space" if _filled(tmp) else None)
-    where = (found.filename if found is not None else None) or root
-    if reason == "no_space":
-        newest = store.newest()
-        last = f"; the newest committed step, {newest.step}, takes {_size(newest.bytes)}" if newest else ""
-        told = "" if found is not None else f" (torch reported {summary(exc)})"
-        why = (
-            f"no space left on the file system of {root}{told}: {_size(free_before)} were free when the save "
-            f"started and it needs more ({_size(_written(tmp))} written before it failed){last}. Free space "
-            "there (a lower keep helps) or move the checkpoint root"
-        )
-    elif reason == "permission":
-        why = (
-            f"permission denied on {where} ({found}): this user ({os.getuid()}) cannot write there; check "
-            f"the owner and mode of {root}"
-        )
-    elif reason == "io":
-        why = (
-            f"I/O error on {where} ({found}): the disk or network file system failed; see the kernel log "
-            "(dmesg) and the storage's health"
-        )
-    elif reason == "read_only":
-        why = f"the file system of {root} is read-only ({found}); remount it read-write or move the root"
-    else:
-        why = summary(exc)
-    return CheckpointError(f"checkpoint save of step {step} under {root} failed: {why}", reason=reason)
-
-
-def fall_back(
-    store: CheckpointStore, step: int, notice_id: str | None, error: CheckpointError, *, sharded: bool
-) -> Checkpoint | None:
-    """After a failed emergency save: the newest earlier committed checkpoint (its manifest reads and its
-    files have their sizes), recorded for ``preemptd exec`` as the one the notice was handled with, so the
-    job still exits 75 and is requeued; None when there is none."""
-    for found in store.steps():
-        try:
-            checkpoint = Checkpoint.load(store.path_of(found))
-            checkpoint.verify("size")
-        except CheckpointError:
-            continue
-        record_emergency(
-            checkpoint.step,
-            path=checkpoint.path,
-            notice_id=notice_id,
-            sharded=sharded,
-            fallback=True,
-            failed_step=step,
-            error=str(error)[:2000],
-        )
-        return checkpoint
-    return None
-
-
-def _hash_workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 def _owner_tag() -> str:
@@ -886,42 +552,6 @@ def _write_durably(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def _crc_range(path: Path, offset: int, length: int) -> int:
-    crc = 0
-    buffer = bytearray(min(_READ_BLOCK, max(length, 1)))
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        handle.seek(offset)
-        left = length
-        while left > 0:
-            got = handle.readinto(view[: min(left, len(buffer))])
-            if not got:
-                raise CheckpointError(f"{path}: shorter than expected while checksumming")
-            crc = zlib.crc32(view[:got], crc)
-            left -= got
-    return crc
-
-
-def _file_crc(pool: ThreadPoolExecutor, path: Path, size: int) -> Callable[[], int]:
-    """Start the CRC32 of ``path`` piecewise on ``pool`` (zlib releases the GIL while it hashes); the
-    returned function waits for the pieces and combines them."""
-    pieces = [
-        (
-            pool.submit(_crc_range, path, offset, min(HASH_PIECE, size - offset)),
-            min(HASH_PIECE, size - offset),
-        )
-        for offset in range(0, size, HASH_PIECE)
-    ]
-
-    def combined() -> int:
-        crc = 0
-        for piece, length in pieces:
-            crc = crc32_combine(crc, piece.result(), length)
-        return crc
-
-    return combined
-
-
 def _add_checksums(directory: Path, workers: int) -> None:
     """Add the CRCs an emergency save deferred to its manifest (an atomic rewrite). A checkpoint removed or
     replaced meanwhile is left alone."""
@@ -930,7 +560,7 @@ def _add_checksums(directory: Path, workers: int) -> None:
         doc = json.loads(path.read_text())
         with ThreadPoolExecutor(max_workers=workers) as pool:
             sums = {
-                f["path"]: _file_crc(pool, directory / f["path"], int(f["bytes"]))
+                f["path"]: file_crc(pool, directory / f["path"], int(f["bytes"]))
                 for f in doc["files"]
                 if f.get("crc32") is None
             }
@@ -985,7 +615,9 @@ class DurableFile:
         self._piece = piece or HASH_PIECE
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._read_fd = os.open(self.path, os.O_RDONLY)
-        self._hashers = ThreadPoolExecutor(max_workers=workers or _hash_workers(), thread_name_prefix="crc")
+        self._hashers = ThreadPoolExecutor(
+            max_workers=workers or default_hash_workers(), thread_name_prefix="crc"
+        )
         self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writeback")
         self._size = 0
         self._cut = 0
@@ -1017,7 +649,7 @@ class DurableFile:
 
     def _submit(self, offset: int, length: int) -> None:
         if self.checksum:
-            self._pieces.append((self._hashers.submit(_crc_fd_range, self._read_fd, offset, length), length))
+            self._pieces.append((self._hashers.submit(crc_fd_range, self._read_fd, offset, length), length))
         if self._sync is None or self._sync.done():
             if self._sync is not None:
                 self._sync.result()
@@ -1059,61 +691,3 @@ class DurableFile:
             self.close()
         else:
             self._release()
-
-
-def _crc_fd_range(fd: int, offset: int, length: int) -> int:
-    crc = 0
-    buffer = bytearray(min(_READ_BLOCK, max(length, 1)))
-    view = memoryview(buffer)
-    position, left = offset, length
-    while left > 0:
-        got = os.preadv(fd, [view[: min(left, len(buffer))]], position)
-        if not got:
-            raise CheckpointError(f"file shrank while checksumming at offset {position}")
-        crc = zlib.crc32(view[:got], crc)
-        position += got
-        left -= got
-    return crc
-
-
-# CRC-32 combination (zlib's crc32_combine, which Python does not expose): the CRC of A+B from crc(A),
-# crc(B) and len(B), by applying len(B) zero bytes to crc(A) through GF(2) matrix squaring.
-_CRC_POLY = 0xEDB88320
-
-
-def _gf2_times(matrix: list[int], vector: int) -> int:
-    total = 0
-    index = 0
-    while vector:
-        if vector & 1:
-            total ^= matrix[index]
-        vector >>= 1
-        index += 1
-    return total
-
-
-def _gf2_square(matrix: list[int]) -> list[int]:
-    return [_gf2_times(matrix, matrix[n]) for n in range(32)]
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """``zlib.crc32(a + b)`` given ``crc32(a)``, ``crc32(b)`` and ``len(b)``."""
-    if len2 <= 0:
-        return crc1
-    odd = [_CRC_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)  # two zero bits
-    odd = _gf2_square(even)  # four zero bits
-    while True:
-        even = _gf2_square(odd)
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return crc1 ^ crc2

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from agent.client.manifest import reason_of
 from agent.client.reporting import CheckpointSchedule
 from agent.client.store import (
     Checkpoint,
@@ -29,9 +30,8 @@ from agent.client.store import (
     FileEntry,
     Verify,
     Writer,
-    os_error,
-    reason_of,
 )
+from agent.client.store_failure import os_error
 from agent.client.watcher import WatcherBase
 
 STATE_FILE = "state.pt"
