@@ -19,7 +19,13 @@ from structlog.testing import capture_logs
 
 from agent.bridges.common import REASON_PREFIX, BridgeCollector, drain_reason
 from agent.bridges.slurm import SlurmBridge, SlurmConfig
-from agent.bridges.slurm_commands import match_node, parse_jobs, parse_nodes, parse_signal
+from agent.bridges.slurm_commands import (
+    match_node,
+    parse_jobs,
+    parse_nodes,
+    parse_signal,
+    running_or_ended_since,
+)
 from agent.config import load_config
 from agent.daemon import Agent
 from agent.errors import ConfigError
@@ -159,6 +165,27 @@ def test_parse_jobs_of_data_parser_shape() -> None:
         1,
         False,
     )
+
+
+def test_jobs_of_a_notice_are_running_or_ended_since_it_came() -> None:
+    """A job that ended after the notice came (its flush, then exit 75) is still the notice's job; one that
+    ended before, or waits in the queue, is not."""
+    doc = {
+        "jobs": [
+            {"job_id": 1, "job_state": "RUNNING", "end_time": 900},
+            {"job_id": 2, "job_state": "FAILED", "end_time": 1000},
+            {"job_id": 3, "job_state": "CANCELLED", "end_time": 999},
+            {"job_id": 4, "job_state": "PENDING", "end_time": 5000},
+            {"job_id": 5, "job_state": "COMPLETED", "end_time": 1001},
+        ]
+    }
+    assert [j.job_id for j in running_or_ended_since(parse_jobs(json.dumps(doc)), 1000.0)] == [1, 2, 5]
+
+
+def test_a_running_jobs_exit_code_is_not_shown() -> None:
+    """squeue gives a running job exit code 0; the status shows no exit code until the job has ended."""
+    doc = {"jobs": [{"job_id": 1, "job_state": "RUNNING", "exit_code": 0}]}
+    assert "exit_code" not in parse_jobs(json.dumps(doc))[0].to_json()
 
 
 def test_parse_rejects_output_without_json() -> None:
@@ -509,6 +536,13 @@ def test_a_bad_slurm_table_is_the_loaders_error(base: Path) -> None:
         config.table("actions.slurm", SlurmConfig)
 
 
+def test_a_retry_pause_below_the_floor_is_refused(base: Path) -> None:
+    """``retry_first_s = 0`` would ask a failing controller in a busy loop: the loader refuses it by key."""
+    config = tmp_config(base, "[actions.slurm]\nenabled = true\nretry_first_s = 0\n")
+    with pytest.raises(ConfigError, match=r"actions\.slurm\.retry_first_s"):
+        config.table("actions.slurm", SlurmConfig)
+
+
 def test_an_unknown_signal_in_the_table_names_the_key(base: Path) -> None:
     config = tmp_config(base, "[actions.slurm]\nenabled = true\nsignal = 'USR9'\n")
     with pytest.raises(ConfigError, match=r"actions\.slurm\.signal: 'USR9' is not a signal"):
@@ -637,32 +671,37 @@ def pending(bridge: SlurmBridge, notice: Notice, action: str) -> Callable[[], di
 
 
 def job_outcome(bridge: SlurmBridge, notice: Notice, job_id: int) -> Callable[[], str | None]:
+    """What the requeue step did to the job, once it is no longer being tried."""
+
     def check() -> str | None:
         jobs = {j["job_id"]: j for j in bridge.status()["notices"][notice.id]["jobs"]}
-        return jobs.get(job_id, {}).get("outcome")
+        outcome = jobs.get(job_id, {}).get("outcome")
+        return None if outcome == "requeue pending" else outcome
 
     return check
 
 
-async def test_dead_controller_drain_and_requeue_after_its_restart(cluster: SlurmCluster) -> None:
-    """slurmctld stopped (dead: nothing listens) before the notice, the job exits 75 while it is down, the controller restarts on its
-    state: the drain and the requeue are retried until they land, once each; status said what was pending."""
+async def test_dead_controller_requeue_after_its_restart(cluster: SlurmCluster) -> None:
+    """slurmctld stops for good (nothing listens) after the drain; the job exits 75 while it is down; the
+    requeue is pending (status says for which job, how often, why) and lands once the controller is started
+    again on its state, exactly once."""
     flag = cluster.root / f"flush-{time.monotonic_ns()}"
     job_id = running(cluster, "--requeue", script=exits_75_on(flag))
+    bridge = bridge_for(cluster, node=NODE, **{**FAST, "stop_wait_s": 1.0})
+    notice = await drained_for_a_notice(cluster, bridge)
+    await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "waiting", what="the job listed")
     cluster.kill_controller()
-    bridge = bridge_for(cluster, node=NODE, **FAST)
-    notice = make_notice(deadline_in=600)
-    bridge.handle(event(EventType.NOTICE, notice))
-    waiting = await until(pending(bridge, notice, "drain"), what="the drain retried")
     flag.touch()
     bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
+    waiting = await until(pending(bridge, notice, "requeue"), 60, "the requeue tried again")
+    shown = dict(bridge.status()["notices"][notice.id]["jobs"][0])
     await asyncio.to_thread(cluster.start_controller)
-    await until(drained_with(cluster, drain_reason(notice)), what="the drain after the restart")
     assert await until(job_outcome(bridge, notice, job_id), 60, "the requeue") == "requeued"
-    job = cluster.job(job_id)
-    assert (job["state"], job["restart_cnt"]) == ("PENDING", 1)
-    assert (waiting["target"], "error" in waiting, "next_try" in waiting) == (NODE, True, True)
-    assert bridge.status()["notices"][notice.id]["pending"] == []
+    # A job the controller still held as running passes through COMPLETING on its way back to the queue.
+    job = await asyncio.to_thread(cluster.wait_job, job_id, lambda j: j["state"] == "PENDING")
+    assert job["restart_cnt"] == 1
+    assert (waiting["target"], "error" in waiting, "next_try" in waiting) == (str(job_id), True, True)
+    assert (shown["outcome"], bridge.status()["notices"][notice.id]["pending"]) == ("requeue pending", [])
     assert bridge.counts[("requeue", "ok")] == 1
     await bridge.stop(1)
 
@@ -684,8 +723,8 @@ async def test_hung_controller_drain_and_requeue_once_it_answers(cluster: SlurmC
         cluster.continue_controller()
     await until(drained_with(cluster, drain_reason(notice)), what="the drain once the controller answers")
     assert await until(job_outcome(bridge, notice, job_id), 60, "the requeue") == "requeued"
-    job = cluster.job(job_id)
-    assert (job["state"], job["restart_cnt"]) == ("PENDING", 1)
+    job = await asyncio.to_thread(cluster.wait_job, job_id, lambda j: j["state"] == "PENDING")
+    assert job["restart_cnt"] == 1
     assert "timed out after 3 s" in waiting["error"]
     await bridge.stop(1)
 

@@ -387,6 +387,9 @@ class SlurmBridge:
 
     async def _requeue_job(self, work: _Work, job_id: int) -> None:
         entry = work.jobs[job_id]
+        entry["outcome"] = (
+            "requeue pending"  # the notice's `pending` says how often it was tried and when next
+        )
         done = await self._persist(
             work,
             "requeue",

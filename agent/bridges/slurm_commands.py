@@ -217,6 +217,11 @@ _BASE_JOB_STATES = frozenset(
 )
 
 
+def running_or_ended_since(jobs: Iterable[SlurmJob], since: float) -> list[SlurmJob]:
+    """The jobs that hold their node now or ended at ``since`` (Unix seconds) or later; not pending ones."""
+    return [job for job in jobs if job.active or (job.state != "PENDING" and (job.end_time or 0) >= since)]
+
+
 def match_node(nodes: Iterable[SlurmNode], names: Iterable[str]) -> SlurmNode | None:
     """The node whose NodeHostname, NodeAddr or NodeName is one of ``names`` (this host's hostnames and
     addresses), in that order of preference; None when no node or more than one matches equally."""
@@ -361,11 +366,7 @@ class SlurmCommands:
             result = await self.run("squeue", "--json", "--nodelist", node)
             return [job for job in parse_jobs(result.stdout) if job.active]
         result = await self.run("squeue", "--json", "--states", "all", "--nodelist", node)
-        return [
-            job
-            for job in parse_jobs(result.stdout)
-            if job.active or (job.state != "PENDING" and (job.end_time or 0) >= ended_since)
-        ]
+        return running_or_ended_since(parse_jobs(result.stdout), ended_since)
 
     async def jobs(self, job_ids: Iterable[int]) -> list[SlurmJob]:
         """These jobs in whatever state the controller still holds them."""
