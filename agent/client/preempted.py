@@ -5,7 +5,9 @@ workers' 75 into 1.
 ``preemptd exec`` creates a private directory and names it in ``PREEMPTD_EXEC_DIR`` for the command it runs.
 Whenever the client commits an emergency checkpoint (``CheckpointStore.save(emergency=True)``, the sharded
 store's commit on every rank, the Hugging Face callback's sealed emergency save) it writes one small JSON record
-there, atomically. Without the variable nothing is written. Standard library only.
+there, atomically. An emergency save that fails (a full disk) while an earlier step is committed records that
+step instead, with ``fallback: true``, ``failed_step`` and ``error``: the notice was handled as well as it could
+be, and the job resumes from that step. Without the variable nothing is written. Standard library only.
 """
 
 from __future__ import annotations
