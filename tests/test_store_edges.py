@@ -4,6 +4,7 @@ user cannot write, malformed manifests, and a step that verifies by size but doe
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import json
 import os
@@ -181,6 +182,46 @@ def test_a_root_the_user_cannot_write_is_a_permission_error_naming_it() -> None:
     reason, message = [*done.stdout.splitlines(), "", ""][:2]
     assert ("permission", True) == (reason, f"permission denied on {root}/.tmp-" in message), done.stderr
     assert f"check the owner and mode of {root}" in message
+
+
+def _raised_in_a_writer(error: OSError) -> RuntimeError:
+    """What torch's writer raises when the file object under it fails: its own error, the OSError its
+    context."""
+    try:
+        try:
+            raise error
+        except OSError:
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+            ) from None
+    except RuntimeError as wrapped:
+        wrapped.__context__ = error
+        return wrapped
+
+
+@pytest.mark.parametrize(
+    ("code", "reason", "says"),
+    [
+        (
+            errno.EIO,
+            "io",
+            "I/O error on /ckpt/x (.*): the disk or network file system failed; see the kernel log",
+        ),
+        (errno.EROFS, "read_only", "the file system of /ckpt is read-only .*remount it read-write"),
+        (errno.EDQUOT, "no_space", "no space left on the file system of /ckpt: 4096 bytes"),
+        (errno.EACCES, "permission", "permission denied on /ckpt/x"),
+        (errno.ENAMETOOLONG, "os", r"File name too long: '/ckpt/x' \(RuntimeError: .*unexpected pos"),
+    ],
+)
+def test_a_save_failure_names_the_storage_cause_found_behind_torchs_error(
+    code: int, reason: str, says: str
+) -> None:
+    """The errno is found in the exception's context, as torch's writer leaves it."""
+    from agent.client.store_failure import save_failure
+
+    exc = _raised_in_a_writer(OSError(code, os.strerror(code), "/ckpt/x"))
+    error = save_failure(exc, 3, Path("/ckpt"), None, 4096, lambda: None)
+    assert (reason, True) == (error.reason, bool(re.search(says, str(error)))), str(error)
 
 
 # -- 3. malformed manifests and a step that does not load

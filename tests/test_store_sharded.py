@@ -97,7 +97,11 @@ def test_a_failed_emergency_save_falls_back_to_the_committed_step_for_exec(
 
 @pytest.mark.parametrize(
     ("field", "value", "why"),
-    [("metadata", 12345, "'metadata' must be dict"), ("step", 1e300, "'step' must be a whole number")],
+    [
+        ("metadata", 12345, "'metadata' must be dict"),
+        ("step", 1e300, "'step' must be a whole number"),
+        ("metadata", {"world_size": "2"}, "'metadata.world_size' must be a whole number"),
+    ],
 )
 def test_a_malformed_manifest_is_skipped_with_a_warning_by_the_store_and_latest_committed(
     group_of_one: None, tmp_path: Path, field: str, value: Any, why: str
@@ -157,3 +161,16 @@ def test_a_full_disk_at_start_still_lets_the_job_start_and_resume(group_of_one: 
     resumed = ShardedStore(small_fs, report=False).load_latest(loaded)
     assert resumed is not None
     assert (1, 1.0) == (resumed.step, loaded["w"][0].item())
+
+
+def test_a_malformed_crc_sidecar_is_ignored_and_the_step_verifies_by_size(
+    group_of_one: None, tmp_path: Path
+) -> None:
+    s = ShardedStore(tmp_path, report=False)
+    s.save(1, state(1.0), emergency=True)
+    assert s.wait_checksums(30)
+    for sidecar in (tmp_path / "step-000000000001").glob(CRC_SIDECAR.format(rank="*")):
+        sidecar.write_text('{"__0_0.distcp": 1e400, "x": [1]}')
+    latest = s.latest()
+    assert latest is not None
+    assert (1, [None, None]) == (latest.step, [f.crc32 for f in latest.checkpoint.files])

@@ -256,8 +256,8 @@ def load_sharded(directory: Path, *, require_dcp: bool = True) -> Checkpoint:
     sums: dict[str, int] = {}
     for sidecar in directory.glob(CRC_SIDECAR.format(rank="*")):
         try:
-            sums.update({str(k): int(v) for k, v in json.loads(sidecar.read_text()).items()})
-        except (OSError, ValueError, AttributeError):
+            sums.update({str(k): int(v) for k, v in json.loads(sidecar.read_bytes()).items()})
+        except (OSError, ValueError, AttributeError, TypeError, OverflowError, RecursionError):
             continue  # a sidecar is an optimisation: without it the files verify by size
     if sums:
         files = tuple(
@@ -265,6 +265,13 @@ def load_sharded(directory: Path, *, require_dcp: bool = True) -> Checkpoint:
             for f in checkpoint.files
         )
         checkpoint = replace(checkpoint, files=files)
+    world_size = checkpoint.metadata.get("world_size", 0)
+    if world_size is not None and (
+        isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 0
+    ):
+        raise CheckpointError(
+            f"{directory / MANIFEST}: malformed: 'metadata.world_size' must be a whole number, got {world_size!r}"
+        )
     if require_dcp and (
         not (directory / DCP_METADATA).is_file() or DCP_METADATA not in {f.path for f in checkpoint.files}
     ):

@@ -144,6 +144,7 @@ class CheckpointStore:
         self.defer_emergency_checksum = defer_emergency_checksum
         self.last_save: Checkpoint | None = None
         self._checksummers = ChecksumThreads()
+        self._runs: dict[str, tuple[tuple[int, int, int], int | None]] = {}
 
     # -- saving -----------------------------------------------------------------------------------------
 
@@ -293,8 +294,23 @@ class CheckpointStore:
         for entry in entries:
             match = _STEP_DIR.match(entry.name)
             if match and entry.is_dir():
-                found.append((run_of(entry), int(match.group(1))))
+                found.append((self._run_of(entry), int(match.group(1))))
         return found
+
+    def _run_of(self, directory: Path) -> int | None:
+        """run_of, remembered while the manifest stays the same file (a root that keeps every step would
+        otherwise have every manifest read again at each save)."""
+        try:
+            stat = (directory / MANIFEST).stat()
+        except OSError:
+            return None
+        key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        known = self._runs.get(directory.name)
+        if known is not None and known[0] == key:
+            return known[1]
+        run = run_of(directory)
+        self._runs[directory.name] = (key, run)
+        return run
 
     def run_for(self, step: int) -> int:
         """The run a save of ``step`` belongs to: the newest committed step's, or the next one (with a

@@ -137,6 +137,8 @@ def save_failure(
         )
     elif reason == "read_only":
         why = f"the file system of {root} is read-only ({found}); remount it read-write or move the root"
+    elif found is not None:
+        why = f"{found} ({summary(exc)})" if found is not exc else str(found)
     else:
         why = summary(exc)
     return CheckpointError(f"checkpoint save of step {step} under {root} failed: {why}", reason=reason)
