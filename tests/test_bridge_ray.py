@@ -1,26 +1,28 @@
 """The Ray bridge against a real Ray (a head and a worker on this machine, tests/ray_cluster.py): the worker is
 drained with reason preemption, the agent's message and the notice's deadline; the head is refused; several
-raylets on one address need ``node_id``; without Ray installed the bridge says so at start."""
+raylets on one address need ``node_id``; drills stay away from Ray unless enabled; without Ray installed the
+bridge says so at start; a GCS that is down is the agent's own log line, with nothing of Ray's raw."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from agent.bridges.common import drain_reason
-from agent.bridges.ray import NOT_INSTALLED, RayBridge, RayConfig, RayError, RayNode, pick_node
+from agent.bridges.ray import RayBridge, RayConfig, RayError, pick_node
+from agent.bridges.ray_gcs import NOT_INSTALLED, RayNode
 from agent.notice import EventType, Notice
 from tests.actions_support import event, make_notice
-from tests.ray_cluster import RayCluster, Unavailable
-from tests.support import http_json, running_agent
+from tests.ray_cluster import RayCluster, Unavailable, _ports
+from tests.support import AgentProcess, http_json, running_agent
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -84,29 +86,26 @@ def test_pick_node_unknown_id() -> None:
         pick_node([RayNode("aa", "10.0.0.2", False, True)], [], "cc")
 
 
-def test_without_ray_the_bridge_says_so_at_start() -> None:
+# The bridge's child as it runs where Ray is not installed.
+WITHOUT_RAY = textwrap.dedent(
+    """
+    import runpy, sys
+    sys.modules["ray"] = None
+    runpy.run_module("agent.bridges.ray_gcs", run_name="__main__")
+    """
+)
+
+
+async def test_without_ray_the_bridge_says_so_at_start() -> None:
     """Ray not importable (as on a host without the extra): degraded at start, with what to install."""
-    script = textwrap.dedent(
-        """
-        import asyncio, json, sys
-        sys.modules["ray"] = None  # as if Ray were not installed
-        from structlog.testing import capture_logs
-        from agent.bridges.ray import RayBridge, RayConfig
-        async def main():
-            bridge = RayBridge(RayConfig(enabled=True))
-            with capture_logs() as logs:
-                await bridge.start()
-            await bridge.stop(1)
-            print(json.dumps({"status": bridge.status(), "events": [e["event"] for e in logs]}))
-        asyncio.run(main())
-        """
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
-    )
-    doc = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (doc["status"]["state"], doc["status"]["degraded_reason"]) == ("degraded", NOT_INSTALLED)
-    assert "ray_degraded" in doc["events"]
+    without_ray = [sys.executable, "-c", WITHOUT_RAY]
+    bridge = RayBridge(RayConfig(enabled=True), helper=without_ray)
+    with capture_logs() as logs:
+        await bridge.start()
+        await bridge.drain_tasks()
+    await bridge.stop(1)
+    assert (bridge.status()["state"], bridge.status()["degraded_reason"]) == ("degraded", NOT_INSTALLED)
+    assert "ray_degraded" in [e["event"] for e in logs]
 
 
 # --- against the real Ray ------------------------------------------------------------------------------
@@ -126,7 +125,7 @@ async def test_head_node_is_refused(ray_cluster: RayCluster) -> None:
     head, _ = ray_cluster.node_ids()
     bridge = bridge_for(ray_cluster, node_id=head)
     await bridge.start()
-    notice = make_notice(deadline_in=300)
+    notice = make_notice(deadline_in=300, source="aws", drill=False)
     bridge.handle(event(EventType.NOTICE, notice))
     await bridge.drain_tasks()
     entry = bridge.status()["notices"][notice.id]
@@ -135,6 +134,43 @@ async def test_head_node_is_refused(ray_cluster: RayCluster) -> None:
     assert head not in ray_cluster.gcs().get_draining_nodes(timeout=10)
     assert ray_cluster.nodes()[head].state == 0  # still alive
     await bridge.stop(1)
+
+
+async def ray_status(sock: Path, until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The bridge's status once ``until`` holds for it (polled: the bridge works in the background)."""
+    for _ in range(600):
+        status, doc = await http_json(sock, "GET", "/v1/status")
+        assert 200 == status, doc
+        shown: dict[str, Any] = doc["actions"]["reactors"]["ray"]
+        if until(shown):
+            return shown
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the Ray bridge never got there: {shown}")
+
+
+async def test_drills_are_off_by_default_and_leave_the_worker_alone(
+    ray_cluster: RayCluster, base: Path
+) -> None:
+    """A drain cannot be undone in Ray (the node stays draining until it dies), so without ``drills = true``
+    a drill reaches the clients but not Ray: status says why, and the worker is not draining. (Runs before
+    the drill that drains the module's worker.)"""
+    _, worker = ray_cluster.node_ids()
+    settings = {
+        "actions.ray.enabled": True,
+        "actions.ray.address": ray_cluster.address,
+        "actions.ray.node_id": worker,
+    }
+    async with running_agent(base, settings):
+        sock = base / "a.sock"
+        await ray_status(sock, lambda shown: shown["node_id"] == worker and shown["state"] == "ok")
+        status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 300})
+        assert 201 == status, body
+        notice_id = body["notice"]["id"]
+        shown = await ray_status(sock, lambda shown: notice_id in shown["notices"])
+    draining = await asyncio.to_thread(ray_cluster.gcs().get_draining_nodes, timeout=10)
+    assert (worker not in draining, 0) == (True, ray_cluster.nodes()[worker].state)  # alive, not draining
+    assert "skipped" == shown["notices"][notice_id]["state"]
+    assert "actions.ray.drills" in shown["notices"][notice_id]["why"]
 
 
 async def test_drill_drains_the_worker_with_reason_and_deadline(ray_cluster: RayCluster, base: Path) -> None:
@@ -155,6 +191,7 @@ async def test_drill_drains_the_worker_with_reason_and_deadline(ray_cluster: Ray
         "actions.ray.enabled": True,
         "actions.ray.address": ray_cluster.address,
         "actions.ray.node_id": worker,
+        "actions.ray.drills": True,
     }
     try:
         placed = await asyncio.wait_for(holder.stdout.readline(), 90)
@@ -187,3 +224,29 @@ async def test_drill_drains_the_worker_with_reason_and_deadline(ray_cluster: Ray
     assert dead is not None and dead.state != 0, "the drained worker did not stop once idle"
     assert dead.death_info.reason_message == drain_reason(notice)
     assert "PREEMPTED" in type(dead.death_info).Reason.Name(dead.death_info.reason)
+
+
+async def test_an_unreachable_gcs_is_one_clear_agent_line_and_nothing_of_ray_lands_raw(base: Path) -> None:
+    """The agent as a process, its Ray bridge pointed at a GCS that is down (a closed port): its log (stdout
+    and stderr) holds JSON lines only — Ray's own warnings come as ``ray_log`` events — and the agent says
+    itself that the GCS did not answer, where, and what to check."""
+    (port,) = _ports(1)
+    address = f"127.0.0.1:{port}"
+    agent = AgentProcess(
+        base,
+        [
+            "--set", "actions.ray.enabled=true", "--set", f"actions.ray.address={address}",
+            "--set", "actions.ray.timeout_s=2", "--set", "actions.ray.retries=0",
+        ],
+    )  # fmt: skip
+    await agent.start(timeout=60)
+    try:
+        shown = await ray_status(agent.socket_path, lambda shown: shown["state"] == "degraded")
+    finally:
+        assert 0 == await agent.stop(timeout=60)
+    raw = [line for line in agent.logs_text().splitlines() if not line.startswith("{")]
+    assert [] == raw
+    [line] = [r for r in agent.logs() if r["event"] == "ray_gcs_unreachable"]
+    assert (address, "error") == (line["address"], line["level"])
+    assert f"the Ray GCS at {address} did not answer" in line["error"]
+    assert shown["degraded_reason"] == line["error"]

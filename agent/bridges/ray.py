@@ -3,25 +3,33 @@ GCS API with reason *preemption*, the agent's message and the notice's deadline 
 --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds`` does, and what Ray's autoscaler does for
 the clouds it manages — so Ray places nothing new there and Ray Train restarts from its checkpoint elsewhere.
 
-Ray is an optional extra (``preemptd[ray]``) imported only here, in a worker thread, when the bridge starts;
-its GCS client blocks, so every call runs in a thread with Ray's own RPC timeout. docs/ray.md has more.
+Ray is an optional extra (``preemptd[ray]``). Its GCS client is used only in a child process
+(``python -m agent.bridges.ray_gcs``, one per call): Ray's C++ core writes its own log lines to the process's
+stderr, blocks for its own timeouts and may abort the process, so in the agent it would put raw lines in the
+JSON log and could hold up or end the agent. The child answers one JSON line; what it writes to stderr comes
+back as ``ray_log`` events; a child that outlives its call's bound is killed. docs/ray.md has more.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
+import contextlib
+import json
 import os
+import re
+import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from agent.actions.common import Recent, applies
 from agent.bridges.common import drain_reason, register_metrics
+from agent.bridges.ray_gcs import RayNode, unreachable
 from agent.bridges.slurm_commands import host_names
 from agent.config import NoticeKindName, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
@@ -30,10 +38,21 @@ from agent.tasks import TaskSet
 
 log = structlog.get_logger("preemptd.ray")
 
-NOT_INSTALLED = (
-    "Ray is not installed in the agent's environment, so the Ray bridge cannot drain this node; "
-    "install it with pip install 'preemptd[ray]' (the same Ray version as the cluster's)"
+DRILLS_OFF = (
+    "a drill: a Ray drain cannot be undone (the node leaves the cluster once it is idle), so drills reach "
+    "the local clients but not Ray unless actions.ray.drills = true"
 )
+# What a child may take beyond its call's own timeout: starting Python and importing Ray, seconds on a busy
+# host. Past both, the child is killed and the call counts as unanswered.
+CHILD_START_S = 30.0
+# Bounds on what a child's stderr may add to the agent's log, per call.
+MAX_LOG_LINES = 40
+MAX_LOG_CHARS = 2000
+# A line of Ray's C++ log: "[2026-12-03 18:27:32,169 W 25758 25776] rpc_client.h:153: Failed to ...".
+_NATIVE_LINE = re.compile(r"\[[^\]]*? ([DIWEF]) \d+ \d+\] (\S+?:\d+): (.*)")
+# The child imports this package from where the agent found it, whatever its working directory.
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_NATIVE_LEVELS = {"D": "debug", "I": "info", "W": "warning", "E": "error", "F": "critical"}
 
 
 @dataclass(frozen=True)
@@ -48,65 +67,20 @@ class RayConfig:
     node_id: str = ""
     kinds: tuple[NoticeKindName, ...] = ("termination",)
     min_severity: SeverityName = "info"
-    drills: bool = True
+    # A drill drains the node for real when true; Ray cannot undo a drain (see DRILLS_OFF).
+    drills: bool = False
     timeout_s: float = 10.0
     retries: int = 2
     history_size: int = 50
 
 
 class RayError(Exception):
-    """Ray refused or failed; the message says what to do."""
+    """Ray refused or failed; the message says what to do. ``failure``: ``unreachable`` (the GCS did not
+    answer; worth another try), ``not_installed``, ``no_cluster``, ``failed``."""
 
-
-@dataclass(frozen=True)
-class RayNode:
-    node_id: str
-    address: str
-    is_head: bool
-    alive: bool
-
-
-class RayApi:
-    """The few GCS calls the bridge makes, synchronous (run them in a thread). Imports Ray on creation."""
-
-    def __init__(self, address: str, timeout_s: float) -> None:
-        raylet = importlib.import_module("ray._raylet")
-        autoscaler = importlib.import_module("ray.core.generated.autoscaler_pb2")
-        self.address = address or self.default_address()
-        self.timeout_s = timeout_s
-        self._preemption = autoscaler.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
-        self._client = raylet.GcsClient(address=self.address)
-
-    @staticmethod
-    def default_address() -> str:
-        """RAY_ADDRESS, else the cluster that ``ray start`` on this host joined (Ray's own lookup)."""
-        services = importlib.import_module("ray._private.services")
-        try:
-            return str(services.canonicalize_bootstrap_address_or_die(os.environ.get("RAY_ADDRESS")))
-        except (ConnectionError, ValueError) as exc:
-            raise RayError(f"no Ray cluster found on this host ({exc}); set actions.ray.address") from exc
-
-    def nodes(self) -> list[RayNode]:
-        infos = self._client.get_all_node_info(timeout=self.timeout_s)
-        return [
-            RayNode(
-                node_id=node_id.hex(),
-                address=str(info.node_manager_address),
-                is_head=bool(info.is_head_node),
-                alive=int(info.state) == 0,  # GcsNodeInfo.ALIVE
-            )
-            for node_id, info in infos.items()
-        ]
-
-    def drain(self, node_id: str, message: str, deadline_ms: int) -> tuple[bool, str]:
-        accepted, rejection = self._client.drain_node(
-            node_id, self._preemption, message, deadline_ms, timeout=self.timeout_s
-        )
-        return bool(accepted), str(rejection or "")
-
-    def draining(self) -> dict[str, int]:
-        """Node id (hex) → drain deadline in ms since the epoch (0: none), as the GCS holds it."""
-        return {str(k): int(v) for k, v in self._client.get_draining_nodes(timeout=self.timeout_s).items()}
+    def __init__(self, message: str, failure: str = "failed") -> None:
+        super().__init__(message)
+        self.failure = failure
 
 
 def pick_node(nodes: list[RayNode], names: list[str], node_id: str = "") -> RayNode:
@@ -142,13 +116,14 @@ class RayBridge:
         self,
         config: RayConfig,
         *,
-        api: Callable[[RayConfig], RayApi] | None = None,
+        helper: Sequence[str] | None = None,
         names: Callable[[], list[str]] = host_names,
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
+        """``helper``: the child's command line (default: this Python, ``-m agent.bridges.ray_gcs``)."""
         self.config = config
-        self._make_api = api or (lambda cfg: RayApi(cfg.address, cfg.timeout_s))
-        self._api: RayApi | None = None
+        self._helper = list(helper or (sys.executable, "-m", "agent.bridges.ray_gcs"))
+        self._address: str | None = None  # the GCS the last answer came from
         self._names = names
         self._clock = clock
         self.tasks = TaskSet("ray")
@@ -160,15 +135,9 @@ class RayBridge:
         self._started: asyncio.Event | None = None
 
     async def start(self) -> None:
-        """Import Ray (in a thread: it takes a second) and say at once when it is missing; the cluster is
-        looked up in the background so that start never waits on the GCS."""
+        """Look the cluster and this host's node up in the background (start never waits on the GCS); a
+        missing Ray or an unreachable GCS is said as soon as the child answers."""
         self._started = asyncio.Event()
-        try:
-            await asyncio.to_thread(importlib.import_module, "ray._raylet")
-        except ImportError as exc:
-            self._degrade(NOT_INSTALLED, error=str(exc))
-            self._started.set()
-            return
         self.tasks.spawn(self._probe(), "probe")
 
     async def stop(self, timeout: float) -> None:
@@ -179,18 +148,26 @@ class RayBridge:
         if event.type not in (EventType.NOTICE, EventType.UPDATE) or notice is None:
             return
         cfg = self.config
-        if notice.id in self._done or not applies(notice, cfg.kinds, cfg.min_severity, cfg.drills):
+        if notice.id in self._done or not applies(notice, cfg.kinds, cfg.min_severity, True):
             return
-        self._done[notice.id] = {"kind": notice.kind.value, "state": "pending"}
+        skipped = notice.drill and not cfg.drills
+        self._done[notice.id] = (
+            {"kind": notice.kind.value, "state": "skipped", "why": DRILLS_OFF}
+            if skipped
+            else {"kind": notice.kind.value, "state": "pending"}
+        )
         while len(self._done) > max(1, cfg.history_size):
             del self._done[next(iter(self._done))]
+        if skipped:
+            log.info("ray_drill_skipped", notice_id=notice.id, why=DRILLS_OFF)
+            return
         self.tasks.spawn(self._drain(notice), f"drain:{notice.id}")
 
     def status(self) -> dict[str, Any]:
         return {
             "state": "degraded" if self.degraded else "ok",
             "degraded_reason": self.degraded,
-            "address": self._api.address if self._api is not None else (self.config.address or None),
+            "address": self._address or self.config.address or None,
             "node_id": self.node.node_id if self.node else (self.config.node_id or None),
             "head": self.node.is_head if self.node else None,
             "notices": dict(self._done),
@@ -214,40 +191,94 @@ class RayBridge:
         try:
             node = await self._node()
         except RayError as exc:
-            self._degrade(str(exc))
+            self._degrade(str(exc), exc.failure)
         else:
             if node.is_head:
                 self._degrade(_head_refusal(node))
             else:
-                log.info("ray_ready", node_id=node.node_id, address=self._api.address if self._api else None)
+                log.info("ray_ready", node_id=node.node_id, address=self._address)
         finally:
             if self._started is not None:
                 self._started.set()
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """One GCS call in a thread, retried; RayError with Ray's message when every attempt failed."""
-        last: Exception | None = None
-        for attempt in range(1 + max(0, self.config.retries)):
+    async def _call(self, op: str, **args: Any) -> Any:
+        """One GCS call in a child, tried again (with a backoff) while the GCS does not answer; RayError
+        when Ray refused, is missing, or every attempt went unanswered."""
+        attempts = 1 + max(0, self.config.retries)
+        for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(0.5 * 2 ** (attempt - 1))
             try:
-                return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.config.timeout_s + 5)
-            except (RayError, ImportError):
-                raise
-            except Exception as exc:  # Ray raises its own RpcError, ConnectionError, TimeoutError...
-                last = exc
-        raise RayError(f"the Ray GCS did not answer: {type(last).__name__}: {last}")
+                return await self._child(op, args)
+            except RayError as exc:
+                if exc.failure != "unreachable" or attempt + 1 == attempts:
+                    raise
+        raise AssertionError("not reached: the last attempt returns or raises")
+
+    async def _child(self, op: str, args: dict[str, Any]) -> Any:
+        """Run ``op`` in a child process; its stderr becomes ``ray_log`` events."""
+        cfg = self.config
+        request = {"op": op, "address": cfg.address, "timeout_s": cfg.timeout_s, **args}
+        path = os.pathsep.join(filter(None, (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))))
+        proc = await asyncio.create_subprocess_exec(
+            *self._helper,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path},
+            limit=MAX_LOG_CHARS * 64,
+        )
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        stdout, stderr = proc.stdout, proc.stderr
+        said: list[str] = []  # the child's stderr, kept if it has to be killed
+
+        async def talk() -> bytes:
+            async def listen() -> None:
+                with contextlib.suppress(ValueError):  # a line past the limit ends the listening
+                    async for line in stderr:
+                        said.append(line.decode(errors="replace"))
+
+            out, _ = await asyncio.gather(stdout.read(), listen())
+            await proc.wait()
+            return out
+
+        bound = cfg.timeout_s + CHILD_START_S
+        try:
+            with contextlib.suppress(ConnectionError):  # a child that ended at once: its output says why
+                proc.stdin.write(json.dumps(request).encode())
+                await proc.stdin.drain()
+                proc.stdin.close()
+            out = await asyncio.wait_for(talk(), bound)
+        except asyncio.TimeoutError:
+            detail = f"no answer within {bound:g} s"
+            raise RayError(unreachable(self._address or cfg.address, detail), "unreachable") from None
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+            _forward(said, op)
+        lines = out.decode(errors="replace").strip().splitlines()
+        try:
+            reply = json.loads(lines[-1])
+        except (IndexError, ValueError):
+            raise RayError(
+                f"the Ray helper ({' '.join(self._helper[:3])}) exited with {proc.returncode} without an "
+                "answer; its output is in the ray_log events above"
+            ) from None
+        if reply.get("address"):
+            self._address = str(reply["address"])
+        if "error" in reply:
+            raise RayError(str(reply["error"]), str(reply.get("failure") or "failed"))
+        return reply.get("result")
 
     async def _node(self) -> RayNode:
-        if self._api is None:
-            try:
-                self._api = await self._call(self._make_api, self.config)
-            except ImportError as exc:
-                raise RayError(NOT_INSTALLED) from exc
-        api = self._api
-        assert api is not None
-        nodes = await self._call(api.nodes)
+        nodes = [RayNode(**node) for node in await self._call("nodes")]
         self.node = pick_node(nodes, self._names(), self.config.node_id)
+        if self.degraded is not None and not self.node.is_head:
+            # The GCS answers again (or the configuration was fixed): the bridge is whole.
+            log.info("ray_recovered", node_id=self.node.node_id, address=self._address, was=self.degraded)
+            self.degraded = None
         return self.node
 
     async def _drain(self, notice: Notice) -> None:
@@ -258,7 +289,7 @@ class RayBridge:
         try:
             node = await self._node()
         except RayError as exc:
-            self._degrade(str(exc))
+            self._degrade(str(exc), exc.failure)
             entry.update(state="failed", error=str(exc))
             self._outcome(notice, "-", "failed", error=str(exc))
             return
@@ -269,11 +300,12 @@ class RayBridge:
             self._outcome(notice, node.node_id, "refused", error=why)
             return
         deadline_ms = int(notice.deadline.timestamp() * 1000) if notice.deadline else 0
-        assert self._api is not None
         try:
-            accepted, rejection = await self._call(self._api.drain, node.node_id, message, deadline_ms)
+            accepted, rejection = await self._call(
+                "drain", node_id=node.node_id, message=message, deadline_ms=deadline_ms
+            )
         except RayError as exc:
-            self._degrade(str(exc))
+            self._degrade(str(exc), exc.failure)
             entry.update(state="failed", error=str(exc))
             self._outcome(notice, node.node_id, "failed", error=str(exc))
             return
@@ -301,9 +333,13 @@ class RayBridge:
         else:
             log.warning(f"ray_drain_{outcome}", **logged)
 
-    def _degrade(self, why: str, **fields: Any) -> None:
+    def _degrade(self, why: str, failure: str = "failed") -> None:
         if self.degraded != why:
-            log.error("ray_degraded", why=why, effect="notices still reach local clients", **fields)
+            effect = "notices still reach local clients"
+            if failure == "unreachable":
+                log.error("ray_gcs_unreachable", address=self._address or self.config.address, error=why)
+            else:
+                log.error("ray_degraded", why=why, effect=effect)
         self.degraded = why
 
 
@@ -313,6 +349,33 @@ def _head_refusal(node: RayNode) -> str:
         "control plane, so the agent refuses; run the agent's Ray bridge on worker nodes only "
         "(or set actions.ray.node_id to a worker's id)"
     )
+
+
+def _forward(lines: Sequence[str], op: str) -> None:
+    """A child's stderr as ``ray_log`` events: its Python log records (JSON), Ray's C++ lines (their level
+    kept), anything else as a warning; bounded in number and length."""
+    for line in (line.rstrip("\n") for line in lines[:MAX_LOG_LINES]):
+        if not line.strip():
+            continue
+        fields: dict[str, Any] = {"call": op}
+        level = "warning"
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        native = _NATIVE_LINE.match(line)
+        if isinstance(record, dict) and "message" in record:
+            level = str(record.get("level", "warning")).lower()
+            fields.update(logger=record.get("logger"), message=str(record["message"])[:MAX_LOG_CHARS])
+        elif native is not None:
+            level = _NATIVE_LEVELS[native.group(1)]
+            fields.update(at=native.group(2), message=native.group(3)[:MAX_LOG_CHARS])
+        else:
+            fields.update(message=line[:MAX_LOG_CHARS])
+        emit = getattr(log, level, None)
+        (emit if callable(emit) else log.warning)("ray_log", **fields)
+    if len(lines) > MAX_LOG_LINES:
+        log.warning("ray_log", call=op, message=f"{len(lines) - MAX_LOG_LINES} more lines left out")
 
 
 def build_reactor(host: Host) -> RayBridge | None:
