@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -32,3 +33,18 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True, check=False)
+
+
+def fill(directory: Path) -> None:
+    """Write a file into ``directory`` until its file system is full (a real ENOSPC)."""
+    with open(directory / "filler", "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(bytes(64 * 1024))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+        try:
+            while True:  # the last few bytes, so that nothing is left
+                handle.write(bytes(512))
+        except OSError:
+            pass

@@ -8,7 +8,6 @@ overwritten; a root the ranks do not share is refused at start-up.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 
 from agent.client import EXIT_PREEMPTED, Checkpoint
-from tests.store_fs import small_fs
+from tests.store_fs import fill, small_fs
 from tests.support import REPO, http_json, running_agent
 
 __all__ = ["small_fs"]  # the fixture, used by name
@@ -195,21 +194,6 @@ async def test_a_rank_killed_mid_save_commits_nothing_and_resume_uses_the_previo
     assert [] == [p.name for p in ckpt.iterdir() if p.name.startswith(".tmp-")]  # nothing half-saved left
 
 
-def _fill(directory: Path) -> None:
-    """Write a file into ``directory`` until its file system is full (a real ENOSPC)."""
-    with open(directory / "filler", "wb", buffering=0) as handle:
-        try:
-            while True:
-                handle.write(bytes(64 * 1024))
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
-        try:
-            while True:  # the last few bytes, so that nothing is left
-                handle.write(bytes(512))
-        except OSError:
-            pass
-
-
 async def test_a_drill_on_a_full_disk_exits_75_with_the_earlier_step_and_resumes_from_it(
     base: Path, small_fs: Path
 ) -> None:
@@ -225,7 +209,7 @@ async def test_a_drill_on_a_full_disk_exits_75_with_the_earlier_step_and_resumes
             _example(2, ckpt, "--steps", "100000", "--step-time", "0.02", "--socket", str(sock), exec_=True)
         )
         await run.until("agent_connected", 2)
-        _fill(small_fs)  # the disk fills up while the job trains
+        fill(small_fs)  # the disk fills up while the job trains
         status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
         assert status == 201, body
         await run.finish()

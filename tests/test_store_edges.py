@@ -24,8 +24,8 @@ import pytest
 from agent.client import CheckpointError, CheckpointStore, CheckpointWarning, Reporter
 from agent.client.preempted import ENV, read_records
 from agent.reports import Report
-from tests.store_fs import small_fs
-from tests.support import REPO, running_agent
+from tests.store_fs import fill, small_fs
+from tests.support import REPO, http_json, running_agent
 
 __all__ = ["small_fs"]  # the fixture, used by name
 
@@ -147,6 +147,42 @@ def test_a_failed_emergency_save_without_an_earlier_step_records_nothing(
     with pytest.raises(CheckpointError) as caught:
         store(small_fs).save(1, torch_writer({"w": torch.zeros(1 << 19)}), emergency=True)
     assert (None, "no_space", []) == (caught.value.fallback, caught.value.reason, read_records(channel))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_the_example_on_a_disk_that_fills_up_exits_75_with_the_step_it_had(
+    base: Path, small_fs: Path
+) -> None:
+    """examples/fault_tolerant_training.py under exec: step 1 fits, the disk fills while it trains, a drill:
+    the emergency save fails, the example reports the fallback step and exits 75."""
+    from tests.test_dcp import Run
+
+    ckpt = small_fs / "ckpt"
+    example = [
+        sys.executable,
+        str(REPO / "examples" / "fault_tolerant_training.py"),
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
+    first = await Run.start(
+        [*example, "--steps", "1", "--interval-s", "0.001", "--socket", str(base / "no.sock")]
+    )
+    assert 0 == await first.finish(), first.stderr[-3000:]
+    async with running_agent(base):
+        sock = base / "a.sock"
+        command = [*example, "--steps", "100000", "--step-time", "0.02", "--socket", str(sock)]
+        run = await Run.start([sys.executable, "-m", "agent", "exec", "--", *command])
+        await run.until("agent_connected")
+        fill(small_fs)
+        status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+        assert status == 201, body
+        code = await run.finish()
+    [preempted] = run.of("preempted")
+    assert (75, 1, True) == (code, preempted["step"], "no space left" in preempted["error"]), run.stderr[
+        -3000:
+    ]
+    assert preempted["failed_step"] > 1
 
 
 _AS_NOBODY = textwrap.dedent(

@@ -14,7 +14,7 @@ import pytest
 
 from agent.client import CheckpointError, CheckpointWarning
 from agent.client.preempted import ENV, read_records
-from tests.store_fs import small_fs
+from tests.store_fs import fill, small_fs
 
 __all__ = ["small_fs"]  # the fixture, used by name
 
@@ -151,12 +151,7 @@ def test_a_state_that_does_not_match_is_refused_not_skipped(group_of_one: None, 
 def test_a_full_disk_at_start_still_lets_the_job_start_and_resume(group_of_one: None, small_fs: Path) -> None:
     """The check that the root is shared takes no space, so a requeued job on a full disk can resume."""
     ShardedStore(small_fs, report=False).save(1, state(1.0))
-    with open(small_fs / "filler", "wb", buffering=0) as handle:
-        try:
-            while True:
-                handle.write(bytes(4096))
-        except OSError:
-            pass
+    fill(small_fs)
     loaded = state(-1.0)
     resumed = ShardedStore(small_fs, report=False).load_latest(loaded)
     assert resumed is not None
