@@ -191,7 +191,7 @@ def run(
     channel = _new_channel()
     env = dict(os.environ)
     env[ENV] = channel
-    terminal = _foreground_terminal()
+    terminal = _Terminal.of_this_process()
     prctl = load_prctl()
     forwarder = _Forwarder(group)
     forwarder.install()
@@ -200,9 +200,10 @@ def run(
         keeper = os.fork()
         if keeper == 0:  # the keeper; it never returns
             os.close(reports)
-            Keeper(command, env, group, terminal, stop_grace, channel, report_to, prctl, FORWARDED).main()
+            tty = terminal.fd if terminal else None
+            Keeper(command, env, group, tty, stop_grace, channel, report_to, prctl, FORWARDED).main()
         os.close(report_to)
-        code, problem = _follow(reports, forwarder, terminal, keeper if not group else None)
+        code, problem = _follow(reports, forwarder, terminal, keeper)
         died = _reap(keeper)
         if code is None:
             code = -signal.SIGKILL  # the command was killed with its keeper (parent-death signal)
@@ -211,7 +212,8 @@ def run(
             )
     finally:
         os.close(reports)
-        _hand_back(terminal)
+        if terminal:
+            terminal.take_back()
         forwarder.restore()
         records = read_records(channel)
         shutil.rmtree(channel, ignore_errors=True)
@@ -223,38 +225,28 @@ def run(
 
 
 def _follow(
-    reports: int, forwarder: _Forwarder, terminal: int | None, shared_group: int | None
+    reports: int, forwarder: _Forwarder, terminal: _Terminal | None, keeper: int
 ) -> tuple[int | None, str | None]:
-    """Act on the keeper's reports until it closes the pipe: (the command's exit code, a problem to print).
-    ``shared_group`` is the keeper's pid when the command runs in the keeper's process group."""
+    """Act on the keeper's reports until it closes the pipe: (the command's exit code, a problem to print)."""
     code: int | None = None
     problem: str | None = None
     with os.fdopen(reports, "rb", closefd=False) as stream:
         for line in stream:
-            kind, _, rest = line.decode().rstrip("\n").partition(" ")
+            kind, _, rest = line.decode(errors="surrogateescape").rstrip("\n").partition(" ")
             if kind == "pid":
                 forwarder.started(int(rest))
-            elif kind == "stopped" and terminal is not None and forwarder.pid is not None:
-                _stop_with_the_command(terminal, shared_group or forwarder.pid)
+                if terminal:  # the command's process group, or the keeper's that it runs in (--no-group)
+                    terminal.lent_to = int(rest) if forwarder.group else keeper
+            elif kind == "stopped" and terminal:
+                terminal.stop_with_the_command()
             elif kind == "exit":
                 code = int(rest)
-                _hand_back(terminal)  # the keeper may spend the grace on stragglers
+                if terminal:  # now: the keeper may spend the grace on stragglers
+                    terminal.take_back()
             elif kind == "error":
                 number, _, problem = rest.partition(" ")
                 code = int(number)
     return code, problem
-
-
-def _stop_with_the_command(terminal: int, command_group: int) -> None:
-    """The command was stopped from the terminal (Ctrl-Z): stop exec too, so that its shell sees a stopped
-    job and takes the terminal; once continued (``fg``), give the command the terminal back if exec has it,
-    and continue the command."""
-    _hand_back(terminal)
-    os.kill(os.getpid(), signal.SIGSTOP)  # not SIGTSTP: the kernel drops it for an orphaned process group
-    if _owns_terminal(terminal):
-        give_terminal(terminal, command_group)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(command_group, signal.SIGCONT)
 
 
 def _reap(keeper: int) -> int:
@@ -270,30 +262,42 @@ def _how(code: int) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
 
 
-# -- the terminal -------------------------------------------------------------------------------------------
+class _Terminal:
+    """The terminal on stdin that a shell started exec in the foreground of, and the process group exec lent
+    it to (the command's child sets that group as the foreground before it runs the command)."""
 
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.lent_to: int | None = None
 
-def _foreground_terminal() -> int | None:
-    """stdin when it is a terminal whose foreground group is exec's (a shell started exec in the
-    foreground); exec started in the background leaves the terminal alone."""
-    try:
-        return 0 if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp() else None
-    except OSError:
-        return None
+    @classmethod
+    def of_this_process(cls) -> _Terminal | None:
+        """None when stdin is no terminal or exec runs in the background: the terminal is left alone."""
+        try:
+            return cls(0) if os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp() else None
+        except OSError:
+            return None
 
-
-def _owns_terminal(terminal: int) -> bool:
-    try:
-        return os.tcgetpgrp(terminal) == os.getpgrp()
-    except OSError:
-        return False
-
-
-def _hand_back(terminal: int | None) -> None:
-    """Make exec's group the terminal's foreground group again (as its shell left it)."""
-    if terminal is not None:
+    def take_back(self) -> None:
+        """Make exec's group the foreground group again — only from the group exec lent it to: after Ctrl-Z
+        and ``bg`` the shell holds the terminal, and it stays the shell's."""
         with contextlib.suppress(OSError):
-            give_terminal(terminal, os.getpgrp())
+            if self.lent_to is not None and os.tcgetpgrp(self.fd) == self.lent_to:
+                give_terminal(self.fd, os.getpgrp())
+
+    def stop_with_the_command(self) -> None:
+        """The command was stopped from the terminal (Ctrl-Z): stop exec too, so that its shell sees a stopped
+        job and takes the terminal. Once continued, lend the terminal to the command again if exec has it
+        (``fg``; not after ``bg``), and continue the command."""
+        if self.lent_to is None:
+            return
+        self.take_back()
+        os.kill(os.getpid(), signal.SIGSTOP)  # not SIGTSTP: the kernel drops it for an orphaned process group
+        with contextlib.suppress(OSError):
+            if os.tcgetpgrp(self.fd) == os.getpgrp():
+                give_terminal(self.fd, self.lent_to)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.lent_to, signal.SIGCONT)
 
 
 # -- the channel directory ----------------------------------------------------------------------------------

@@ -126,7 +126,8 @@ class Keeper:
 
     def _report(self, line: str) -> None:
         try:
-            os.write(self.report_to, f"{line}\n".encode())
+            # A command's name may hold any bytes (surrogates in Python's str).
+            os.write(self.report_to, f"{line}\n".encode(errors="surrogateescape"))
         except BrokenPipeError:
             raise _ParentGone from None
 

@@ -79,6 +79,15 @@ async def test_a_file_the_kernel_cannot_run_gives_126_and_says_why(tmp_path: Pat
     )
 
 
+async def test_a_command_name_that_is_not_utf8_is_reported_like_any_other() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agent", "exec", "--", b"/nonexistent/train-\xff",
+        env=_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    code, _, err = await _finish(proc)
+    assert (127, True, False) == (code, "command not found" in err, "Traceback" in err), err
+
+
 async def test_no_command_is_a_usage_error() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

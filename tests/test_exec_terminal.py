@@ -136,3 +136,31 @@ def test_ctrl_z_stops_exec_and_continuing_it_resumes_the_command() -> None:
         terminal.type("again\n")
         terminal.until("got again")
         assert 0 == terminal.wait()
+
+
+@pytest.mark.parametrize(
+    "shell", [("bash", "--norc", "--noprofile", "-i"), ("dash", "-i")], ids=["bash", "dash"]
+)
+def test_a_job_continued_in_the_background_leaves_the_terminal_to_the_shell(
+    tmp_path: Path, shell: tuple[str, ...]
+) -> None:
+    """Ctrl-Z, then ``bg`` in an interactive bash: when the command ends, exec does not take the terminal from
+    the shell, which reads the next line as usual."""
+    go = tmp_path / "go"
+    os.mkfifo(go)
+    script = tmp_path / "job.py"
+    script.write_text(f"print('ready', flush=True)\nopen({str(go)!r}).read()\n")
+    with _terminal(*shell) as terminal:
+        terminal.type(f"{sys.executable} -m agent exec -- {sys.executable} {script}\n")
+        terminal.until("ready")
+        terminal.type("\x1a")
+        terminal.until("Stopped")
+        terminal.type("bg; echo in-the-$((1+1))-background\n")  # the arithmetic shows up only in the output
+        terminal.until("in-the-2-background")
+        go.write_text("go")  # the job reads it and ends
+        terminal.type("wait; echo waited-$((2+1))\n")
+        terminal.until("waited-3")
+        terminal.type("echo alive-$((3+1))\n")
+        terminal.until("alive-4")
+        terminal.type("exit\n")
+        assert 0 == terminal.wait()
