@@ -85,6 +85,16 @@ def test_saving_the_newest_step_again_stays_in_its_run(tmp_path: Path) -> None:
     assert (0, [102, 101, 100]) == (again.run, store(tmp_path).steps())
 
 
+def test_start_run_begins_a_new_run_on_purpose_without_a_warning(tmp_path: Path) -> None:
+    """A job that trains from scratch in a root an earlier run used: even its higher step is a new run."""
+    older_run(tmp_path)
+    s = store(tmp_path)
+    s.start_run()
+    first = s.save(1, write_files({"a": b"new"}))  # filterwarnings=error: a warning would fail here
+    then = s.save(2, write_files({"a": b"new"}))
+    assert (1, 1, [2, 1, 102]) == (first.run, then.run, s.steps())
+
+
 # -- 2. storage failures
 
 

@@ -57,6 +57,16 @@ def test_a_lower_step_than_an_older_runs_starts_a_new_run_that_is_kept_and_resum
     assert [7, 6, 5] == s.steps()
 
 
+def test_start_run_begins_a_new_run_on_purpose_without_a_warning(group_of_one: None, tmp_path: Path) -> None:
+    old = ShardedStore(tmp_path, keep=3, report=False)
+    for step in (100, 101, 102):
+        old.save(step, state(0.0))
+    s = ShardedStore(tmp_path, keep=3, report=False)
+    s.start_run()
+    first = s.save(1, state(1.0))  # filterwarnings=error: a warning would fail here
+    assert (1, [1, 102, 101]) == (first.checkpoint.run, s.steps())
+
+
 def test_a_save_that_fills_the_disk_is_a_checkpoint_error_naming_the_space_not_torchs_exception(
     group_of_one: None, small_fs: Path
 ) -> None:

@@ -311,6 +311,7 @@ class ShardedStore:
         defer: bool,
         flush: dict[str, Any],
     ) -> ShardedCheckpoint:
+        self._local._new_run = False  # the run start_run asked for has its first step
         own = [f for f in checkpoint.files if owner(f.path, self.world_size) == self.rank]
         self._budget.durations.append(total_s)
         self._report(
@@ -360,6 +361,11 @@ class ShardedStore:
 
     def path_of(self, step: int) -> Path:
         return self._local.path_of(step)
+
+    def start_run(self) -> None:
+        """Make the next save start a new run in this root (see :meth:`CheckpointStore.start_run`); call it
+        on every rank (rank 0 writes the manifest)."""
+        self._local.start_run()
 
     def get(self, step: int, verify: Verify = "checksum") -> ShardedCheckpoint:
         """Step ``step``, verified by every rank together (each checksums its share of the files; one

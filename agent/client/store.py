@@ -145,6 +145,7 @@ class CheckpointStore:
         self.last_save: Checkpoint | None = None
         self._checksummers = ChecksumThreads()
         self._runs: dict[str, tuple[tuple[int, int, int], int | None]] = {}
+        self._new_run = False
 
     # -- saving -----------------------------------------------------------------------------------------
 
@@ -224,6 +225,7 @@ class CheckpointStore:
         duration = time.monotonic() - started
         checkpoint = replace(sealed, path=final, duration_s=duration)
         self.last_save = checkpoint
+        self._new_run = False
         if emergency:  # durable now: `preemptd exec` may turn the launcher's failure into 75
             record_emergency(step, path=final, notice_id=notice_id)
         self._report(
@@ -312,17 +314,26 @@ class CheckpointStore:
         self._runs[directory.name] = (key, run)
         return run
 
+    def start_run(self) -> None:
+        """Make the next save start a new run in this root, whatever its step and without a warning: for a
+        job that trains from scratch (it does not resume) where an earlier run left its steps. That run's
+        steps are then older than every step of the new one."""
+        self._new_run = True
+
     def run_for(self, step: int) -> int:
         """The run a save of ``step`` belongs to: the newest committed step's, or the next one (with a
         CheckpointWarning) when ``step`` is lower than that step, since a new run is then starting here."""
         newest = max(((run, at) for run, at in self._scan() if run is not None), default=None)
+        if self._new_run:  # until a save of the new run is committed
+            return 0 if newest is None else newest[0] + 1
         if newest is None or step >= newest[1]:
             return 0 if newest is None else newest[0]
         run, at = newest
         warnings.warn(
             f"saving step {step} into {self.root}, whose newest checkpoint is step {at}: this starts run "
             f"{run + 1} there, whose steps a resume prefers to the earlier run's (those are pruned first). "
-            "If that root belongs to another job, stop and give this one its own checkpoint root.",
+            "If that root belongs to another job, stop and give this one its own checkpoint root; if this job "
+            "starts afresh there on purpose, call start_run() before its first save.",
             CheckpointWarning,
             stacklevel=3,
         )
