@@ -88,6 +88,16 @@ async def test_a_command_name_that_is_not_utf8_is_reported_like_any_other() -> N
     assert (127, True, False) == (code, "command not found" in err, "Traceback" in err), err
 
 
+@pytest.mark.parametrize("value", ["soon", "-1", "86400"])
+async def test_a_bad_stop_grace_is_a_usage_error_that_says_why(value: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agent", "exec", "--stop-grace", value, "--", "true",
+        env=_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    code, _, err = await _finish(proc)
+    assert (2, True) == (code, "argument --stop-grace:" in err and value in err), err
+
+
 async def test_no_command_is_a_usage_error() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
