@@ -50,8 +50,11 @@ MAX_LOG_LINES = 40
 MAX_LOG_CHARS = 2000
 # A line of Ray's C++ log: "[2026-12-03 18:27:32,169 W 25758 25776] rpc_client.h:153: Failed to ...".
 _NATIVE_LINE = re.compile(r"\[[^\]]*? ([DIWEF]) \d+ \d+\] (\S+?:\d+): (.*)")
-# The child imports this package from where the agent found it, whatever its working directory.
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+# The child imports this package from where the agent found it, whatever its working directory: a source
+# checkout is added to its path (an installed package is found there anyway, and a site-packages directory
+# on PYTHONPATH would come before the standard library).
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+_CHILD_PATH = "" if _PACKAGE_ROOT.name in ("site-packages", "dist-packages") else str(_PACKAGE_ROOT)
 _NATIVE_LEVELS = {"D": "debug", "I": "info", "W": "warning", "E": "error", "F": "critical"}
 
 
@@ -219,7 +222,7 @@ class RayBridge:
         """Run ``op`` in a child process; its stderr becomes ``ray_log`` events."""
         cfg = self.config
         request = {"op": op, "address": cfg.address, "timeout_s": cfg.timeout_s, **args}
-        path = os.pathsep.join(filter(None, (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))))
+        path = os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), _CHILD_PATH)))
         proc = await asyncio.create_subprocess_exec(
             *self._helper,
             stdin=asyncio.subprocess.PIPE,
