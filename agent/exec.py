@@ -15,17 +15,18 @@ Process tree (Linux)::
             └ parent-death signal: when exec dies, the keeper SIGKILLs everything below it
 
 Every process the command starts stays below the keeper, whatever its session, because an orphan goes to the
-nearest subreaper. When the command exits, the keeper sends SIGTERM to what is left, waits up to
+nearest subreaper. When the command exits, the keeper sends SIGTERM (and SIGCONT) to what is left, waits up to
 ``--stop-grace`` seconds and SIGKILLs the rest, and only then exits, so exec's own exit means the command's
 whole tree is gone. Caveats: a parent-death signal is sent when the parent *thread* that forked the process
 exits (exec and the keeper are single-threaded, so that is the process) and is cleared by the execution of
 a set-user-ID program; a keeper that is itself SIGKILLed takes the command with it, but the command's workers
-then go to init. The channel directory's name holds exec's pid and start time, so the next exec removes the
-directories of execs that are gone.
+then go to init. The channel directory's name holds exec's boot, PID namespace, pid and start time, so the
+next exec removes the directories of execs that are gone (and only those).
 
 At a terminal (stdin is one and exec is in its foreground), the command's group is made the foreground
 group so that it can read the terminal and gets Ctrl-C directly; Ctrl-Z stops the command and then exec, so
-the shell sees a stopped job, and ``fg`` continues both; exec hands the terminal back when the command ends.
+the shell sees a stopped job that ``fg`` or ``bg`` continues; exec takes the terminal back when the command
+ends, if the command still has it.
 """
 
 from __future__ import annotations
