@@ -17,7 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from agent.bridges.common import drain_reason
-from agent.bridges.ray import RayBridge, RayConfig, RayError, pick_node
+from agent.bridges.ray import MAX_LOG_LINES, RayBridge, RayConfig, RayError, child_log, pick_node
 from agent.bridges.ray_gcs import NOT_INSTALLED, RayNode
 from agent.notice import EventType, Notice
 from tests.actions_support import event, make_notice
@@ -84,6 +84,55 @@ def test_pick_node_needs_node_id_when_one_address_has_several() -> None:
 def test_pick_node_unknown_id() -> None:
     with pytest.raises(RayError, match=r"no live node cc \(actions\.ray\.node_id\)"):
         pick_node([RayNode("aa", "10.0.0.2", False, True)], [], "cc")
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (
+            "[2026-12-03 18:27:32,169 W 25758 25776] rpc_client.h:153: Failed to connect to GCS at address "
+            "127.0.0.1:1 within 5 seconds.",
+            (
+                "warning",
+                {
+                    "call": "nodes",
+                    "at": "rpc_client.h:153",
+                    "message": "Failed to connect to GCS at address 127.0.0.1:1 within 5 seconds.",
+                },
+            ),
+        ),
+        (
+            "[2026-12-03 18:27:32,169 E 25758 25776] gcs_client.cc:210: Failed to get cluster ID",
+            ("error", {"call": "nodes", "at": "gcs_client.cc:210", "message": "Failed to get cluster ID"}),
+        ),
+        (
+            '{"level": "WARNING", "logger": "ray._private.services", "message": "Found multiple active Ray"}',
+            (
+                "warning",
+                {"call": "nodes", "logger": "ray._private.services", "message": "Found multiple active Ray"},
+            ),
+        ),
+        (
+            '{"level": "bind", "logger": "x", "message": "an unknown level"}',
+            ("warning", {"call": "nodes", "logger": "x", "message": "an unknown level"}),
+        ),
+        (
+            "Traceback (most recent call last):",
+            ("warning", {"call": "nodes", "message": "Traceback (most recent call last):"}),
+        ),
+    ],
+)
+def test_a_childs_stderr_line_becomes_a_ray_log_event(
+    line: str, expected: tuple[str, dict[str, Any]]
+) -> None:
+    assert [expected] == child_log([line + "\n", "\n"], "nodes")
+
+
+def test_a_childs_stderr_is_bounded() -> None:
+    events = child_log(["x" * 5000] * (MAX_LOG_LINES + 3), "drain")
+    assert MAX_LOG_LINES + 1 == len(events)
+    assert 2000 == len(events[0][1]["message"])
+    assert ("warning", {"call": "drain", "message": "3 more lines left out"}) == events[-1]
 
 
 # The bridge's child as it runs where Ray is not installed.

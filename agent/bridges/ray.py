@@ -50,12 +50,12 @@ MAX_LOG_LINES = 40
 MAX_LOG_CHARS = 2000
 # A line of Ray's C++ log: "[2026-12-03 18:27:32,169 W 25758 25776] rpc_client.h:153: Failed to ...".
 _NATIVE_LINE = re.compile(r"\[[^\]]*? ([DIWEF]) \d+ \d+\] (\S+?:\d+): (.*)")
+_NATIVE_LEVELS = {"D": "debug", "I": "info", "W": "warning", "E": "error", "F": "critical"}
 # The child imports this package from where the agent found it, whatever its working directory: a source
 # checkout is added to its path (an installed package is found there anyway, and a site-packages directory
 # on PYTHONPATH would come before the standard library).
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 _CHILD_PATH = "" if _PACKAGE_ROOT.name in ("site-packages", "dist-packages") else str(_PACKAGE_ROOT)
-_NATIVE_LEVELS = {"D": "debug", "I": "info", "W": "warning", "E": "error", "F": "critical"}
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,8 @@ class RayBridge:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-            _forward(said, op)
+            for level, fields in child_log(said, op):
+                getattr(log, level)("ray_log", **fields)
         lines = out.decode(errors="replace").strip().splitlines()
         try:
             reply = json.loads(lines[-1])
@@ -354,31 +355,34 @@ def _head_refusal(node: RayNode) -> str:
     )
 
 
-def _forward(lines: Sequence[str], op: str) -> None:
-    """A child's stderr as ``ray_log`` events: its Python log records (JSON), Ray's C++ lines (their level
-    kept), anything else as a warning; bounded in number and length."""
+def child_log(lines: Sequence[str], op: str) -> list[tuple[str, dict[str, Any]]]:
+    """A child's stderr as ``ray_log`` events, (level, fields): its Python log records (JSON lines), Ray's
+    C++ lines (their level and source kept), anything else as a warning; bounded in number and length."""
+    events: list[tuple[str, dict[str, Any]]] = []
     for line in (line.rstrip("\n") for line in lines[:MAX_LOG_LINES]):
         if not line.strip():
             continue
-        fields: dict[str, Any] = {"call": op}
-        level = "warning"
         try:
             record = json.loads(line)
         except ValueError:
             record = None
         native = _NATIVE_LINE.match(line)
+        fields: dict[str, Any] = {"call": op}
         if isinstance(record, dict) and "message" in record:
-            level = str(record.get("level", "warning")).lower()
-            fields.update(logger=record.get("logger"), message=str(record["message"])[:MAX_LOG_CHARS])
+            level, message = str(record.get("level", "")).lower(), str(record["message"])
+            fields["logger"] = record.get("logger")
         elif native is not None:
-            level = _NATIVE_LEVELS[native.group(1)]
-            fields.update(at=native.group(2), message=native.group(3)[:MAX_LOG_CHARS])
+            level, message = _NATIVE_LEVELS[native.group(1)], native.group(3)
+            fields["at"] = native.group(2)
         else:
-            fields.update(message=line[:MAX_LOG_CHARS])
-        emit = getattr(log, level, None)
-        (emit if callable(emit) else log.warning)("ray_log", **fields)
+            level, message = "warning", line
+        fields["message"] = message[:MAX_LOG_CHARS]
+        events.append((level if level in _NATIVE_LEVELS.values() else "warning", fields))
     if len(lines) > MAX_LOG_LINES:
-        log.warning("ray_log", call=op, message=f"{len(lines) - MAX_LOG_LINES} more lines left out")
+        events.append(
+            ("warning", {"call": op, "message": f"{len(lines) - MAX_LOG_LINES} more lines left out"})
+        )
+    return events
 
 
 def build_reactor(host: Host) -> RayBridge | None:
