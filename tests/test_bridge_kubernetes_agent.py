@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +75,10 @@ def write_state(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def pod_cgroup(pod_uid: str) -> Iterator[Path]:
+def pod_cgroup(pod_uid: str) -> Iterator[Callable[[int], None]]:
     """A cgroup named as the kubelet's systemd driver names a pod's, for a process that the agent must find
-    in that pod (as it does on a node, through /proc/<pid>/cgroup); yields its ``cgroup.procs``. Skips where
-    no cgroup can be made here (not root, no writable hierarchy)."""
+    in that pod (as it does on a node, through /proc/<pid>/cgroup); yields ``join(pid)``, which moves a
+    process into it. Skips where no cgroup can be made or joined here (not root, no writable hierarchy)."""
     name = f"kubepods-besteffort-pod{pod_uid.replace('-', '_')}.slice"
     for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
         if not (root / "cgroup.procs").exists():
@@ -87,8 +87,15 @@ def pod_cgroup(pod_uid: str) -> Iterator[Path]:
             (root / name).mkdir()
         except OSError:
             continue
+
+        def join(pid: int, procs: Path = root / name / "cgroup.procs") -> None:
+            try:
+                procs.write_text(str(pid))
+            except OSError as exc:
+                pytest.skip(f"cannot move a process into a cgroup here: {exc}")
+
         try:
-            yield root / name / "cgroup.procs"
+            yield join
         finally:
             with contextlib.suppress(OSError):
                 (root / name).rmdir()
@@ -96,14 +103,13 @@ def pod_cgroup(pod_uid: str) -> Iterator[Path]:
     pytest.skip("no cgroup can be created here to stand for a pod (needs root and a writable cgroup mount)")
 
 
-# A training process that has not saved yet: it joins the cgroup given, subscribes, and prints each event's
-# type (the snapshot first, so the test knows it is subscribed).
+# A training process that has not saved yet: once told (a line on stdin: it is in its pod's cgroup by then),
+# it subscribes and prints each event's type (the snapshot first, so the test knows it is subscribed).
 SUBSCRIBER = textwrap.dedent(
     """
-    import os, sys
+    import sys
     from agent.client.transport import EventStream
-    with open(sys.argv[2], "w") as procs:
-        procs.write(str(os.getpid()))
+    sys.stdin.readline()
     for message in EventStream(sys.argv[1], read_timeout=None):
         print(message.event, flush=True)
     """
@@ -201,14 +207,16 @@ async def test_a_subscribed_process_holds_its_pod_until_ready_before_it_ever_rep
     train = kube.add_pod("ml", "train-0", node=NODE, owner="Job", grace_s=30)
     kube.add_pod("web", "inference-6d8f-x", node=NODE, owner="ReplicaSet")
     sock = base / "a.sock"
-    with pod_cgroup(train["metadata"]["uid"]) as procs:
+    with pod_cgroup(train["metadata"]["uid"]) as join:
         async with running_agent(base, settings(kube, base)):
             child = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", SUBSCRIBER, str(sock), str(procs),
+                sys.executable, "-c", SUBSCRIBER, str(sock), stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=str(REPO),
             )  # fmt: skip
-            assert child.stdout is not None
+            assert child.stdin is not None and child.stdout is not None
             try:
+                join(child.pid)
+                child.stdin.write(b"subscribe\n")
                 assert b"snapshot\n" == await asyncio.wait_for(child.stdout.readline(), 60)
                 notice_id = await drill(sock, in_s=120)
                 await kube.wait_for(lambda: ("web", "inference-6d8f-x") in kube.evicted)
