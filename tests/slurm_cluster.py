@@ -9,6 +9,7 @@ cloud clusters, so the bridge has to find it through NodeHostname/NodeAddr.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -199,12 +200,15 @@ class SlurmCluster:
     def continue_controller(self) -> None:
         os.kill(self._pids["slurmctld"], signal.SIGCONT)
 
-    def kill_controller(self) -> None:
+    def kill_controller(self, how: signal.Signals = signal.SIGTERM) -> None:
         """Stop slurmctld: a dead controller (nothing listens on its port; slurmd and the jobs go on).
-        SIGTERM, so that it saves its job state first: a SIGKILL loses a running job's start, which slurmctld
-        writes only some minutes later, and the restarted controller would not know the job runs."""
+        SIGTERM lets it save its state first. Before a SIGKILL the node's state is saved on purpose (a
+        resume is saved about a second later, and a restart would bring back an older drain); a running
+        job's start is not (slurmctld writes it only minutes later), so SIGKILL only without jobs."""
+        if how == signal.SIGKILL:
+            self._save_node_state()
         pid = self._pids.pop("slurmctld")
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, how)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _alive(pid):
             time.sleep(0.05)
@@ -212,6 +216,19 @@ class SlurmCluster:
             raise AssertionError(f"slurmctld ({pid}) did not stop within 30 s{self.logs('slurmctld')}")
         # The restart must not read the dead daemon's pid.
         (self.root / "slurmctld.pid").unlink(missing_ok=True)
+
+    def _save_node_state(self, timeout: float = 30.0) -> None:
+        """Change the node's comment and wait until slurmctld has written its node state file."""
+        before = time.time() - 0.05  # file times come from a clock that may lag a tick behind
+        self.run("scontrol", "update", f"NodeName={self.node}", f"Comment=saved at {before:.0f}")
+        state = self.root / "state" / "node_state"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if state.stat().st_mtime >= before:
+                    return
+            time.sleep(0.1)
+        raise AssertionError(f"slurmctld did not save {state} within {timeout:g} s")
 
     def start_controller(self, timeout: float = 60.0) -> None:
         """Start slurmctld again on the same slurm.conf (state directory and port): it recovers the jobs and

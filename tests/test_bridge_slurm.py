@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -679,6 +680,25 @@ def job_outcome(bridge: SlurmBridge, notice: Notice, job_id: int) -> Callable[[]
         return None if outcome == "requeue pending" else outcome
 
     return check
+
+
+async def test_killed_controller_drain_once_it_is_back(cluster: SlurmCluster) -> None:
+    """slurmctld SIGKILLed before the notice: the drain is pending (tried again, status says why and when
+    next), and lands once the controller is started again on the same state directory and port."""
+    cluster.kill_controller(signal.SIGKILL)
+    bridge = bridge_for(cluster, node=NODE, **FAST)
+    notice = make_notice(deadline_in=600)
+    bridge.handle(event(EventType.NOTICE, notice))
+    waiting = await until(pending(bridge, notice, "drain"), 60, "the drain tried again")
+    await asyncio.to_thread(cluster.start_controller)
+    await until(drained_with(cluster, drain_reason(notice)), 60, "the drain after the restart")
+    await until(
+        lambda: bridge.status()["notices"][notice.id]["phase"] == "waiting", what="the drain step done"
+    )
+    shown = bridge.status()["notices"][notice.id]
+    assert (waiting["target"], "error" in waiting, "next_try" in waiting) == (NODE, True, True)
+    assert (shown["drain"], shown["pending"], bridge.counts[("drain", "ok")]) == ("drained", [], 1)
+    await bridge.stop(1)
 
 
 async def test_dead_controller_requeue_after_its_restart(cluster: SlurmCluster) -> None:
