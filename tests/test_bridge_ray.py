@@ -19,6 +19,8 @@ from structlog.testing import capture_logs
 from agent.bridges.common import drain_reason
 from agent.bridges.ray import MAX_LOG_LINES, RayBridge, RayConfig, RayError, child_log, pick_node
 from agent.bridges.ray_gcs import NOT_INSTALLED, RayNode
+from agent.config import load_config
+from agent.errors import ConfigError
 from agent.notice import EventType, Notice
 from tests.actions_support import event, make_notice
 from tests.ray_cluster import RayCluster, Unavailable, _ports
@@ -133,6 +135,19 @@ def test_a_childs_stderr_is_bounded() -> None:
     assert MAX_LOG_LINES + 1 == len(events)
     assert 2000 == len(events[0][1]["message"])
     assert ("warning", {"call": "drain", "message": "3 more lines left out"}) == events[-1]
+
+
+@pytest.mark.parametrize(
+    ("setting", "key"),
+    [("timeout_s = 1e-9", "timeout_s"), ("retries = -1", "retries"), ("history_size = 0", "history_size")],
+)
+def test_a_ray_value_out_of_range_is_refused_by_key(base: Path, setting: str, key: str) -> None:
+    """A GCS timeout of a nanosecond (every call a busy failure), negative retries or no history: the loader
+    refuses the value, naming its key."""
+    path = base / "preemptd.toml"
+    path.write_text(f"[actions.ray]\nenabled = true\n{setting}\n")
+    with pytest.raises(ConfigError, match=rf"actions\.ray\.{key}"):
+        load_config(path=path, env={}).table("actions.ray", RayConfig)
 
 
 # The bridge's child as it runs where Ray is not installed.

@@ -23,15 +23,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import structlog
+from msgspec import Meta
 
 from agent.actions.common import Recent, applies
 from agent.bridges.common import drain_reason, register_metrics
 from agent.bridges.ray_gcs import RayNode, unreachable
 from agent.bridges.slurm_commands import host_names
-from agent.config import NoticeKindName, SeverityName
+from agent.config import AtLeastOne, NoticeKindName, Seconds, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 from agent.ports import Host
 from agent.tasks import TaskSet
@@ -72,9 +73,9 @@ class RayConfig:
     min_severity: SeverityName = "info"
     # A drill drains the node for real when true; Ray cannot undo a drain (see DRILLS_OFF).
     drills: bool = False
-    timeout_s: float = 10.0
-    retries: int = 2
-    history_size: int = 50
+    timeout_s: Seconds = 10.0
+    retries: Annotated[int, Meta(ge=0, le=10)] = 2
+    history_size: AtLeastOne = 50
 
 
 class RayError(Exception):
