@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from agent.client import CheckpointSchedule, CheckpointStore, Reporter, advised_interval, client_info
+from agent.client import (
+    CheckpointError,
+    CheckpointSchedule,
+    CheckpointStore,
+    Reporter,
+    advised_interval,
+    client_info,
+)
 from agent.daemon import Agent
 from agent.reports import Report
 from tests.support import running_agent
@@ -66,7 +73,7 @@ async def test_failed_save_is_reported_as_failed(base: Path) -> None:
         agent.on_report(reports.append)
         reporter = Reporter(base / "a.sock")
         store = CheckpointStore(base / "ckpt", reporter=reporter)
-        with pytest.raises(OSError, match="no space left"):
+        with pytest.raises(CheckpointError, match="no space left"):
             await asyncio.to_thread(store.save, 1, broken)
         assert await asyncio.to_thread(reporter.flush, 10)
     assert ["started", "failed"] == [r.phase for r in reports]
