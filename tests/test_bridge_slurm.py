@@ -749,6 +749,25 @@ async def test_hung_controller_drain_and_requeue_once_it_answers(cluster: SlurmC
     await bridge.stop(1)
 
 
+async def test_hung_controller_at_the_clear_resume_once_it_answers(cluster: SlurmCluster) -> None:
+    """slurmctld hung when the notice clears: the resume is pending, and the node is resumed once the
+    controller answers again."""
+    bridge = bridge_for(cluster, node=NODE, **FAST)
+    notice = await drained_for_a_notice(cluster, bridge)
+    await until(lambda: bridge.status()["notices"][notice.id]["phase"] == "waiting", what="the drain step")
+    cluster.pause_controller()
+    try:
+        bridge.handle(event(EventType.CLEARED, notice))
+        waiting = await until(pending(bridge, notice, "resume"), 60, "the resume tried again")
+    finally:
+        cluster.continue_controller()
+    await bridge.drain_tasks()
+    assert not cluster.node_state()["states"] & {"DRAIN", "DRAINED", "DRAINING"}
+    shown = bridge.status()["notices"][notice.id]
+    assert (waiting["target"], shown["drain"], shown["pending"]) == (NODE, "resumed", [])
+    await bridge.stop(1)
+
+
 async def test_a_job_requeued_already_is_not_requeued_again(cluster: SlurmCluster) -> None:
     """A job the notice found, requeued meanwhile by someone else (``RequeueExit=75``, a requeue that timed
     out here but reached the controller) and running again: its restart count says so; no second requeue."""

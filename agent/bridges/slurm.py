@@ -93,10 +93,9 @@ class _Work:
     notice: Notice
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``cleared``
+    clear: asyncio.Event = field(default_factory=asyncio.Event)  # the notice cleared: pauses end early
     # Set once the drain step is over (done, left alone or given up): the resume waits for it.
     drain_settled: asyncio.Event = field(default_factory=asyncio.Event)
-    cleared: bool = False
     cleared_at: datetime | None = None
     phase: str = "starting"
     node: str | None = None
@@ -123,6 +122,10 @@ class _Work:
             "acted_on": self.acted_on,
             "pending": [self.pending[k] for k in sorted(self.pending)],
         }
+
+    @property
+    def cleared(self) -> bool:
+        return self.clear.is_set()
 
     def set_phase(self, phase: str) -> None:
         """Move on, unless the notice cleared: then the clear's phases are what status shows."""
@@ -183,8 +186,8 @@ class SlurmBridge:
         work = self._work.get(notice.id)
         if event.type is EventType.CLEARED:
             if work is not None and not work.cleared:
-                work.cleared, work.cleared_at = True, self._clock()
-                work.gone.set()
+                work.cleared_at = self._clock()
+                work.clear.set()
                 work.changed.set()
                 self.tasks.spawn(self._cleared(work), f"clear:{notice.id}")
             return
@@ -376,7 +379,7 @@ class SlurmBridge:
                 jobs = list(work.found.values())
             if not any(self._awaited(work, job) for job in jobs):
                 break
-            await wait_for_any(work.gone, timeout=min(1.0, max(0.0, (end - self._clock()).total_seconds())))
+            await wait_for_any(work.clear, timeout=min(1.0, max(0.0, (end - self._clock()).total_seconds())))
         await asyncio.gather(*(self._requeue_job(work, job_id) for job_id in sorted(ids)))
 
     def _awaited(self, work: _Work, job: SlurmJob) -> bool:
@@ -387,18 +390,15 @@ class SlurmBridge:
 
     async def _requeue_job(self, work: _Work, job_id: int) -> None:
         entry = work.jobs[job_id]
-        entry["outcome"] = (
-            "requeue pending"  # the notice's `pending` says how often it was tried and when next
-        )
+        entry["outcome"] = "requeue pending"  # the notice's `pending` says how often it was tried, and why
+        # A clear does not end the tries: a job that has stopped comes back only through this requeue.
         done = await self._persist(
             work,
             "requeue",
             str(job_id),
             lambda: self._requeue_once(work, job_id),
             self._limit(work, beyond=True),
-            stop=lambda: (
-                False
-            ),  # a stopped job comes back only through this requeue: a clear does not stop it
+            until_cleared=False,
         )
         if done is None:
             entry["outcome"] = "requeue failed"
@@ -448,7 +448,7 @@ class SlurmBridge:
             deadline = work.notice.deadline
             if not running or (deadline is not None and self._clock() >= deadline):
                 return
-            await wait_for_any(work.gone, timeout=delay)
+            await wait_for_any(work.clear, timeout=delay)
             delay = min(self.config.retry_max_s, delay * 2)
             try:
                 jobs = await self.commands.jobs(running)
@@ -476,7 +476,7 @@ class SlurmBridge:
             node,
             lambda: self._resume_once(work, node),
             lambda: (work.cleared_at or self._clock()) + timedelta(seconds=self.config.persist_s),
-            stop=lambda: False,
+            until_cleared=False,
         )
 
     async def _resume_once(self, work: _Work, node: str) -> str:
@@ -542,12 +542,15 @@ class SlurmBridge:
         step: Callable[[], Awaitable[T]],
         limit: Callable[[], datetime | None],
         *,
-        stop: Callable[[], bool] | None = None,
+        until_cleared: bool = True,
     ) -> T | None:
         """Run ``step`` until it succeeds; after each SlurmError wait ``retry_first_s``, doubling up to
         ``retry_max_s``, and try again, while status shows what is pending. None once the next try would
-        come after ``limit()``, once ``stop()`` holds (default: the notice cleared) or when a tool is missing."""
-        stopped = stop or (lambda: work.cleared)
+        come after ``limit()``, when a tool is missing, or (``until_cleared``) once the notice has cleared."""
+
+        def stopped() -> bool:
+            return until_cleared and work.cleared
+
         key = action if target in ("-", work.node) else f"{action} {target}"
         delay = self.config.retry_first_s
         attempts = 0
@@ -576,9 +579,12 @@ class SlurmBridge:
                     "gives_up_at": format_time(end) if end is not None else None,
                 }
                 self._outcome(work, action, target, "retrying", error, attempts=str(attempts))
-                await wait_for_any(work.gone, timeout=delay)
-                if stopped():
-                    return None
+                if until_cleared:
+                    await wait_for_any(work.clear, timeout=delay)  # a clear ends the pause early
+                    if stopped():
+                        return None
+                else:
+                    await asyncio.sleep(delay)
                 delay = min(self.config.retry_max_s, delay * 2)
         finally:
             work.pending.pop(key, None)
