@@ -80,7 +80,7 @@ def test_a_save_that_fills_the_disk_is_a_checkpoint_error_naming_the_space_not_t
     )  # fmt: skip
     assert re.search(
         rf"save of step 2 under {small_fs} failed: no space left on the file system of {small_fs} "
-        r"\(torch reported rank 0: RuntimeError: .*\): \d+ bytes .* were free when the save started",
+        r"\(the writer reported rank 0: RuntimeError: .*\): \d+ bytes .* were free when the save started",
         str(error),
     ), str(error)
     assert [] == [p.name for p in small_fs.glob(".tmp-*")]

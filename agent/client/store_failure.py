@@ -119,7 +119,7 @@ def save_failure(
             if last_step
             else ""
         )
-        told = "" if found is not None else f" (torch reported {summary(exc)})"
+        told = "" if found is not None else f" (the writer reported {summary(exc)})"
         why = (
             f"no space left on the file system of {root}{told}: {_size(free_before)} were free when the save "
             f"started and it needs more ({_size(_written(tmp))} written before it failed){last}. Free space "
