@@ -243,7 +243,7 @@ class ShardedStore:
                 raise
             error = self._failure(exc, step, tmp, free_before)
             if emergency:
-                error.fallback = fall_back(self._local.committed(), step, notice_id, error, sharded=True)
+                error.fallback = fall_back(self._local.committed, step, notice_id, error, sharded=True)
                 if error.fallback is not None:
                     flush = {**flush, "fallback_step": error.fallback.step}
             self._report("failed", step, emergency=emergency, notice_id=notice_id, flush=flush)

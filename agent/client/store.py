@@ -180,11 +180,14 @@ class CheckpointStore:
         checksum_now = self.checksum and not defer
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            run = self.run_for(step)
         except OSError as exc:
             self._report("failed", step, emergency=emergency, notice_id=notice_id)
             raise save_failure(exc, step, self.root, None, None, self.newest) from exc
+        except CheckpointError:  # the root cannot be listed: it says so already
+            self._report("failed", step, emergency=emergency, notice_id=notice_id)
+            raise
         free_before = free_bytes(self.root)
-        run = self.run_for(step)
         try:
             tmp.mkdir()
             token = _CHECKSUM_NOW.set(checksum_now)
@@ -218,7 +221,7 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
             flush = None
             if emergency:
-                error.fallback = fall_back(self.committed(), step, notice_id, error, sharded=False)
+                error.fallback = fall_back(self.committed, step, notice_id, error, sharded=False)
                 flush = {"fallback_step": error.fallback.step} if error.fallback is not None else None
             self._report("failed", step, emergency=emergency, notice_id=notice_id, flush=flush)
             raise error from exc
@@ -372,10 +375,15 @@ class CheckpointStore:
         return next(loaded_only(self.checkpoints(verify), load), None)
 
     def newest(self) -> Checkpoint | None:
-        """The newest committed checkpoint whose manifest reads, not verified (for figures and fallbacks)."""
-        for step in self.steps():
+        """The newest committed checkpoint whose manifest reads, not verified (for figures and fallbacks);
+        None when there is none or the root cannot be listed."""
+        try:
+            committed = self.committed()
+        except CheckpointError:
+            return None
+        for directory in committed:
             try:
-                return Checkpoint.load(self.path_of(step))
+                return Checkpoint.load(directory)
             except CheckpointError:
                 continue
         return None

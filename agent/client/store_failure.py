@@ -145,12 +145,22 @@ def save_failure(
 
 
 def fall_back(
-    committed: Iterable[Path], step: int, notice_id: str | None, error: CheckpointError, *, sharded: bool
+    committed: Callable[[], Iterable[Path]],
+    step: int,
+    notice_id: str | None,
+    error: CheckpointError,
+    *,
+    sharded: bool,
 ) -> Checkpoint | None:
     """After a failed emergency save: the newest earlier committed checkpoint (its manifest reads and its
-    files have their sizes), recorded for ``preemptd exec`` as the one the notice was handled with, so the
-    job still exits 75 and is requeued; None when there is none."""
-    for directory in committed:
+    files have their sizes) of the step directories ``committed()`` lists, newest first, recorded for
+    ``preemptd exec`` as the one the notice was handled with, so the job still exits 75 and is requeued; None
+    when there is none (or the root cannot be listed)."""
+    try:
+        directories = list(committed())
+    except CheckpointError:
+        return None
+    for directory in directories:
         try:
             checkpoint = Checkpoint.load(directory)
             checkpoint.verify("size")
