@@ -4,7 +4,9 @@ Runs the agent on the per-user socket with a throwaway state directory, watching
 service (``preemptd simulate aws``) on loopback, next to a real training job (``examples/
 fault_tolerant_training.py`` on the CPU, a small model). A spot termination notice arrives, the job flushes
 an emergency checkpoint and exits 75, the demo restarts it as a scheduler would, and it resumes at the next
-step. Every line fits an 80-column terminal. ``preemptd watch`` in a second terminal shows the raw stream.
+step. A job that fails stops the demo at once, saying whether it did not start, flush or resume, with the tail
+of its stderr; while it is silent (importing PyTorch) a line every few seconds says what the demo waits for.
+Every line fits an 80-column terminal. ``preemptd watch`` in a second terminal shows the raw stream.
 """
 
 from __future__ import annotations
