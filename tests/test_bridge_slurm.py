@@ -21,10 +21,12 @@ from structlog.testing import capture_logs
 from agent.bridges.common import REASON_PREFIX, BridgeCollector, drain_reason
 from agent.bridges.slurm import SlurmBridge, SlurmConfig
 from agent.bridges.slurm_commands import (
+    SlurmJob,
     match_node,
     parse_jobs,
     parse_nodes,
     parse_signal,
+    requeue_verdict,
     running_or_ended_since,
 )
 from agent.config import load_config
@@ -181,6 +183,41 @@ def test_jobs_of_a_notice_are_running_or_ended_since_it_came() -> None:
         ]
     }
     assert [j.job_id for j in running_or_ended_since(parse_jobs(json.dumps(doc)), 1000.0)] == [1, 2, 5]
+
+
+def job_in(state: str, *, requeue: bool = True, restarts: int = 0, exit_code: int | None = None) -> SlurmJob:
+    return SlurmJob(1, "train", "root", state, requeue, NODE, restarts=restarts, exit_code=exit_code)
+
+
+@pytest.mark.parametrize(
+    ("job", "tried", "expected"),
+    [
+        (job_in("RUNNING"), False, None),
+        (job_in("FAILED", exit_code=75), False, None),
+        (job_in("NODE_FAIL"), False, None),
+        (
+            job_in("RUNNING", requeue=False),
+            False,
+            ("not_requeueable", "left alone: not requeueable (submitted with --no-requeue)"),
+        ),
+        (job_in("RUNNING", restarts=1), False, ("skipped", "already requeued (restart count 1)")),
+        (job_in("PENDING", restarts=1), True, ("ok", "requeued")),
+        (job_in("PENDING"), False, ("skipped", "already pending")),
+        (
+            job_in("COMPLETED", exit_code=0),
+            False,
+            ("skipped", "left alone: ended COMPLETED (exit 0), not requeued"),
+        ),
+        (
+            job_in("CANCELLED", exit_code=0),
+            False,
+            ("skipped", "left alone: ended CANCELLED (exit 0), not requeued"),
+        ),
+    ],
+)
+def test_requeue_verdict(job: SlurmJob, tried: bool, expected: tuple[str, str] | None) -> None:
+    """None: requeue the job now; else what the status says instead. The notice found it with 0 restarts."""
+    assert requeue_verdict(job, 0, tried) == expected
 
 
 def test_a_running_jobs_exit_code_is_not_shown() -> None:

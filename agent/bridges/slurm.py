@@ -31,6 +31,7 @@ from agent.bridges.slurm_commands import (
     SlurmJob,
     host_names,
     parse_signal,
+    requeue_verdict,
 )
 from agent.config import NoticeKindName, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
@@ -46,10 +47,6 @@ T = TypeVar("T")
 Pause = Annotated[float, Meta(ge=0.1, le=3600, description="seconds from 0.1 to 3600")]
 # How long to go on beyond the deadline: up to a week.
 Span = Annotated[float, Meta(ge=0, le=7 * 86400, description="seconds from 0 to 604800")]
-
-# The ended jobs a requeue brings back: one that failed (exit 75 after its flush, or stopped by the signal)
-# or lost its node. One that completed, was cancelled or ran out of time or memory stays as it ended.
-_REQUEUE_ENDED = frozenset({"FAILED", "NODE_FAIL", "PREEMPTED"})
 
 
 @dataclass(frozen=True)
@@ -414,27 +411,12 @@ class SlurmBridge:
                 return "gone"
             job = found[0]
             entry.update(job.to_json())
-            result, outcome = "skipped", ""
-            if not job.requeue:
-                result, outcome = (
-                    "not_requeueable",
-                    "left alone: not requeueable (submitted with --no-requeue)",
-                )
-            elif job.restarts > work.found[job_id].restarts:
-                # Requeued since the notice found it: by a try of ours that timed out here, or by Slurm itself
-                # (RequeueExit=75); a second requeue would stop the run that has started again.
-                if key in work.tried:
-                    result, outcome = "ok", "requeued"
-                else:
-                    outcome = f"already requeued (restart count {job.restarts})"
-            elif job.state == "PENDING":
-                outcome = "already pending"
-            elif not job.active and job.state not in _REQUEUE_ENDED:
-                outcome = f"left alone: ended {job.state} (exit {job.exit_code}), not requeued"
-            else:
+            verdict = requeue_verdict(job, work.found[job_id].restarts, key in work.tried)
+            if verdict is None:
                 work.tried.add(key)
                 await self.commands.requeue(job_id)
-                result, outcome = "ok", "requeued"
+                verdict = ("ok", "requeued")
+            result, outcome = verdict
             entry["outcome"] = outcome
             self._outcome(work, "requeue", str(job_id), result, detail=outcome)
             return outcome

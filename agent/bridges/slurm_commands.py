@@ -222,6 +222,30 @@ def running_or_ended_since(jobs: Iterable[SlurmJob], since: float) -> list[Slurm
     return [job for job in jobs if job.active or (job.state != "PENDING" and (job.end_time or 0) >= since)]
 
 
+# The ended jobs a requeue brings back: one that failed (exit 75 after its flush, or stopped by the signal)
+# or lost its node. One that completed, was cancelled or ran out of time or memory stays as it ended.
+REQUEUE_ENDED = frozenset({"FAILED", "NODE_FAIL", "PREEMPTED"})
+
+
+def requeue_verdict(job: SlurmJob, restarts_at_notice: int, tried: bool) -> tuple[str, str] | None:
+    """Whether to requeue ``job`` (as read now) for a notice that found it with ``restarts_at_notice``: None
+    to requeue it, else the outcome for the record (``ok``, ``skipped``, ``not_requeueable``) and the
+    status. ``tried``: a requeue of ours was sent and may have landed although it failed here."""
+    if not job.requeue:
+        return "not_requeueable", "left alone: not requeueable (submitted with --no-requeue)"
+    if job.restarts > restarts_at_notice:
+        # Requeued since the notice found it: by a try of ours that timed out, or by Slurm itself
+        # (RequeueExit=75); a second requeue would stop the run that has started again.
+        return (
+            ("ok", "requeued") if tried else ("skipped", f"already requeued (restart count {job.restarts})")
+        )
+    if job.state == "PENDING":
+        return "skipped", "already pending"
+    if not job.active and job.state not in REQUEUE_ENDED:
+        return "skipped", f"left alone: ended {job.state} (exit {job.exit_code}), not requeued"
+    return None
+
+
 def match_node(nodes: Iterable[SlurmNode], names: Iterable[str]) -> SlurmNode | None:
     """The node whose NodeHostname, NodeAddr or NodeName is one of ``names`` (this host's hostnames and
     addresses), in that order of preference; None when no node or more than one matches equally."""
