@@ -49,6 +49,7 @@ FIRST_LINE = (
     "starting the agent and a small training job on the CPU; waiting for the job to import PyTorch, which "
     "takes longest on a first run"
 )
+FIRST_LINE_NO_JOB = "starting the agent and a simulated EC2 spot termination, without a training job"
 
 
 class Screen:
@@ -255,12 +256,12 @@ class DemoJob:
                 await self._follower
 
 
-async def _demo(args: argparse.Namespace, state_dir: Path, screen: Screen) -> int:
+async def _demo(args: argparse.Namespace, state_dir: Path, screen: Screen, why_not: str | None) -> int:
     socket_path = args.socket or user_socket_path()
     simulator = AwsSimulator()
     await simulator.start()
     try:
-        return await _demo_with(args, state_dir, socket_path, simulator, screen)
+        return await _demo_with(args, state_dir, socket_path, simulator, screen, why_not)
     finally:
         await simulator.stop()
 
@@ -310,8 +311,14 @@ async def _preempt_and_resume(
 
 
 async def _demo_with(
-    args: argparse.Namespace, state_dir: Path, socket_path: Path, simulator: AwsSimulator, screen: Screen
+    args: argparse.Namespace,
+    state_dir: Path,
+    socket_path: Path,
+    simulator: AwsSimulator,
+    screen: Screen,
+    why_not: str | None,
 ) -> int:
+    """The demo; ``why_not`` says why there is no training job (None: there is one)."""
     config = load_config(
         path=None,
         env={},
@@ -351,7 +358,6 @@ async def _demo_with(
     screen.say("agent", f"watch it from another terminal: PREEMPTD_SOCKET={socket_path} preemptd watch")
     jobs = [DemoJob(script, socket_path, state_dir / "checkpoints", screen)]
     try:
-        why_not = DemoJob.available(script)
         if why_not is None:
             resumed = await _preempt_and_resume(args, jobs[0], notify, screen)
             jobs.append(resumed)
@@ -398,11 +404,12 @@ def _show_failure(exc: DemoFailed) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     screen = Screen()
     # The first line comes before the agent and the job start, and says what the wait is for.
-    screen.say("demo", FIRST_LINE)
+    why_not = DemoJob.available(args.job or EXAMPLE)
+    screen.say("demo", FIRST_LINE if why_not is None else FIRST_LINE_NO_JOB)
     configure_logging("console" if sys.stdout.isatty() else "json", "error")
     with tempfile.TemporaryDirectory(prefix="preemptd-demo-") as state_dir:
         try:
-            return asyncio.run(_demo(args, Path(state_dir), screen))
+            return asyncio.run(_demo(args, Path(state_dir), screen, why_not))
         except KeyboardInterrupt:
             return 130
         except DemoFailed as exc:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo import FIRST_LINE, WIDTH, DemoJob, Screen, describe_job
+from agent.demo import FIRST_LINE, FIRST_LINE_NO_JOB, WIDTH, DemoJob, Screen, describe_job
 from tests.support import REPO
 from tests.test_cli import cli
 
@@ -97,6 +97,20 @@ async def test_a_job_without_numpy_stops_the_demo_at_its_flush_with_its_tracebac
         "restarting" not in out,
     ), (out, err)
     assert [] == [line for line in (out + err).splitlines() if len(line) > WIDTH]
+
+
+async def test_without_a_training_job_the_demo_shows_the_notice_alone(base: Path, tmp_path: Path) -> None:
+    """No job to run (here a missing script; likewise without PyTorch): the first line says so, the notice
+    and its clearing are shown, exit status 0."""
+    code, out, err = await demo("--job", str(tmp_path / "missing.py"), base=base)
+    text = flat(out)
+    assert (0, True, True, True, True) == (
+        code,
+        text.startswith(f"0.0s demo {FIRST_LINE_NO_JOB}"),
+        "job no training job: the training script is not here" in text,
+        "NOTICE termination from aws" in text,
+        "CLEARED termination from aws" in text,
+    ), (out, err)
 
 
 async def test_a_job_that_fails_at_start_stops_the_demo_with_its_stderr(base: Path, tmp_path: Path) -> None:
