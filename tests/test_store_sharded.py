@@ -179,3 +179,14 @@ def test_a_malformed_crc_sidecar_is_ignored_and_the_step_verifies_by_size(
     latest = s.latest()
     assert latest is not None
     assert (1, [None, None]) == (latest.step, [f.crc32 for f in latest.checkpoint.files])
+
+
+def test_a_background_save_that_fills_the_disk_fails_as_a_checkpoint_error_when_waited_for(
+    group_of_one: None, small_fs: Path
+) -> None:
+    s = ShardedStore(small_fs, report=False)
+    s.save(1, state(1.0))
+    s.save_async(2, state(2.0, 1 << 19))  # 2 MiB into a 1 MiB file system, written on DCP's thread
+    with pytest.raises(CheckpointError, match="no space left on the file system") as caught:
+        s.wait_async(30)
+    assert ("no_space", [1]) == (caught.value.reason, s.steps())
