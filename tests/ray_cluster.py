@@ -130,6 +130,15 @@ class RayCluster:
                 parts.append(f"--- {name}\n{path.read_text(errors='replace')[-1500:]}")
         return "\n".join(parts)
 
+    def stop_head(self) -> None:
+        """Stop the head node's processes (its GCS with them): the cluster's control plane is down."""
+        self._signal_group(self._procs[0])
+
+    def _signal_group(self, proc: subprocess.Popen[bytes]) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
     def stop(self) -> None:
         for proc in reversed(self._procs):
             try:

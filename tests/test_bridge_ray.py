@@ -314,3 +314,30 @@ async def test_an_unreachable_gcs_is_one_clear_agent_line_and_nothing_of_ray_lan
     assert (address, "error") == (line["address"], line["level"])
     assert f"the Ray GCS at {address} did not answer" in line["error"]
     assert shown["degraded_reason"] == line["error"]
+
+
+async def test_a_gcs_that_goes_down_between_notices_is_said_without_waiting_for_one(
+    ray_cluster: RayCluster,
+) -> None:
+    """The bridge found the cluster; then the head (its GCS) stops: the bridge's check of the GCS's port says
+    so in the log (``ray_gcs_unreachable``, naming the address) and in status, with no notice needed. Last
+    in the module: it stops the module's cluster."""
+    # The module's drill took the worker away; the head is there.
+    [head] = [key for key, info in ray_cluster.nodes().items() if info.is_head_node and info.state == 0]
+    bridge = RayBridge(
+        RayConfig(enabled=True, address=ray_cluster.address, node_id=head, retries=0, check_interval_s=0.2)
+    )
+    with capture_logs() as logs:
+        await bridge.start()
+        await bridge.drain_tasks()  # the lookup: the head, refused (degraded, but the GCS answers)
+        assert "is the head node" in str(bridge.status()["degraded_reason"])
+        await asyncio.to_thread(ray_cluster.stop_head)
+        for _ in range(300):
+            if any(e["event"] == "ray_gcs_unreachable" for e in logs):
+                break
+            await asyncio.sleep(0.1)
+        await bridge.stop(1)
+    [line] = [e for e in logs if e["event"] == "ray_gcs_unreachable"]
+    assert ray_cluster.address == line["address"]
+    assert f"the Ray GCS at {ray_cluster.address} did not answer" in line["error"]
+    assert bridge.status()["degraded_reason"] == line["error"]

@@ -32,7 +32,7 @@ from agent.actions.common import Recent, applies
 from agent.bridges.common import drain_reason, register_metrics
 from agent.bridges.ray_gcs import RayNode, unreachable
 from agent.bridges.slurm_commands import host_names
-from agent.config import AtLeastOne, NoticeKindName, Seconds, SeverityName
+from agent.config import AtLeastOne, NoticeKindName, Seconds, SecondsOrOff, SeverityName
 from agent.notice import Event, EventType, Notice, format_time, utcnow
 from agent.ports import Host
 from agent.tasks import TaskSet
@@ -75,6 +75,9 @@ class RayConfig:
     drills: bool = False
     timeout_s: Seconds = 10.0
     retries: Annotated[int, Meta(ge=0, le=10)] = 2
+    # Between notices, how often the GCS's port is tried (a TCP connection, no Ray call), so that a GCS that
+    # went down is said when it happens; 0: only at notices.
+    check_interval_s: SecondsOrOff = 30.0
     history_size: AtLeastOne = 50
 
 
@@ -131,9 +134,11 @@ class RayBridge:
         self._names = names
         self._clock = clock
         self.tasks = TaskSet("ray")
+        self._checks = TaskSet("ray")  # the GCS check between notices: runs until stop
         self.recent = Recent(config.history_size)
         self.counts: Counter[tuple[str, str]] = Counter()
         self.degraded: str | None = None
+        self.gcs_down = False  # the last call or check went unanswered
         self.node: RayNode | None = None
         self._done: dict[str, dict[str, Any]] = {}
         self._started: asyncio.Event | None = None
@@ -143,8 +148,11 @@ class RayBridge:
         missing Ray or an unreachable GCS is said as soon as the child answers."""
         self._started = asyncio.Event()
         self.tasks.spawn(self._probe(), "probe")
+        if self.config.check_interval_s > 0:
+            self._checks.spawn(self._watch(), "watch")
 
     async def stop(self, timeout: float) -> None:
+        await self._checks.close(timeout, grace=0)
         await self.tasks.close(timeout)
 
     def handle(self, event: Event) -> None:
@@ -186,7 +194,7 @@ class RayBridge:
             self.recent = previous.recent
 
     async def drain_tasks(self) -> None:
-        """Wait until everything started so far has finished (tests)."""
+        """Wait until every lookup and drain started so far has finished (tests)."""
         await self.tasks.drain()
 
     # --- steps ----------------------------------------------------------------------------------------
@@ -204,6 +212,32 @@ class RayBridge:
         finally:
             if self._started is not None:
                 self._started.set()
+
+    async def _watch(self) -> None:
+        """Between notices: the GCS's port, every check_interval_s. A GCS that stops answering is said at
+        once; one that answers again is looked up again (a call through the child) before the bridge counts
+        as whole."""
+        cfg = self.config
+        if self._started is not None:
+            await self._started.wait()
+        while True:
+            await asyncio.sleep(cfg.check_interval_s)
+            address = self._address
+            host, _, port = (address or "").rpartition(":")
+            if not host or not port.isdigit():
+                continue  # no cluster found yet, or Ray missing: the lookup said why
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), cfg.timeout_s)
+            except (OSError, asyncio.TimeoutError) as exc:
+                detail = f"no TCP connection: {type(exc).__name__}: {exc}".rstrip(": ")
+                self._degrade(unreachable(address, detail), "unreachable")
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            if self.gcs_down:
+                with contextlib.suppress(RayError):
+                    await self._node()
 
     async def _call(self, op: str, **args: Any) -> Any:
         """One GCS call in a child, tried again (with a backoff) while the GCS does not answer; RayError
@@ -280,10 +314,11 @@ class RayBridge:
     async def _node(self) -> RayNode:
         nodes = [RayNode(**node) for node in await self._call("nodes")]
         self.node = pick_node(nodes, self._names(), self.config.node_id)
-        if self.degraded is not None and not self.node.is_head:
+        if self.gcs_down or (self.degraded is not None and not self.node.is_head):
             # The GCS answers again (or the configuration was fixed): the bridge is whole.
             log.info("ray_recovered", node_id=self.node.node_id, address=self._address, was=self.degraded)
-            self.degraded = None
+            self.gcs_down = False
+            self.degraded = _head_refusal(self.node) if self.node.is_head else None
         return self.node
 
     async def _drain(self, notice: Notice) -> None:
@@ -339,12 +374,12 @@ class RayBridge:
             log.warning(f"ray_drain_{outcome}", **logged)
 
     def _degrade(self, why: str, failure: str = "failed") -> None:
-        if self.degraded != why:
-            effect = "notices still reach local clients"
-            if failure == "unreachable":
+        if failure == "unreachable":
+            if not self.gcs_down:  # once per outage, whichever call or check saw it first
                 log.error("ray_gcs_unreachable", address=self._address or self.config.address, error=why)
-            else:
-                log.error("ray_degraded", why=why, effect=effect)
+            self.gcs_down = True
+        elif self.degraded != why:
+            log.error("ray_degraded", why=why, effect="notices still reach local clients")
         self.degraded = why
 
 
