@@ -131,14 +131,21 @@ VERBS: Mapping[str, VerbHelp] = {
     "exec": VerbHelp(
         "Run a training command (torchrun, srun, python) in its own process group, forward signals to it and "
         "exit with its status; when it fails after one of its processes committed an emergency checkpoint "
-        "for a notice, exit 75 so the scheduler requeues the job (torchrun alone would exit 1).",
+        "for a notice, exit 75 so the scheduler requeues the job (torchrun alone would exit 1). Nothing the "
+        "command started outlives exec: what is left when it ends gets SIGTERM, then SIGKILL after "
+        "--stop-grace seconds, and a killed exec takes the whole tree with it.",
         (
             "preemptd exec -- torchrun --nproc-per-node 8 train.py",
+            "preemptd exec --stop-grace 30 -- srun python train.py",
             "preemptd exec --no-group -- python train.py",
         ),
         (
             (0, "the command succeeded"),
-            (75, "it stopped for a notice after a committed emergency checkpoint: requeue it (EX_TEMPFAIL)"),
+            (
+                75,
+                "it stopped for a notice after a committed emergency checkpoint (or an earlier committed step "
+                "when the emergency save failed): requeue it (EX_TEMPFAIL)",
+            ),
             (2, "bad usage (no command)"),
             (126, "the command cannot run; 127: not found; otherwise the command's own status"),
         ),

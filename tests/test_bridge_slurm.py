@@ -574,10 +574,23 @@ def test_a_bad_slurm_table_is_the_loaders_error(base: Path) -> None:
         config.table("actions.slurm", SlurmConfig)
 
 
-def test_a_retry_pause_below_the_floor_is_refused(base: Path) -> None:
-    """``retry_first_s = 0`` would ask a failing controller in a busy loop: the loader refuses it by key."""
-    config = tmp_config(base, "[actions.slurm]\nenabled = true\nretry_first_s = 0\n")
-    with pytest.raises(ConfigError, match=r"actions\.slurm\.retry_first_s"):
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("retry_first_s", "0"),
+        ("retry_max_s", "1e-9"),
+        ("timeout_s", "1e-9"),
+        ("retries", "1000000"),
+        ("margin_s", "-1"),
+        ("stop_wait_s", "1e400"),
+        ("history_size", "0"),
+    ],
+)
+def test_a_value_out_of_range_is_refused_by_key(base: Path, key: str, value: str) -> None:
+    """``retry_first_s = 0`` or a per-call ``timeout_s`` of 1e-9 would ask a failing controller in a busy
+    loop; a negative margin or an endless wait is a mistake: the loader refuses each by key."""
+    config = tmp_config(base, f"[actions.slurm]\nenabled = true\n{key} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"actions\.slurm\.{key}"):
         config.table("actions.slurm", SlurmConfig)
 
 

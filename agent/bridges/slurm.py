@@ -66,21 +66,21 @@ class SlurmConfig:
     # When to send it: at the notice (programs without the client get the whole window) or with the requeue.
     signal_at: Literal["notice", "ready"] = "notice"
     # Act this many seconds before the deadline at the latest, even if the host is not ready yet.
-    margin_s: float = 30.0
+    margin_s: Span = 30.0
     # After ready, how long a running job may take to exit on its own (75) before it is requeued running.
-    stop_wait_s: float = 15.0
+    stop_wait_s: Span = 15.0
     resume: bool = True
     bin_dir: str = ""
     slurm_conf: str = ""
     # One call: its timeout and how often it is repeated at once (reads only; a change is made once per try).
-    timeout_s: float = 10.0
-    retries: int = 2
+    timeout_s: Pause = 10.0
+    retries: Annotated[int, Meta(ge=0, le=10, description="a whole number from 0 to 10")] = 2
     # A failing step is tried again after retry_first_s, doubling up to retry_max_s, until the deadline.
     retry_first_s: Pause = 1.0
     retry_max_s: Pause = 30.0
     # How long beyond the deadline (or the clear) the requeue of a stopped job and the resume go on.
     persist_s: Span = 3600.0
-    history_size: int = 50
+    history_size: Annotated[int, Meta(ge=1, le=10_000, description="a whole number from 1 to 10000")] = 50
 
 
 @dataclass
