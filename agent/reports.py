@@ -16,7 +16,11 @@ from agent.errors import ReportError
 from agent.notice import format_time
 
 PHASES = ("started", "finished", "failed")
-KINDS = ("checkpoint",)
+# A ``participant`` report registers a training process as soon as it starts (its watcher connected), so a
+# notice that arrives before its first checkpoint waits for its emergency save all the same.
+REGISTERED = "registered"
+KINDS = ("checkpoint", "participant")
+PHASES_OF_KIND = {"checkpoint": PHASES, "participant": (REGISTERED,)}
 _CLIENT_KEYS = {
     "pid": int,
     "host": str,
@@ -94,8 +98,11 @@ def parse_report(
     if kind not in KINDS:
         raise ReportError(f"field 'kind' must be one of {', '.join(map(repr, KINDS))}, got {brief(kind)}")
     phase = doc.get("phase")
-    if phase not in PHASES:
-        raise ReportError(f"field 'phase' must be one of {', '.join(map(repr, PHASES))}, got {brief(phase)}")
+    phases = PHASES_OF_KIND[kind]
+    if phase not in phases:
+        raise ReportError(
+            f"field 'phase' of a {kind!r} report must be one of {', '.join(map(repr, phases))}, got {brief(phase)}"
+        )
     step = _optional_int(doc, "step")
     size = _optional_int(doc, "bytes")
     duration = doc.get("duration_s")
@@ -122,6 +129,10 @@ def parse_report(
             raise ReportError(f"field 'client.{key}' is longer than {MAX_TEXT} characters")
         checked[key] = value
     flush = _flush(doc.get("flush"))
+    if kind == "participant" and checked.get("participant") is not True:
+        raise ReportError(
+            "a 'participant' report registers the process as a participant: it needs 'client.participant': true"
+        )
     return Report(
         kind=kind,
         phase=phase,

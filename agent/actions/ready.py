@@ -1,5 +1,6 @@
-"""The ``ready`` step: clients that declared themselves participants (``client.participant`` in a report)
-report their emergency checkpoint finished; once all that were alive at the notice have, or a grace runs out
+"""The ``ready`` step: clients that declared themselves participants (``client.participant`` in a report: a
+``participant``/``registered`` report when their watcher connects, or any checkpoint report) report their
+emergency checkpoint finished; once all that were alive at the notice have, or a grace runs out
 (never later than a margin before the deadline), the agent publishes ``ready`` for the notice. On Azure the
 event is then acknowledged to the platform (``StartRequests``), at ready, at once, or never.
 """

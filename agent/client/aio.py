@@ -57,6 +57,7 @@ class AsyncWatcher(WatcherBase):
             task.cancel("watcher stopping")
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
                 await asyncio.wait_for(task, timeout)
+        await asyncio.to_thread(self._close_registrar, timeout)
 
     async def __aenter__(self) -> AsyncWatcher:
         return self.start()
@@ -107,6 +108,7 @@ class AsyncWatcher(WatcherBase):
                 async with self._open() as lines:
                     self.connects += 1
                     self._connected.set()
+                    self._opened()
                     decoder = SSEDecoder()
                     async for chunk in lines:
                         for message in decoder.feed(chunk):

@@ -116,6 +116,13 @@ class Reporter:
         body["client"] = dict(self.client)
         self.send(body)
 
+    def register(self) -> None:
+        """Queue a registration (``{"kind": "participant", "phase": "registered"}``) when ``client`` says
+        this process is a participant: from then on a notice waits for its emergency checkpoint, even one that
+        comes before its first checkpoint report. Never blocks; an agent without registrations drops it."""
+        if self.client.get("participant") is True:
+            self.send({"kind": "participant", "phase": "registered", "client": dict(self.client)})
+
     def send(self, body: dict[str, Any]) -> None:
         with self._cond:
             if self._closed:

@@ -16,7 +16,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
@@ -32,6 +32,7 @@ from agent.client.events import (
     TriggerPolicy,
     parse_event,
 )
+from agent.client.reporting import Reporter, client_info
 from agent.client.transport import AgentHTTPError, AgentUnavailable, EventStream
 from agent.paths import client_socket_path
 from agent.sse import SSEMessage
@@ -74,6 +75,11 @@ class WatcherBase:
     Callbacks run on the watcher's thread (or its event loop): keep them short, never block in them.
     ``on_notice`` sees new and updated notices, ``on_cleared`` cleared ones, ``on_trigger`` each new trigger
     from the socket (a signal only sets the flag: a signal handler must not run user code).
+
+    ``participant`` (default True): each connection registers this process as a participant of the agent's
+    ready step, named by ``client`` (:func:`~agent.client.reporting.client_info` by default, the name the
+    store's reports use), so a notice waits for its emergency checkpoint even before its first save. Pass
+    False for a process that only watches (a dashboard, a sidecar).
     """
 
     def __init__(
@@ -90,6 +96,8 @@ class WatcherBase:
         connect_timeout: float = 2.0,
         read_timeout: float = 45.0,
         clock: Callable[[], datetime] = _utcnow,
+        participant: bool = True,
+        client: Mapping[str, Any] | None = None,
     ) -> None:
         self.socket_path = Path(socket_path) if socket_path is not None else client_socket_path()
         self._signals = tuple(signals) if signals is not None else ()
@@ -110,10 +118,28 @@ class WatcherBase:
         self._previous_handlers: dict[int, SignalHandler] = {}
         self.connects = 0
         self.last_error: str | None = None
+        # A training process counts from its first connection: each one registers it as a participant (again
+        # after the agent restarted), under the name its checkpoint reports use (``client_info()``).
+        self.participant = participant
+        self._client = dict(client) if client is not None else None
+        self._registrar: Reporter | None = None
         self._init_runtime()
 
     def _init_runtime(self) -> None:
         """Per-instance state of the thread or asyncio runner; subclasses set it up here."""
+
+    def _opened(self) -> None:
+        """The stream is open: register this process as a participant (on the reporter's thread)."""
+        if not self.participant:
+            return
+        if self._registrar is None:
+            client = self._client if self._client is not None else client_info()
+            self._registrar = Reporter(self.socket_path, client={**client, "participant": True})
+        self._registrar.register()
+
+    def _close_registrar(self, timeout: float) -> None:
+        if self._registrar is not None:
+            self._registrar.close(timeout)
 
     # -- queries (any thread) ---------------------------------------------------------------------------
 
@@ -298,6 +324,7 @@ class Watcher(WatcherBase):
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self._close_registrar(timeout)
         self._restore_signal_handlers()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
@@ -365,6 +392,7 @@ class Watcher(WatcherBase):
                 self._stream = stream
             self.connects += 1
             self._connected.set()
+            self._opened()
             try:
                 if not self._stop.is_set():
                     for message in stream:
