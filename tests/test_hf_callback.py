@@ -15,11 +15,15 @@ pytest.importorskip("transformers")
 
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
-from agent.client import EXIT_PREEMPTED, Checkpoint, CheckpointWarning
+from agent.client import EXIT_PREEMPTED, Checkpoint, CheckpointError, CheckpointWarning
 from agent.client.hf import MANIFEST, PreemptdTrainerCallback, last_good_checkpoint
+from agent.client.preempted import ENV, read_records
 from agent.client.store import seal
 from tests.hf_trainer_job import trainer
+from tests.store_fs import fill, small_fs
 from tests.support import REPO, http_json, running_agent
+
+__all__ = ["small_fs"]  # the fixture, used by name
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -110,3 +114,51 @@ async def test_under_exec_and_torchrun_a_drill_ends_the_job_with_75(base: Path) 
         saved.notice_id,
         proc.returncode,
     ), err.decode()[-3000:]
+
+
+class FillDisk(TrainerCallback):
+    """Fills the file system of the output directory once the Trainer has written its checkpoint, before
+    the preemptd callback seals it: the manifest write meets a real ENOSPC."""
+
+    def __init__(self, mount: Path) -> None:
+        self.mount = mount
+
+    def on_save(self, args: Any, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        fill(self.mount)
+
+
+async def test_an_emergency_save_that_cannot_be_sealed_falls_back_to_the_earlier_checkpoint(
+    base: Path, small_fs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while the emergency checkpoint is sealed: trainer.train() raises a CheckpointError naming
+    the space, and the earlier sealed checkpoint is recorded for ``preemptd exec`` (which then exits 75)."""
+    channel = base / "exec"
+    channel.mkdir()
+    monkeypatch.setenv(ENV, str(channel))
+    output = small_fs / "out"
+    earlier = output / "checkpoint-1"
+    earlier.mkdir(parents=True)
+    (earlier / "model.safetensors").write_bytes(b"weights")
+    seal(earlier, 1, manifest=MANIFEST)
+    sock = base / "a.sock"
+    loop = asyncio.get_running_loop()
+    reached = asyncio.Event()
+    async with running_agent(base, components=[]):
+        preemptd = PreemptdTrainerCallback(socket_path=sock)
+        pause = PauseAt(3, preemptd, lambda: loop.call_soon_threadsafe(reached.set))
+        job = trainer(output, 100, [pause, FillDisk(small_fs), preemptd])
+        train = asyncio.ensure_future(asyncio.to_thread(job.train))
+        await asyncio.wait_for(reached.wait(), 60)
+        _, drill = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 30})
+        with pytest.raises(CheckpointError) as failed:
+            await asyncio.wait_for(train, 120)
+        preemptd.reporter.flush(10)
+    [record] = read_records(channel)
+    assert ("no_space", 1) == (failed.value.reason, failed.value.fallback and failed.value.fallback.step)
+    assert "no space left on the file system" in str(failed.value)
+    assert (1, True, 3, drill["notice"]["id"]) == (
+        record["step"],
+        record["fallback"],
+        record["failed_step"],
+        record["notice_id"],
+    )

@@ -23,6 +23,7 @@ from agent.client.callbacks import FollowsNotices, WatchOptions
 from agent.client.preempted import record_emergency
 from agent.client.reporting import Reporter
 from agent.client.store import Checkpoint, CheckpointError, Verify, seal, valid_only
+from agent.client.store_failure import convertible, fall_back, save_failure
 from agent.client.torch import Coordinator, Decision
 
 if TYPE_CHECKING:
@@ -86,15 +87,20 @@ class PreemptdTrainerCallback(FollowsNotices, TrainerCallback):
         if args.should_save and args.output_dir is not None:
             directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if directory.is_dir():
-                checkpoint = seal(
-                    directory,
-                    state.global_step,
-                    manifest=MANIFEST,
-                    checksum=self.checksum,
-                    emergency=decision.emergency,
-                    notice_id=decision.notice_id,
-                    started=started,
-                )
+                try:
+                    checkpoint = seal(
+                        directory,
+                        state.global_step,
+                        manifest=MANIFEST,
+                        checksum=self.checksum,
+                        emergency=decision.emergency,
+                        notice_id=decision.notice_id,
+                        started=started,
+                    )
+                except BaseException as exc:
+                    if not convertible(exc):  # an interrupt or exit: not a storage failure
+                        raise
+                    raise self._failed(exc, directory, state.global_step, decision) from exc
                 self.saved.append(checkpoint)
                 if decision.emergency:  # durable now: `preemptd exec` may turn the launcher's failure into 75
                     record_emergency(state.global_step, path=directory, notice_id=decision.notice_id)
@@ -108,6 +114,33 @@ class PreemptdTrainerCallback(FollowsNotices, TrainerCallback):
                     path=directory,
                 )
         self.coordinator.done(decision)
+
+    def _failed(self, exc: BaseException, directory: Path, step: int, decision: Decision) -> CheckpointError:
+        """The CheckpointError for a checkpoint that could not be sealed, reported as failed. For an emergency
+        save the newest earlier sealed checkpoint is recorded for ``preemptd exec`` instead (so the job still
+        exits 75 and resumes from it), as the stores do."""
+        root = directory.parent
+        earlier = [d for d in _checkpoint_dirs(root) if d != directory]
+
+        def newest() -> Checkpoint | None:
+            for candidate in earlier:
+                try:
+                    return Checkpoint.load(candidate, MANIFEST)
+                except CheckpointError:
+                    continue
+            return None
+
+        error = save_failure(exc, step, root, directory, None, newest)
+        flush = None
+        if decision.emergency:
+            error.fallback = fall_back(
+                lambda: earlier, step, decision.notice_id, error, sharded=False, manifest=MANIFEST
+            )
+            flush = {"fallback_step": error.fallback.step} if error.fallback is not None else None
+        self.reporter.checkpoint(
+            "failed", step, emergency=decision.emergency, notice_id=decision.notice_id, flush=flush
+        )
+        return error
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -124,13 +157,23 @@ def last_good_checkpoint(output_dir: str | Path, verify: Verify = "checksum") ->
     root = Path(output_dir)
     if not root.is_dir():
         return None
-    found = sorted(
-        ((int(m.group(1)), p) for p in root.iterdir() if (m := _CHECKPOINT_DIR.match(p.name)) and p.is_dir()),
-        reverse=True,
-    )
 
     def get(directory: Path) -> str:
         Checkpoint.load(directory, MANIFEST).verify(verify)
         return str(directory)
 
-    return next(valid_only((directory for _step, directory in found), get), None)
+    return next(valid_only(_checkpoint_dirs(root), get), None)
+
+
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    """The Trainer's ``checkpoint-<step>`` directories under ``root``, newest step first ([] when it cannot be
+    listed)."""
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    found = sorted(
+        ((int(m.group(1)), p) for p in entries if (m := _CHECKPOINT_DIR.match(p.name)) and p.is_dir()),
+        reverse=True,
+    )
+    return [directory for _step, directory in found]

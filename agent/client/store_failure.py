@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from agent.client.manifest import Checkpoint, CheckpointError, reason_of
+from agent.client.manifest import MANIFEST, Checkpoint, CheckpointError, reason_of
 from agent.client.preempted import record_emergency
 
 # Free space below this share of the file system (at most 1 MiB) right after a failed write means the write
@@ -151,6 +151,7 @@ def fall_back(
     error: CheckpointError,
     *,
     sharded: bool,
+    manifest: str = MANIFEST,
 ) -> Checkpoint | None:
     """After a failed emergency save: the newest earlier committed checkpoint (its manifest reads and its
     files have their sizes) of the step directories ``committed()`` lists, newest first, recorded for
@@ -162,7 +163,7 @@ def fall_back(
         return None
     for directory in directories:
         try:
-            checkpoint = Checkpoint.load(directory)
+            checkpoint = Checkpoint.load(directory, manifest)
             checkpoint.verify("size")
         except CheckpointError:
             continue
