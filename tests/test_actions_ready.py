@@ -76,6 +76,32 @@ async def test_ready_comes_when_every_participant_has_saved(harness: Harness) ->
     assert 0 <= data["notice_to_ready_s"] < 20
 
 
+def registration(rank: int) -> Report:
+    """A participant's registration, as the client's watcher sends it when its stream opens."""
+    return Report(
+        kind="participant",
+        phase="registered",
+        received_at=utcnow(),
+        client={"job": "llm", "rank": rank, "participant": True, "pid": os.getpid()},
+        peer_pid=os.getpid(),
+    )
+
+
+async def test_a_registration_during_the_wait_is_waited_for_too(harness: Harness) -> None:
+    """A process whose registration lands after the notice (it raced the notice, or the process started
+    during it) has seen the notice: ready waits for its emergency save as well."""
+    engine = harness.engine()
+    engine.on_report(registration(0))
+    notice = make_notice(deadline_in=120)
+    engine.on_event(event(EventType.NOTICE, notice))
+    engine.on_report(registration(1))
+    engine.on_report(report(0, "finished", emergency=True, notice_id=notice.id))
+    assert [] == harness.published
+    engine.on_report(report(1, "finished", emergency=True, notice_id=notice.id))
+    [(_, data)] = harness.published
+    assert ("all_participants", ["llm#0", "llm#1"]) == (data["reason"], data["finished"])
+
+
 async def test_status_shows_notice_to_ready_time_and_margin(harness: Harness) -> None:
     engine = harness.engine()
     engine.on_report(report(0))

@@ -263,6 +263,9 @@ class ReadyEngine(OwnedTasks):
             )
         elif key in self._participants:
             self._participants[key].last_seen = report.received_at
+        if report.kind == "participant":
+            self._join_waiting(key)
+            return
         if report.phase not in ("finished", "failed") or not report.emergency:
             return
         for pending in list(self._pending.values()):
@@ -283,6 +286,16 @@ class ReadyEngine(OwnedTasks):
             )
             if pending.expected <= set(pending.done):
                 self._declare(pending, "all_participants")
+
+    def _join_waiting(self, key: Owned) -> None:
+        """A process that registers while a notice is waited for (its registration raced the notice, or it
+        started during it) has the notice in its snapshot and may be saving: wait for it too."""
+        for pending in self._pending.values():
+            if pending.waiting and key not in pending.expected:
+                pending.expected.add(key)
+                log.info(
+                    "ready_participant_joined", notice_id=pending.notice.id, participant=key[1], uid=key[0]
+                )
 
     def on_event(self, event: Event) -> None:
         notice = event.notice
@@ -335,7 +348,9 @@ class ReadyEngine(OwnedTasks):
     async def _expire(self, pending: Pending, delay: float, reason: str) -> None:
         await asyncio.sleep(delay)
         if pending.ready_at is None and not pending.cleared:
-            self._declare(pending, reason)
+            # A participant that joined during the wait makes it a grace that ran out.
+            joined = reason == "no_participants" and delay > 0 and bool(pending.expected)
+            self._declare(pending, "grace" if joined else reason)
 
     def _declare(self, pending: Pending, reason: str) -> None:
         if pending.timer is not None and pending.timer is not asyncio.current_task():
