@@ -7,11 +7,14 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from agent.client import Backoff, Notice, Watcher
 from agent.client.aio import AsyncWatcher
+from agent.daemon import Agent
 from agent.notice import Kind
-from tests.support import http_json, running_agent
+from agent.reports import Report
+from tests.support import agent_config, http_json, running_agent
 
 
 async def drill(socket_path: Path, in_s: float = 30.0, kind: str = "termination") -> str:
@@ -43,7 +46,10 @@ async def test_watcher_started_before_the_agent_delivers_the_next_notice(base: P
 
 
 async def test_watcher_reconnects_after_an_agent_restart(base: Path) -> None:
-    with Watcher(base / "a.sock", backoff=Backoff(0.02, 0.2)) as watcher:
+    # Not a participant: its registration would race the first agent's stop, and a connection that lands
+    # while an agent stops can be left open by it (a ResourceWarning here; registering again after a restart
+    # is test_watcher_registers_again_after_an_agent_restart).
+    with Watcher(base / "a.sock", backoff=Backoff(0.02, 0.2), participant=False) as watcher:
         async with running_agent(base, components=[]):
             assert await asyncio.to_thread(watcher.wait_connected, 10)
         async with running_agent(base, components=[]):
@@ -180,3 +186,64 @@ async def test_drill_past_its_deadline_does_not_trigger_a_job_started_after_it(b
                     late.should_checkpoint(),
                     early.should_checkpoint(),
                 )
+
+
+class Registrations:
+    """The participant registrations an agent receives, and an event per arrival."""
+
+    def __init__(self) -> None:
+        self.found: list[Report] = []
+        self.arrived = asyncio.Event()
+
+    def __call__(self, report: Report) -> None:
+        if report.kind == "participant":
+            self.found.append(report)
+            self.arrived.set()
+
+    async def next(self) -> None:
+        await asyncio.wait_for(self.arrived.wait(), 30)
+        self.arrived.clear()
+
+
+async def registrations(base: Path, make: Callable[[Path], Any], runs: int = 1) -> list[Report]:
+    """The participant registrations the agent, started ``runs`` times in a row, received from the watcher
+    ``make(socket)`` (started once, before the first run), waiting in each run for one to arrive."""
+    seen = Registrations()
+    watcher = make(base / "a.sock")
+    try:
+        for _ in range(runs):
+            # Listening from before the socket serves: the watcher may register while the agent starts.
+            agent = Agent(agent_config(base), components=[])
+            agent.on_report(seen)
+            await agent.start()
+            try:
+                await seen.next()
+            finally:
+                await agent.stop()
+    finally:
+        result = watcher.stop()
+        if asyncio.iscoroutine(result):
+            await result
+    return seen.found
+
+
+async def test_async_watcher_registers_its_process_as_a_participant(base: Path) -> None:
+    """The asyncio watcher registers its process, named by ``client``, when its stream opens."""
+    client = {"name": "train.py", "job": "llm", "rank": 2}
+    [report] = await registrations(
+        base, lambda sock: AsyncWatcher(sock, client=client, backoff=Backoff(0.02, 0.2)).start()
+    )
+    assert ("registered", "llm", 2, True, os.getpid()) == (
+        report.phase,
+        report.client["job"],
+        report.client["rank"],
+        report.client["participant"],
+        report.peer_pid,
+    )
+
+
+async def test_watcher_registers_again_after_an_agent_restart(base: Path) -> None:
+    """A restarted agent forgot its participants: the watcher's new stream registers the process again."""
+    make = lambda sock: Watcher(sock, backoff=Backoff(0.02, 0.2)).start()  # noqa: E731
+    found = await registrations(base, make, runs=2)
+    assert [os.getpid(), os.getpid()] == [r.peer_pid for r in found]
