@@ -150,8 +150,11 @@ async def test_an_emergency_save_that_cannot_be_sealed_falls_back_to_the_earlier
         train = asyncio.ensure_future(asyncio.to_thread(job.train))
         await asyncio.wait_for(reached.wait(), 60)
         _, drill = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 30})
-        with pytest.raises(CheckpointError) as failed:
-            await asyncio.wait_for(train, 120)
+        try:
+            with pytest.raises(CheckpointError) as failed:
+                await asyncio.wait_for(train, 120)
+        finally:  # train() raised: on_train_end, which stops the watcher, never ran
+            preemptd.stop_watching()
         preemptd.reporter.flush(10)
     [record] = read_records(channel)
     assert ("no_space", 1) == (failed.value.reason, failed.value.fallback and failed.value.fallback.step)
