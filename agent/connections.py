@@ -141,6 +141,29 @@ class ConnectionCap:
         return _Refusal(json.dumps({"error": reason}).encode())
 
 
+async def stop_accepting(server: asyncio.AbstractServer | None) -> None:
+    """Stop a listener accepting, then let the connections it has already accepted be set up: what a site
+    does before its ``close()``, so that the runner's shutdown finds and closes every one of them.
+
+    Works around CPython's gh-109564 (``asyncio.Server.close()`` races the accept; still open upstream):
+    the accept callback takes a connection off the listening socket at once but builds its transport in
+    a task that runs a loop iteration later. A ``close()`` in between makes that transport's
+    ``Server._attach()`` fail (``assert self._sockets is not None``), which asyncio swallows: the accepted
+    connection is neither served nor closed, its client waits, and its socket is closed only when
+    collected, with an ``unclosed transport`` ResourceWarning.
+    """
+    if not isinstance(server, asyncio.Server):  # another loop's server (uvloop): not known to race
+        return
+    loop = asyncio.get_running_loop()
+    for sock in server.sockets:
+        loop.remove_reader(sock.fileno())
+    # Callbacks run in the order they were scheduled: the accept tasks scheduled so far take their first
+    # step (transport built and attached, connection_made scheduled) before the first yield returns, and
+    # their connection_made (the connection registered with aiohttp's server) runs before the second does.
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
 class CappedSockSite(web.SockSite):
     """A :class:`aiohttp.web.SockSite` (the API socket) whose connections go through a
     :class:`ConnectionCap`."""
@@ -161,6 +184,10 @@ class CappedSockSite(web.SockSite):
         self._server = await asyncio.get_running_loop().create_server(
             lambda: self.cap.protocol(server), sock=self._sock_ref, backlog=self._backlog_ref
         )
+
+    async def stop(self) -> None:
+        await stop_accepting(self._server)
+        await super().stop()
 
 
 class CappedTCPSite(web.TCPSite):
@@ -183,6 +210,10 @@ class CappedTCPSite(web.TCPSite):
             backlog=self._backlog,
             reuse_address=True,
         )
+
+    async def stop(self) -> None:
+        await stop_accepting(self._server)
+        await super().stop()
 
 
 def open_connections(runner: web.AppRunner) -> int:

@@ -133,6 +133,8 @@ class Server:
         timeout = self.served.config.api.shutdown_timeout_s
         self.notifier.notify(stopping=1)
         if self._site is not None:
+            # Stops accepting, lets the connections already accepted be set up, then closes the listener
+            # (CappedSockSite.stop, around CPython gh-109564): the runner's cleanup below closes them all.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._site.stop(), timeout)
         await self.served.stop_parts(timeout)
