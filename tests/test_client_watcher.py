@@ -46,10 +46,9 @@ async def test_watcher_started_before_the_agent_delivers_the_next_notice(base: P
 
 
 async def test_watcher_reconnects_after_an_agent_restart(base: Path) -> None:
-    # Not a participant: its registration would race the first agent's stop, and a connection that lands
-    # while an agent stops can be left open by it (a ResourceWarning here; registering again after a restart
-    # is test_watcher_registers_again_after_an_agent_restart).
-    with Watcher(base / "a.sock", backoff=Backoff(0.02, 0.2), participant=False) as watcher:
+    # A participant, as by default: its registration races the first agent's stop, which must close every
+    # connection it accepted (tests/test_shutdown_connections.py).
+    with Watcher(base / "a.sock", backoff=Backoff(0.02, 0.2)) as watcher:
         async with running_agent(base, components=[]):
             assert await asyncio.to_thread(watcher.wait_connected, 10)
         async with running_agent(base, components=[]):
