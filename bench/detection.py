@@ -41,8 +41,8 @@ sys.path.insert(0, str(REPO))
 
 from agent.client.transport import EventStream  # noqa: E402
 from agent.config import load_config  # noqa: E402
-from agent.daemon import Agent  # noqa: E402
-from agent.logs import configure_logging  # noqa: E402
+from agent.service.daemon import Agent  # noqa: E402
+from agent.service.logs import configure_logging  # noqa: E402
 from agent.sources.detect import cloud_sources  # noqa: E402
 
 

@@ -394,8 +394,8 @@ async def sender_side(n: int, rounds: int) -> dict[str, list[float]]:
     """Time from ``agent.drill()`` until the frame is written to all n connections, next to a loop of n
     ``transport.write()`` calls, in this process; the subscribers' sockets are read only between rounds."""
     from agent.config import load_config
-    from agent.daemon import Agent
-    from agent.notice import Kind
+    from agent.core.notice import Kind
+    from agent.service.daemon import Agent
 
     base = Path(tempfile.mkdtemp(prefix="pd-send-", dir="/tmp"))
     settings = {"socket": str(base / "a.sock"), "state_dir": str(base / "state"), "cloud": "none"}
@@ -541,7 +541,7 @@ def main() -> int:
         asyncio.run(raw_server(*args.raw_server))
         return 0
     if args.sender_child:
-        from agent.logs import configure_logging
+        from agent.service.logs import configure_logging
 
         raise_nofile(2 * args.sender_child + 256)
         with open(os.devnull, "w") as devnull:

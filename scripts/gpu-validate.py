@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.config import GpuConfig
-from agent.notice import Observation, utcnow
+from agent.core.notice import Observation, utcnow
 from agent.sources import nvml as nv
 from agent.sources.gpu_health import CHECKS, CLOCK_REASON_NAMES
 

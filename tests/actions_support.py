@@ -13,7 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from agent.notice import Event, EventType, Kind, Notice, Severity, utcnow
+from agent.core.notice import Event, EventType, Kind, Notice, Severity, utcnow
 
 # Writes the name of the first SIGTERM/SIGUSR1 it gets to argv[1], then exits 0.
 HANDLER = """

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.daemon import Agent
+from agent.service.daemon import Agent
 from agent.simulate import Simulator, simulator_for
 from tests.support import SSEClient, http_json, running_agent
 

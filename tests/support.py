@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 
 from agent.config import load_config
-from agent.daemon import Agent, Component
+from agent.core.sse import SSEDecoder
+from agent.service.daemon import Agent, Component
 from agent.sources.base import Source
-from agent.sse import SSEDecoder
 
 REPO = Path(__file__).resolve().parent.parent
 

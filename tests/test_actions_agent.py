@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 from agent.actions import ActionsComponent
-from agent.daemon import Agent
-from agent.errors import ConfigError
+from agent.core.errors import ConfigError
+from agent.service.daemon import Agent
 from tests.actions_support import HANDLER, Child
 from tests.support import SSEClient, agent_config, http_json, running_agent
 

@@ -13,9 +13,9 @@ from structlog.testing import capture_logs
 from agent.actions.common import Recent
 from agent.actions.hooks import HookEngine
 from agent.config import HookConfig, load_config
-from agent.errors import ConfigError
-from agent.notice import EventType, Kind
-from agent.tasks import TaskSet
+from agent.core.errors import ConfigError
+from agent.core.notice import EventType, Kind
+from agent.core.tasks import TaskSet
 from tests.actions_support import event, make_notice
 
 # Copies its stdin and the PREEMPTD_* environment into argv[1] as JSON.

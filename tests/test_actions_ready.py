@@ -11,9 +11,9 @@ import pytest
 from agent.actions.common import Recent
 from agent.actions.ready import AzureAcknowledger, ReadyEngine
 from agent.config import ReadyConfig
-from agent.notice import EventType, Kind, Severity, utcnow
-from agent.reports import Report
-from agent.tasks import TaskSet
+from agent.core.notice import EventType, Kind, Severity, utcnow
+from agent.core.reports import Report
+from agent.core.tasks import TaskSet
 from tests.actions_support import event, make_notice
 
 

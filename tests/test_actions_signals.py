@@ -16,9 +16,9 @@ import pytest
 from agent.actions.common import Recent
 from agent.actions.signals import SignalEngine, SignalRule
 from agent.config import SignalRuleConfig
-from agent.errors import ConfigError
-from agent.notice import EventType, Kind, Severity
-from agent.tasks import TaskSet
+from agent.core.errors import ConfigError
+from agent.core.notice import EventType, Kind, Severity
+from agent.core.tasks import TaskSet
 from tests.actions_support import HANDLER, IGNORER, Child, event, make_notice, write_pid_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,10 +171,10 @@ async def test_an_unprivileged_agent_reports_permission_denied() -> None:
     script = f"""
 import asyncio, concurrent.futures.thread, json, os
 from agent.actions.common import Recent
-from agent.tasks import TaskSet
+from agent.core.tasks import TaskSet
 from agent.actions.signals import SignalEngine, SignalRule
 from agent.config import SignalRuleConfig
-from agent.notice import EventType
+from agent.core.notice import EventType
 from tests.actions_support import event, make_notice
 os.setgid(65534); os.setuid(65534)  # after the imports: the interpreter may live under /root
 async def main():

@@ -14,9 +14,9 @@ from structlog.testing import capture_logs
 from agent.actions.common import Recent
 from agent.actions.webhooks import WebhookEngine, redact
 from agent.config import WebhookConfig
-from agent.errors import ConfigError
-from agent.notice import EventType
-from agent.tasks import TaskSet
+from agent.core.errors import ConfigError
+from agent.core.notice import EventType
+from agent.core.tasks import TaskSet
 from tests.actions_support import event, make_notice
 
 SECRET = "T000/B000/s3cr3t-t0ken"

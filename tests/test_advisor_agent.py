@@ -16,9 +16,9 @@ import pytest
 
 from agent.advisor import math as cm
 from agent.advisor.cli import register, run
-from agent.daemon import Agent
-from agent.errors import ConfigError
-from agent.notice import Kind, Observation, format_time, utcnow
+from agent.core.errors import ConfigError
+from agent.core.notice import Kind, Observation, format_time, utcnow
+from agent.service.daemon import Agent
 from tests.support import AgentProcess, agent_config, http_json, running_agent
 
 HOUR = 3600.0

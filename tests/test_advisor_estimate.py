@@ -13,7 +13,7 @@ from agent.advisor.advice import advise
 from agent.advisor.estimate import observe
 from agent.advisor.stats import gamma_p, gamma_ppf, mad_sigma, median, rate_interval
 from agent.config import AdvisorConfig
-from agent.notice import format_time
+from agent.core.notice import format_time
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 HOUR = 3600.0

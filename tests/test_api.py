@@ -10,7 +10,7 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from agent.notice import Kind, Observation
+from agent.core.notice import Kind, Observation
 from tests.support import SSEClient, eventually, http_json, running_agent
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.notice import Kind
+from agent.core.notice import Kind
 from tests.support import SSEClient, http_json, running_agent
 
 

@@ -15,7 +15,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from agent.clientlog import ClientMistakes
+from agent.service.clientlog import ClientMistakes
 from tests.support import http_json, running_agent
 
 HUGE_INT = b"1" + b"0" * 400

@@ -20,8 +20,8 @@ from structlog.testing import capture_logs
 from agent.bridges.kubernetes.api import KubeApi
 from agent.bridges.kubernetes.bridge import Collector, KubernetesBridge
 from agent.bridges.kubernetes.config import KubernetesConfig
-from agent.notice import EventType, Kind, Notice, parse_time, utcnow
-from agent.reports import Report
+from agent.core.notice import EventType, Kind, Notice, parse_time, utcnow
+from agent.core.reports import Report
 from tests.actions_support import event, make_notice
 from tests.k8s_fake import FakeKube
 from tests.test_packaging import BRIDGE_PERMISSIONS

@@ -23,8 +23,8 @@ pytest.importorskip("lightkube", reason="the kubernetes extra is not installed")
 
 from agent.client import EXIT_PREEMPTED, CheckpointStore
 from agent.client.reporting import Reporter, client_info
-from agent.daemon import Agent
-from agent.notice import parse_time
+from agent.core.notice import parse_time
+from agent.service.daemon import Agent
 from tests.k8s_fake import FakeKube
 from tests.support import REPO, SSEClient, agent_config, http_json, running_agent
 from tests.test_e2e_training import ExampleRun, drill

@@ -20,7 +20,7 @@ pytest.importorskip("lightkube", reason="the kubernetes extra is not installed")
 from agent.bridges.kubernetes.api import KubeApi
 from agent.bridges.kubernetes.bridge import KubernetesBridge
 from agent.bridges.kubernetes.config import KubernetesConfig
-from agent.notice import EventType, Notice, utcnow
+from agent.core.notice import EventType, Notice, utcnow
 from tests.actions_support import event, make_notice
 from tests.k8s_fake import STRATEGIC, FakeKube, Recorded
 

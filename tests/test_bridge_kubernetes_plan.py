@@ -11,8 +11,8 @@ import pytest
 
 from agent.bridges.kubernetes import node_name, plan
 from agent.bridges.kubernetes.config import KubernetesConfig
-from agent.errors import ConfigError
-from agent.notice import Kind
+from agent.core.errors import ConfigError
+from agent.core.notice import Kind
 from tests.actions_support import make_notice
 from tests.k8s_fake import PatchError, json_merge_patch, strategic_merge_patch
 

@@ -20,8 +20,8 @@ from agent.bridges.common import drain_reason
 from agent.bridges.ray import MAX_LOG_LINES, RayBridge, RayConfig, RayError, child_log, pick_node
 from agent.bridges.ray_gcs import NOT_INSTALLED, RayNode
 from agent.config import load_config
-from agent.errors import ConfigError
-from agent.notice import EventType, Notice
+from agent.core.errors import ConfigError
+from agent.core.notice import EventType, Notice
 from tests.actions_support import event, make_notice
 from tests.ray_cluster import RayCluster, Unavailable, _ports
 from tests.support import AgentProcess, http_json, running_agent

@@ -30,9 +30,9 @@ from agent.bridges.slurm_commands import (
     running_or_ended_since,
 )
 from agent.config import load_config
-from agent.daemon import Agent
-from agent.errors import ConfigError
-from agent.notice import EventType, Notice
+from agent.core.errors import ConfigError
+from agent.core.notice import EventType, Notice
+from agent.service.daemon import Agent
 from tests.actions_support import event, make_notice
 from tests.slurm_cluster import NODE, SlurmCluster, Unavailable
 from tests.support import REPO, SSEClient, agent_config, http_json, running_agent

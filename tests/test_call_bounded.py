@@ -1,4 +1,4 @@
-"""agent.threads.call_bounded, which SIGHUP's configuration read goes through: the result or the exception
+"""agent.core.threads.call_bounded, which SIGHUP's configuration read goes through: the result or the exception
 of a call on a thread of its own, or a TimeoutError once the wait is over while the call is still stuck."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from agent.errors import ConfigError
-from agent.threads import call_bounded
+from agent.core.errors import ConfigError
+from agent.core.threads import call_bounded
 
 
 async def test_the_result_comes_back() -> None:

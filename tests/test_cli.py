@@ -9,8 +9,8 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from agent.notice import Kind
-from agent.render import format_event, format_status
+from agent.cli.render import format_event, format_status
+from agent.core.notice import Kind
 from tests.support import REPO, eventually, running_agent
 
 

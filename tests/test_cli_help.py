@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import build_parser, main
-from agent.cli_help import EXIT_BROKEN_PIPE, verb_parser
+from agent.cli.help import EXIT_BROKEN_PIPE, verb_parser
 from tests.support import REPO, running_agent
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import build_parser, main
-from agent.cli_help import verb_parser
+from agent.cli.help import verb_parser
 from tests.support import REPO
 
 # What the daemon needs and a client verb must not load (each costs tens to hundreds of milliseconds).

@@ -15,9 +15,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from agent.daemon import Agent
-from agent.notice import Kind, Observation
-from agent.render import countdown, format_event
+from agent.cli.render import countdown, format_event
+from agent.core.notice import Kind, Observation
+from agent.service.daemon import Agent
 from tests.support import REPO, eventually, http_json, running_agent
 from tests.test_cli import cli
 

@@ -17,8 +17,8 @@ from agent.client import (
     advised_interval,
     client_info,
 )
-from agent.daemon import Agent
-from agent.reports import Report
+from agent.core.reports import Report
+from agent.service.daemon import Agent
 from tests.support import running_agent
 
 

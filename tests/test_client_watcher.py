@@ -11,9 +11,9 @@ from typing import Any
 
 from agent.client import Backoff, Notice, Watcher
 from agent.client.aio import AsyncWatcher
-from agent.daemon import Agent
-from agent.notice import Kind
-from agent.reports import Report
+from agent.core.notice import Kind
+from agent.core.reports import Report
+from agent.service.daemon import Agent
 from tests.support import agent_config, http_json, running_agent
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent.notice import Kind, Severity
+from agent.core.notice import Kind, Severity
 from agent.simulate import AwsSimulator, AzureSimulator, GcpSimulator
 from agent.sources import aws, gcp
 from agent.sources.cloud_http import ParseError

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.notice import Kind, Severity
+from agent.core.notice import Kind, Severity
 from agent.sources import alibaba, aws, azure, gcp, tencent
 from agent.sources.cloud_http import ParseError
 from agent.sources.detect import AZURE_ASSET_TAG, cloud_from_dmi, read_dmi

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from agent.notice import parse_time
+from agent.core.notice import parse_time
 from agent.simulate import (
     AlibabaSimulator,
     AwsSimulator,

@@ -11,8 +11,8 @@ import pytest
 from msgspec import Meta
 
 from agent.config import Config, load_config, parse_setting
-from agent.errors import ConfigError
-from agent.paths import client_socket_path, default_socket_path, default_state_dir, user_socket_path
+from agent.core.errors import ConfigError
+from agent.core.paths import client_socket_path, default_socket_path, default_state_dir, user_socket_path
 
 # What an interval, timeout or backoff key expects (each has a floor: 1e-9 s would keep a core busy).
 SECONDS = r"expected a finite number of seconds >= 0\.1"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from agent.connections import Budget, connection_budget
-from agent.notice import Kind
+from agent.core.notice import Kind
+from agent.service.connections import Budget, connection_budget
 from tests.support import AgentProcess, SSEClient, eventually, http_json, running_agent
 from tests.test_cli import cli
 

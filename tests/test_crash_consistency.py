@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from agent.board import NoticeBoard
-from agent.notice import Kind, Observation
+from agent.core.board import NoticeBoard
+from agent.core.notice import Kind, Observation
 from agent.simulate import simulator_for
 from tests.cloud_harness import FAST, QUIET
 from tests.support import AgentProcess, SSEClient, http_json

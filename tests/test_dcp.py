@@ -377,7 +377,7 @@ def test_a_notice_during_a_background_save_waits_for_it_only_when_it_ends_in_tim
 def test_reports_carry_the_flush_budget_and_bad_values_are_refused() -> None:
     from datetime import datetime, timezone
 
-    from agent.reports import ReportError, parse_report
+    from agent.core.reports import ReportError, parse_report
 
     now = datetime.now(timezone.utc)
     doc = {"kind": "checkpoint", "phase": "started", "step": 3, "emergency": True,

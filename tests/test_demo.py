@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.demo import FIRST_LINE, FIRST_LINE_NO_JOB, WIDTH, DemoJob, Screen, describe_job
+from agent.cli.demo import FIRST_LINE, FIRST_LINE_NO_JOB, WIDTH, DemoJob, Screen, describe_job
 from tests.support import REPO
 from tests.test_cli import cli
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from agent.client import EXIT_PREEMPTED, CheckpointStore
-from agent.reports import Report
+from agent.core.reports import Report
 from tests.support import REPO, AgentProcess, SSEClient, http_json, running_agent, short_tmp
 
 pytest.importorskip("torch")

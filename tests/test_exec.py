@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
+from agent.cli.exec import decide
+from agent.cli.exec_child import descendants
 from agent.client import EXIT_PREEMPTED, CheckpointStore
 from agent.client.preempted import ENV, read_records, record_emergency
-from agent.exec import decide
-from agent.exec_keeper import descendants
 from tests.support import REPO, eventually, http_json, running_agent
 from tests.test_exec_lifetime import _alive
 

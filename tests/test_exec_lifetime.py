@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from agent.exec import channel_owner, remove_stale_channels
+from agent.cli.exec import channel_owner, remove_stale_channels
 from tests.support import REPO, eventually
 
 # The command starts one worker in a session of its own (torchrun's start_new_session=True: no signal to the

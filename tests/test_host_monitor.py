@@ -16,8 +16,8 @@ import pytest
 
 import agent.sources.host as host_module
 from agent.config import HostConfig
-from agent.notice import EventType, Kind, Observation, utcnow
-from agent.reports import Report
+from agent.core.notice import EventType, Kind, Observation, utcnow
+from agent.core.reports import Report
 from agent.sources.host import HostSource
 from tests.fake_nvml.recording import RecordingSink
 from tests.support import SSEClient, http_json, running_agent

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime, timezone
 
-from agent.hub import CLOSE, HEARTBEAT, Hub
-from agent.notice import EventType
+from agent.core.notice import EventType
+from agent.core.subscribers import CLOSE, HEARTBEAT, Hub
 
 T0 = datetime(2026, 12, 2, tzinfo=timezone.utc)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
-from agent.hub import Hub
-from agent.notice import EventType, Kind
+from agent.core.notice import EventType, Kind
+from agent.core.subscribers import Hub
 from tests.support import SSEClient, running_agent
 
 T0 = datetime(2026, 12, 2, tzinfo=timezone.utc)

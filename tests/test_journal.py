@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from agent.journal import field_name, journal_fields, load_send
-from agent.logs import configure_logging
+from agent.service.journal import field_name, journal_fields, load_send
+from agent.service.logs import configure_logging
 from tests.support import REPO, AgentProcess, SSEClient, http_json
 
 JOURNALD = next((p for p in ("/usr/lib/systemd/systemd-journald", "/lib/systemd/systemd-journald") if os.access(p, os.X_OK)), None)  # fmt: skip

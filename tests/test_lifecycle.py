@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from agent.errors import AlreadyRunningError
-from agent.notice import Kind
-from agent.state import STATE_FILE
+from agent.core.errors import AlreadyRunningError
+from agent.core.notice import Kind
+from agent.service.state_files import STATE_FILE
 from tests.support import AgentProcess, SSEClient, eventually, http_json, running_agent
 from tests.test_cli import cli
 from tests.test_systemd import hup_and_wait_ready

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sse import SSEDecoder, SSEMessage
+from agent.core.sse import SSEDecoder, SSEMessage
 from tests.support import AgentProcess, http_json
 
 CLIENTS = 1000

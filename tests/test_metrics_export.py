@@ -15,10 +15,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.daemon import Agent
-from agent.errors import ConfigError
-from agent.metrics_export import MetricsComponent, MetricsListener, parse_listen
-from agent.notice import parse_time
+from agent.core.errors import ConfigError
+from agent.core.notice import parse_time
+from agent.service.daemon import Agent
+from agent.service.metrics import MetricsComponent, MetricsListener, parse_listen
 from tests.support import SSEClient, agent_config, eventually, http_json, running_agent
 
 pytestmark = pytest.mark.timeout(30)

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from agent.config import load_config
-from agent.metrics_export import parse_listen
+from agent.service.metrics import parse_listen
 from tests.support import REPO, running_agent
 
 PROMTOOL = shutil.which("promtool")

@@ -7,9 +7,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from agent.board import NoticeBoard
-from agent.errors import NoticeError
-from agent.notice import Event, EventType, Kind, Notice, Observation, Severity, format_time, parse_time
+from agent.core.board import NoticeBoard
+from agent.core.errors import NoticeError
+from agent.core.notice import Event, EventType, Kind, Notice, Observation, Severity, format_time, parse_time
 
 T0 = datetime(2026, 12, 2, 12, 0, 0, tzinfo=timezone.utc)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agent.notice import EventType, Kind
+from agent.core.notice import EventType, Kind
 from agent.sources.nvml import NvmlSource
 from tests.fake_nvml.build import Scenario, fake_nvml_lib, scenario
 from tests.fake_nvml.recording import RecordingSink

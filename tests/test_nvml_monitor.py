@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agent.config import GpuConfig
-from agent.notice import EventType, Kind, Observation, Severity, utcnow
+from agent.core.notice import EventType, Kind, Observation, Severity, utcnow
 from agent.sources.nvml import NvmlSource
 from tests.fake_nvml.build import Scenario, fake_nvml_lib, scenario
 from tests.fake_nvml.recording import RecordingSink

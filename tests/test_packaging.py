@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from agent.config import Config, load_config
-from agent.daemon import Agent, build_components
+from agent.service.daemon import Agent, build_components
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGING = REPO / "packaging"

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agent.notice import Kind
+from agent.core.notice import Kind
 from tests.support import REPO, SSEClient, http_json, running_agent
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as other uids")

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import structlog
 
-from agent import reactors
+from agent.actions import registry as reactors
 from agent.config import load_config
-from agent.daemon import Agent
-from agent.errors import ConfigError
-from agent.notice import EventType
+from agent.core.errors import ConfigError
+from agent.core.notice import EventType
+from agent.service.daemon import Agent
 from tests.support import REPO, AgentProcess, SSEClient, agent_config, eventually, http_json, running_agent
 
 # The plug-in, as a third party would write it: it imports nothing from the agent (it gets the host).
@@ -111,7 +111,7 @@ def plugin_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def registered(plugin_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The plug-in registered through agent.reactors.register; yields its module."""
+    """The plug-in registered through agent.actions.registry.register; yields its module."""
     module = write_plugin(plugin_dir, entry_point=False)
     monkeypatch.syspath_prepend(str(plugin_dir))
     loaded = importlib.import_module(module)

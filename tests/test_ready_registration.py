@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from agent.errors import ReportError
-from agent.reports import Report, parse_report
+from agent.core.errors import ReportError
+from agent.core.reports import Report, parse_report
 from tests.support import REPO, SSEClient, http_json, running_agent
 
 # A training job that has not saved yet: it watches, and on the notice prints it, then saves its emergency

@@ -11,7 +11,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from agent.daemon import Agent
+from agent.service.daemon import Agent
 from tests.support import agent_config
 
 POST = b"POST /v1/reports HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

@@ -72,7 +72,7 @@ async def test_simulate_rejects_an_unknown_scenario() -> None:
 
 def simulate_help() -> str:
     from agent.cli import build_parser
-    from agent.cli_help import verb_parser
+    from agent.cli.help import verb_parser
 
     return verb_parser(build_parser(), "simulate").format_help()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.sse import SSEDecoder, SSEMessage, comment, encode
+from agent.core.sse import SSEDecoder, SSEMessage, comment, encode
 
 
 def test_encode_writes_id_event_and_one_data_line_per_line() -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from agent.client import CheckpointError, CheckpointStore, CheckpointWarning, Reporter
 from agent.client.preempted import ENV, read_records
-from agent.reports import Report
+from agent.core.reports import Report
 from tests.store_fs import fill, small_fs
 from tests.support import REPO, http_json, running_agent
 
@@ -119,7 +119,7 @@ async def test_a_failed_emergency_save_hands_the_notice_to_the_earlier_step_for_
     small_fs: Path, base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """exec exits 75 on the record, and the agent hears the save failed with the step it fell back to."""
-    from agent.exec import decide
+    from agent.cli.exec import decide
 
     channel = tmp_path / "exec"
     channel.mkdir()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.notice import Kind, Observation
+from agent.core.notice import Kind, Observation
 from agent.sources.gpu_health import Finding, GpuIdentity, HeldFindings, Hysteresis, merge, observation
 from agent.sources.gpu_xid import KmsgXid, XidClass, classify_xid, parse_kmsg_xid, pci_key
 

@@ -1,8 +1,9 @@
 """Acting on notices for programs that never connect: signals, hooks, webhooks, and the ``ready`` step
 (participants saved, cloud acknowledged). :class:`ActionsComponent` wires them into the agent.
 
-The component (aiohttp, psutil, prometheus-client) is imported on first use: the configuration loader
-imports :mod:`agent.actions.validate` from here, and must stay cheap.
+The component (aiohttp, psutil, prometheus-client) is imported on first use, so that importing one module
+of the package (the bridges import :mod:`agent.actions.common`) stays cheap. The checks of the actions'
+values live with the configuration (:mod:`agent.config.validate`), which loads them.
 """
 
 from __future__ import annotations

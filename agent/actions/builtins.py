@@ -1,5 +1,5 @@
 """The built-in action reactors, each built from the ``[actions]`` section through the same factory shape as a
-scheduler bridge (:data:`agent.ports.ReactorFactory`): signals, ready aggregation, the Azure
+scheduler bridge (:data:`agent.core.ports.ReactorFactory`): signals, ready aggregation, the Azure
 acknowledgement, hooks and webhooks, in the order they see each event.
 
 Every built-in owns its tasks (one :class:`~agent.actions.common.TaskSet` each) and its record of what it did,
@@ -18,8 +18,8 @@ from agent.actions.ready import AzureAcknowledger, ReadyEngine
 from agent.actions.signals import SignalEngine, SignalRule, call_gpu_pids
 from agent.actions.webhooks import WebhookEngine
 from agent.config import ActionsConfig
-from agent.ports import AZURE_ACK, GPU_PIDS, Host, ReactorFactory
-from agent.tasks import TaskSet
+from agent.core.ports import AZURE_ACK, GPU_PIDS, Host, ReactorFactory
+from agent.core.tasks import TaskSet
 
 
 def actions_config(host: Host) -> ActionsConfig:

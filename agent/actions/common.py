@@ -10,8 +10,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import structlog
 
-from agent.notice import Event, EventType, Notice, Severity, format_time, utcnow
-from agent.tasks import TaskSet
+from agent.core.notice import Event, EventType, Notice, Severity, format_time, utcnow
+from agent.core.tasks import TaskSet
 
 log = structlog.get_logger("preemptd.actions")
 

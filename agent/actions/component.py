@@ -1,5 +1,5 @@
 """The actions component: builds the reactors (the built-in actions and any scheduler bridge, through
-:mod:`agent.reactors`), hands them the agent's events and client reports, and shows what they did under
+:mod:`agent.actions.registry`), hands them the agent's events and client reports, and shows what they did under
 ``actions`` in ``/v1/status`` (each reactor's own status under ``actions.reactors.<name>``) and as
 ``preemptd_actions_total`` in metrics.
 
@@ -16,10 +16,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from agent.actions.builtins import legacy_status
 from agent.actions.common import Outcomes, log
+from agent.actions.registry import ReactorSet, build_reactors, discover, unused_tables
 from agent.config import ActionsConfig, Config
-from agent.errors import ConfigError
-from agent.ports import Host
-from agent.reactors import ReactorSet, build_reactors, discover, unused_tables
+from agent.core.errors import ConfigError
+from agent.core.ports import Host
 
 # Metric label of the built-in reactors that count outcomes.
 ACTION_LABELS = {"signals": "signal", "hooks": "hook", "webhooks": "webhook"}

@@ -24,11 +24,11 @@ from agent.actions.common import (
     log,
     record_outcome,
 )
-from agent.actions.validate import check_hook
 from agent.config import HookConfig
-from agent.errors import ConfigError
-from agent.notice import Notice, format_time, utcnow
-from agent.tasks import TaskSet
+from agent.config.validate import check_hook
+from agent.core.errors import ConfigError
+from agent.core.notice import Notice, format_time, utcnow
+from agent.core.tasks import TaskSet
 
 MAX_LOGGED_LINES = 200
 # Meant for the agent's own process only: a hook must not talk to systemd's notify socket or believe it was
@@ -71,7 +71,7 @@ def hook_environment(
 
 class HookEngine(RuleActions[HookConfig]):
     """Starts the configured hooks for each event, at most ``concurrency`` at a time. A
-    :class:`agent.ports.Reactor` named ``hooks``."""
+    :class:`agent.core.ports.Reactor` named ``hooks``."""
 
     name = "hooks"
 

@@ -19,9 +19,9 @@ import psutil
 
 from agent.actions.common import OwnedTasks, Recent, applies, log
 from agent.config import ReadyConfig
-from agent.notice import Event, EventType, Notice, format_time, utcnow
-from agent.reports import Report
-from agent.tasks import TaskSet
+from agent.core.notice import Event, EventType, Notice, format_time, utcnow
+from agent.core.reports import Report
+from agent.core.tasks import TaskSet
 
 Publish = Callable[[str, Mapping[str, Any]], Any]
 # A participant: the uid that registered it (SO_PEERCRED) and its name. Names live in their owner's
@@ -144,7 +144,7 @@ class Pending:
 
 class ReadyEngine(OwnedTasks):
     """Tracks participants and, per matching notice, who has saved; publishes ``ready`` once per notice.
-    A :class:`agent.ports.Reactor` named ``ready``."""
+    A :class:`agent.core.ports.Reactor` named ``ready``."""
 
     name = "ready"
 
@@ -428,7 +428,7 @@ Acknowledge = Callable[[str], Any]
 class AzureAcknowledger(OwnedTasks):
     """Sends ``StartRequests`` once per notice, through the ``azure_ack`` capability (``ack``: returns it,
     or None when no Azure source offers it now) or a source object's ``acknowledge(event_id)``. A
-    :class:`agent.ports.Reactor` named ``azure_acknowledgement``."""
+    :class:`agent.core.ports.Reactor` named ``azure_acknowledgement``."""
 
     name = "azure_acknowledgement"
 

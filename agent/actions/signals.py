@@ -22,10 +22,10 @@ from typing import Any
 import psutil
 
 from agent.actions.common import Outcomes, OwnedTasks, Recent, applies, log
-from agent.actions.validate import check_signal_rule, parse_signal
 from agent.config import SignalRuleConfig
-from agent.notice import Event, EventType, Notice, format_time, utcnow
-from agent.tasks import TaskSet
+from agent.config.validate import check_signal_rule, parse_signal
+from agent.core.notice import Event, EventType, Notice, format_time, utcnow
+from agent.core.tasks import TaskSet
 
 # Where a cgroup path is looked up: the unified (v2) hierarchy, the hybrid layout's v2 mount, then the v1
 # ``name=systemd`` hierarchy, whose tree mirrors the units.
@@ -154,7 +154,7 @@ def _process_identity(pid: int) -> tuple[str, float] | None:
 
 class SignalEngine(OwnedTasks):
     """Applies the signal rules to events: once per (notice, rule), escalation cancelled when it clears.
-    A :class:`agent.ports.Reactor` named ``signals``."""
+    A :class:`agent.core.ports.Reactor` named ``signals``."""
 
     name = "signals"
 

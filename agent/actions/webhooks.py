@@ -22,10 +22,10 @@ from agent.actions.common import (
     log,
     record_outcome,
 )
-from agent.actions.validate import check_webhook, redact
 from agent.config import WebhookConfig
-from agent.notice import Notice, format_time, utcnow
-from agent.tasks import TaskSet
+from agent.config.validate import check_webhook, redact
+from agent.core.notice import Notice, format_time, utcnow
+from agent.core.tasks import TaskSet
 
 
 def validate_webhooks(hooks: Iterable[WebhookConfig]) -> tuple[WebhookConfig, ...]:
@@ -66,7 +66,7 @@ class _Retry(Exception):
 
 class WebhookEngine(RuleActions[WebhookConfig]):
     """Delivers events to the configured webhooks; each delivery is an owned task with its own retries. A
-    :class:`agent.ports.Reactor` named ``webhooks``."""
+    :class:`agent.core.ports.Reactor` named ``webhooks``."""
 
     name = "webhooks"
 

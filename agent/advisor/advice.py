@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from agent.advisor import math as cm
 from agent.advisor.estimate import LOSS_CAUSES, Observations
-from agent.durations import format_duration as _short_duration
-from agent.notice import format_time
+from agent.core.durations import format_duration as _short_duration
+from agent.core.notice import format_time
 
 if TYPE_CHECKING:  # annotations only: `preemptd advise` must not load the config loader (msgspec)
     from agent.config import AdvisorConfig

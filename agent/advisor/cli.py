@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from agent.durations import format_duration, parse_duration
+from agent.core.durations import format_duration, parse_duration
 
 if TYPE_CHECKING:
     from agent.advisor.advice import Inputs

@@ -24,10 +24,10 @@ from prometheus_client.metrics_core import Metric
 from agent.advisor.advice import CONFIDENCE_LEVELS, advise
 from agent.advisor.estimate import Observations, check_config, observe
 from agent.config import AdvisorConfig, Config
-from agent.errors import ConfigError
-from agent.notice import Event, EventType, format_time
-from agent.ports import AdvisorHost
-from agent.reports import Report
+from agent.core.errors import ConfigError
+from agent.core.notice import Event, EventType, format_time
+from agent.core.ports import AdvisorHost
+from agent.core.reports import Report
 
 REFRESH_S = 120.0
 # An answer older than this is recomputed even without new records: notices reach their deadlines.

@@ -21,8 +21,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from agent.advisor.stats import mad_sigma, median, rate_interval
-from agent.errors import ConfigError, NoticeError
-from agent.notice import parse_time
+from agent.core.errors import ConfigError, NoticeError
+from agent.core.notice import parse_time
 
 if TYPE_CHECKING:  # annotations only: `preemptd advise` must not load the config loader (msgspec)
     from agent.config import AdvisorConfig

@@ -10,8 +10,8 @@ from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from agent.notice import Notice, format_time
-from agent.ports import Host
+from agent.core.notice import Notice, format_time
+from agent.core.ports import Host
 
 # Every reason the agent writes starts with this, so that an administrator sees who drained the node.
 REASON_PREFIX = "preemptd:"

@@ -33,9 +33,9 @@ from agent.bridges.common import drain_reason, register_metrics
 from agent.bridges.ray_gcs import RayNode, unreachable
 from agent.bridges.slurm_commands import host_names
 from agent.config import AtLeastOne, NoticeKindName, Seconds, SecondsOrOff, SeverityName
-from agent.notice import Event, EventType, Notice, format_time, utcnow
-from agent.ports import Host
-from agent.tasks import TaskSet
+from agent.core.notice import Event, EventType, Notice, format_time, utcnow
+from agent.core.ports import Host
+from agent.core.tasks import TaskSet
 
 log = structlog.get_logger("preemptd.ray")
 

@@ -34,9 +34,9 @@ from agent.bridges.slurm_commands import (
     requeue_verdict,
 )
 from agent.config import NoticeKindName, SeverityName
-from agent.notice import Event, EventType, Notice, format_time, utcnow
-from agent.ports import Host
-from agent.tasks import TaskSet, wait_for_any
+from agent.core.notice import Event, EventType, Notice, format_time, utcnow
+from agent.core.ports import Host
+from agent.core.tasks import TaskSet, wait_for_any
 
 log = structlog.get_logger("preemptd.slurm")
 

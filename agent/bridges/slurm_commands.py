@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from agent.errors import ConfigError
+from agent.core.errors import ConfigError
 
 # Job states in which a job holds the node's resources and has (or is about to have) steps there.
 ACTIVE_JOB_STATES = frozenset({"RUNNING", "CONFIGURING", "SUSPENDED", "COMPLETING", "STAGE_OUT"})

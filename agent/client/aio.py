@@ -13,7 +13,7 @@ from agent.client.watcher import (
     DEFAULT_SIGNALS,
     WatcherBase,
 )
-from agent.sse import SSEDecoder
+from agent.core.sse import SSEDecoder
 
 MAX_HEADER_BYTES = 64 * 1024
 

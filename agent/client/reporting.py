@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
-from agent.paths import client_socket_path
+from agent.core.paths import client_socket_path
 
 log = logging.getLogger("agent.client")
 

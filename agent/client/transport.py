@@ -13,8 +13,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from agent.paths import client_socket_path
-from agent.sse import SSEDecoder, SSEMessage
+from agent.core.paths import client_socket_path
+from agent.core.sse import SSEDecoder, SSEMessage
 
 DEFAULT_TIMEOUT_S = 5.0
 

@@ -34,8 +34,8 @@ from agent.client.events import (
 )
 from agent.client.reporting import Reporter, client_info
 from agent.client.transport import AgentHTTPError, AgentUnavailable, EventStream
-from agent.paths import client_socket_path
-from agent.sse import SSEMessage
+from agent.core.paths import client_socket_path
+from agent.core.sse import SSEMessage
 
 log = logging.getLogger("agent.client")
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
-from agent.notice import utcnow
+from agent.core.notice import utcnow
 from agent.simulate.base import Scenario, Simulator, in_s, listing, raw, rfc3339_seconds, scenario
 from agent.simulate.faults import SimulatorError
 

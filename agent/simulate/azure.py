@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
-from agent.notice import utcnow
+from agent.core.notice import utcnow
 from agent.simulate.base import Scenario, Simulator, in_s, scenario
 from agent.simulate.faults import SimulatorError
 

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
-from agent.notice import format_time, utcnow
+from agent.core.notice import format_time, utcnow
 from agent.simulate.faults import Fault, SimulatorError, parse_fault
 
 SIM_PREFIX = "/_sim/"

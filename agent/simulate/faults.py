@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent.errors import PreemptdError
+from agent.core.errors import PreemptdError
 
 FAULT_TYPES = ("latency", "hang", "5xx", "429", "garbage", "oversized", "reset", "token-expiry")
 DEFAULT_OVERSIZED = 4 * 1024 * 1024

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from datetime import datetime
 
 from agent.config import AlibabaConfig
-from agent.errors import NoticeError
-from agent.notice import parse_time
+from agent.core.errors import NoticeError
+from agent.core.notice import parse_time
 from agent.sources.cloud_http import CloudError, ParseError, status_error
 from agent.sources.cloud_spot import TerminationTimeSource
 

@@ -15,8 +15,8 @@ from typing import Any
 import structlog
 
 from agent.config import AwsConfig
-from agent.errors import NoticeError
-from agent.notice import Kind, Observation, Severity, parse_time, utcnow
+from agent.core.errors import NoticeError
+from agent.core.notice import Kind, Observation, Severity, parse_time, utcnow
 from agent.sources.base import Sink, Source
 from agent.sources.cloud_http import (
     Backoff,

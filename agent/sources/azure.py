@@ -17,9 +17,9 @@ from typing import Any
 import structlog
 
 from agent.config import AzureConfig
-from agent.errors import NoticeError
-from agent.notice import Kind, Observation, Severity, parse_time, utcnow
-from agent.ports import AZURE_ACK
+from agent.core.errors import NoticeError
+from agent.core.notice import Kind, Observation, Severity, parse_time, utcnow
+from agent.core.ports import AZURE_ACK
 from agent.sources.base import Sink, Source
 from agent.sources.cloud_http import Backoff, CloudError, MetadataClient, ParseError, status_error
 

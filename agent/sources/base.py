@@ -1,7 +1,7 @@
 """What a notice source is: a long-running task that reports observations and its own health.
 
 A source turns one external signal (a cloud's metadata service, NVML, the host) into
-:class:`~agent.notice.Observation` values and hands them to a :class:`Sink` that the agent gives it. Sources
+:class:`~agent.core.notice.Observation` values and hands them to a :class:`Sink` that the agent gives it. Sources
 parse with pure functions and keep their I/O loops thin. Sink methods must be called from the event loop
 thread; a source that works on a thread hands results back with ``loop.call_soon_threadsafe``.
 """
@@ -9,45 +9,11 @@ thread; a source that works on a thread hands results back with ``loop.call_soon
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, Protocol
 
-from agent.notice import Observation, format_time
-from agent.reports import Report
-
-
-class HealthState(str, enum.Enum):
-    STARTING = "starting"
-    OK = "ok"
-    DEGRADED = "degraded"
-    DISABLED = "disabled"
-
-
-@dataclass(frozen=True)
-class SourceHealth:
-    """A source's health as shown in ``/v1/status`` and in metrics."""
-
-    state: HealthState
-    since: datetime
-    last_error: str | None = None
-    last_error_at: datetime | None = None
-    last_ok_at: datetime | None = None
-    errors: int = 0
-    detail: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "state": self.state.value,
-            "since": format_time(self.since),
-            "last_error": self.last_error,
-            "last_error_at": format_time(self.last_error_at) if self.last_error_at else None,
-            "last_ok_at": format_time(self.last_ok_at) if self.last_ok_at else None,
-            "errors": self.errors,
-            "detail": dict(self.detail),
-        }
+from agent.core.notice import Observation
+from agent.core.reports import Report
 
 
 class Sink(Protocol):
@@ -95,6 +61,6 @@ class Source(abc.ABC):
         return {}
 
     def capabilities(self) -> Mapping[str, Callable[..., Any]]:
-        """Named capabilities this source offers to reactors now (``agent.ports.GPU_PIDS``,
-        ``agent.ports.AZURE_ACK``); asked each time one is needed."""
+        """Named capabilities this source offers to reactors now (``agent.core.ports.GPU_PIDS``,
+        ``agent.core.ports.AZURE_ACK``); asked each time one is needed."""
         return {}

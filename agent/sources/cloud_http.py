@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 from multidict import CIMultiDictProxy
 
-from agent.errors import PreemptdError
-from agent.notice import Observation
+from agent.core.errors import PreemptdError
+from agent.core.notice import Observation
 from agent.sources.base import Sink
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from agent.notice import Kind, Observation
+from agent.core.notice import Kind, Observation
 from agent.sources.base import Sink, Source
 from agent.sources.cloud_http import Backoff, CloudError, MetadataClient, status_error
 

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from agent.config import Config
-from agent.ports import AZURE_ACK
+from agent.core.ports import AZURE_ACK
 from agent.sources.alibaba import AlibabaSource
 from agent.sources.aws import TOKEN_PATH, TOKEN_TTL_HEADER, AwsSource
 from agent.sources.azure import AzureSource

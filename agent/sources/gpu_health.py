@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.notice import Kind, Observation, Severity
+from agent.core.notice import Kind, Observation, Severity
 from agent.sources.gpu_xid import XidClass, classify_xid, describe_xid
 
 # The periodic checks, in the order they are read.

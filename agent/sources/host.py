@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 import structlog
 
 from agent.config import HostConfig
-from agent.notice import Kind, Observation
-from agent.reports import Report
+from agent.core.notice import Kind, Observation
+from agent.core.reports import Report
+from agent.core.threads import call_in_thread, drop, wait_or_drop
 from agent.sources.base import Sink, Source
 from agent.sources.gpu_health import Hysteresis
-from agent.threads import call_in_thread, drop, wait_or_drop
 
 log = structlog.get_logger("preemptd.host")
 

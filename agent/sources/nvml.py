@@ -26,8 +26,9 @@ from typing import Any, TypeVar
 import structlog
 
 from agent.config import GpuConfig
-from agent.notice import Kind, Observation, Severity
-from agent.ports import GPU_PIDS
+from agent.core.notice import Kind, Observation, Severity
+from agent.core.ports import GPU_PIDS
+from agent.core.threads import deliver, run_for, wait_or_drop
 from agent.sources.base import Sink, Source
 from agent.sources.gpu_health import (
     CHECKS,
@@ -45,7 +46,6 @@ from agent.sources.gpu_health import (
 )
 from agent.sources.gpu_xid import KmsgXid, XidClass, pci_key
 from agent.sources.kmsg import KmsgFollower
-from agent.threads import deliver, run_for, wait_or_drop
 
 log = structlog.get_logger("preemptd.nvml")
 

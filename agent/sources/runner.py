@@ -15,12 +15,12 @@ from typing import Any
 
 import structlog
 
-from agent.board import Change, NoticeBoard
-from agent.health import HealthBook
-from agent.notice import Observation
-from agent.ports import Tasks
-from agent.reports import Report
-from agent.sources.base import HealthState, Source, SourceHealth
+from agent.core.board import Change, NoticeBoard
+from agent.core.notice import Observation
+from agent.core.ports import Tasks
+from agent.core.reports import Report
+from agent.core.source_health import HealthBook, HealthState, SourceHealth
+from agent.sources.base import Source
 
 ERROR_LOG_INTERVAL_S = 60.0
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from agent.config import TencentConfig
-from agent.errors import NoticeError
-from agent.notice import parse_time
+from agent.core.errors import NoticeError
+from agent.core.notice import parse_time
 from agent.sources.cloud_http import ParseError
 from agent.sources.cloud_spot import TerminationTimeSource
 

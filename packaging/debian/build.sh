@@ -63,7 +63,7 @@ fi
 # RECORD files list installed files with hashes; pip never reads them back to run anything, and the
 # shebang rewrite above changed some: drop the stale hashes so `pip check` and uninstall stay coherent.
 sed -i -E 's|^(\.\./\.\./\.\./bin/[^,]+),[^,]*,[^,]*$|\1,,|' "$stage$prefix"/lib/python*/site-packages/*.dist-info/RECORD
-"$stage$prefix/bin/python" -c 'import agent.daemon, agent.actions' # imports resolve in the staged venv
+"$stage$prefix/bin/python" -c 'import agent.service.daemon, agent.actions' # imports resolve in the staged venv
 
 echo "== files"
 install -d "$stage/usr/bin" "$stage/lib/systemd/system" "$stage/usr/lib/sysusers.d" "$stage/usr/lib/tmpfiles.d" \

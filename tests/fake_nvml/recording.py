@@ -1,6 +1,6 @@
 """A Sink that records what a source reports, for unit tests of the GPU and host monitors without an agent.
 
-It applies ``replace``/``observe``/``clear`` to a real :class:`~agent.notice.NoticeBoard`, so the events it
+It applies ``replace``/``observe``/``clear`` to a real :class:`~agent.core.notice.NoticeBoard`, so the events it
 records are the ones the agent would broadcast. Waiting is by condition with a deadline, never by sleeping.
 """
 
@@ -10,8 +10,8 @@ import asyncio
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from agent.board import Change, NoticeBoard
-from agent.notice import EventType, Observation, utcnow
+from agent.core.board import Change, NoticeBoard
+from agent.core.notice import EventType, Observation, utcnow
 
 
 class RecordingSink:

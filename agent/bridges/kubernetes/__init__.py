@@ -11,11 +11,11 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from agent.bridges.kubernetes.config import NODE_NAME, TABLE, KubernetesConfig
-from agent.errors import ConfigError
+from agent.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from agent.bridges.kubernetes.bridge import Collector, KubernetesBridge
-    from agent.ports import Host
+    from agent.core.ports import Host
 
 __all__ = ["TABLE", "KubernetesConfig", "build_reactor", "node_name"]
 

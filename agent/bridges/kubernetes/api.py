@@ -20,7 +20,7 @@ from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
 
 from agent.bridges.kubernetes.config import KubernetesConfig
-from agent.notice import utcnow
+from agent.core.notice import utcnow
 
 FIELD_MANAGER = "preemptd"
 

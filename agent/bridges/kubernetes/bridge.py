@@ -29,9 +29,9 @@ from agent.bridges.kubernetes import plan
 from agent.bridges.kubernetes.api import KubeApi, KubeError
 from agent.bridges.kubernetes.config import KubernetesConfig
 from agent.bridges.kubernetes.drain import BACKOFF_START_S, Drainer, alive
-from agent.notice import Event, EventType, Notice, Severity, format_time
-from agent.reports import Report
-from agent.tasks import TaskSet
+from agent.core.notice import Event, EventType, Notice, Severity, format_time
+from agent.core.reports import Report
+from agent.core.tasks import TaskSet
 
 log = structlog.get_logger("preemptd.kubernetes")
 
@@ -42,7 +42,7 @@ MAX_PARTICIPANTS = 256
 
 
 class KubernetesBridge:
-    """The reactor (``agent.ports.Reactor``) named ``kubernetes``."""
+    """The reactor (``agent.core.ports.Reactor``) named ``kubernetes``."""
 
     name = "kubernetes"
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from agent.config import NoticeKindName, Seconds, SeverityName
-from agent.errors import ConfigError
+from agent.core.errors import ConfigError
 
 TABLE = "actions.kubernetes"
 

@@ -19,8 +19,8 @@ import structlog
 from agent.bridges.kubernetes import plan
 from agent.bridges.kubernetes.api import KubeApi, KubeError
 from agent.bridges.kubernetes.config import KubernetesConfig
-from agent.notice import Notice, format_time
-from agent.tasks import wait_for_any
+from agent.core.notice import Notice, format_time
+from agent.core.tasks import wait_for_any
 
 log = structlog.get_logger("preemptd.kubernetes")
 

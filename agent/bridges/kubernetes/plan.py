@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.bridges.kubernetes.config import KubernetesConfig
-from agent.notice import Kind, Notice, format_time
+from agent.core.notice import Kind, Notice, format_time
 
 # Set with the cordon, so that clearing uncordons only a node this agent cordoned (the node's own record
 # survives an agent restart; an administrator's cordon never carries it).

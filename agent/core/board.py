@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from agent.notice import EventType, Notice, Observation
+from agent.core.notice import EventType, Notice, Observation
 
 # A deadline that moves later by less than this between two observations is treated as payload jitter (some
 # metadata mocks answer "now + 2 min" on every poll): the earlier, safer deadline is kept and no update is sent.

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from agent.config import Config
-from agent.ports import Component
+from agent.core.ports import Component
 
 
 def build_components(config: Config) -> list[Component[Any]]:
     """The components a configuration runs, in start order (they stop in reverse)."""
     from agent.actions import ActionsComponent
-    from agent.metrics_export import MetricsComponent
+    from agent.service.metrics import MetricsComponent
 
     components: list[Component[Any]] = [ActionsComponent(config)]
     if config.advisor.enabled:

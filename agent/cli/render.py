@@ -11,7 +11,7 @@ import unicodedata
 from datetime import datetime, timezone
 from typing import Any
 
-from agent.durations import format_duration
+from agent.core.durations import format_duration
 
 # C0, DEL and C1 control characters, and the bidirectional overrides that reorder what a terminal shows.
 _UNPRINTABLE = {

@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.clientlog import ClientMistakes
+from agent.service.clientlog import ClientMistakes
 
 # Descriptors kept for everything but client connections: state and history files, the journal, cloud
 # metadata requests, hooks and webhooks, the listening socket. Under a low descriptor limit, a quarter of it.

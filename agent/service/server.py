@@ -26,9 +26,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from agent.clientlog import ClientMistakes
 from agent.config import Config
-from agent.connections import (
+from agent.core.errors import AlreadyRunningError, ConfigError
+from agent.core.ports import Tasks
+from agent.service.clientlog import ClientMistakes
+from agent.service.connections import (
     AcceptFailures,
     Budget,
     CappedSockSite,
@@ -39,13 +41,11 @@ from agent.connections import (
     open_descriptors,
     raise_descriptor_limit,
 )
-from agent.errors import AlreadyRunningError, ConfigError
-from agent.ports import Tasks
-from agent.sdnotify import Notifier, listen_fds
+from agent.service.sdnotify import Notifier, listen_fds
 
 
 class Served(Protocol):
-    """What the server runs (``agent.daemon.Agent``), in the order in the module's docstring."""
+    """What the server runs (``agent.service.daemon.Agent``), in the order in the module's docstring."""
 
     @property
     def config(self) -> Config: ...

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from agent import sse
-from agent.notice import Event, EventType, Notice
+from agent.core import sse
+from agent.core.notice import Event, EventType, Notice
 
 HEARTBEAT = sse.comment("heartbeat")
 # Put on a queue to tell its handler to finish the stream (agent shutdown).

@@ -1,6 +1,6 @@
 """The HTTP API on the Unix socket: status, the event stream, reports, drills and metrics.
 
-Handlers stay thin: bodies are parsed by pure functions (:mod:`agent.reports`, :func:`parse_drill`) and
+Handlers stay thin: bodies are parsed by pure functions (:mod:`agent.core.reports`, :func:`parse_drill`) and
 errors become JSON ``{"error": ...}`` answers with a 4xx status that says what was wrong.
 """
 
@@ -19,13 +19,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from agent import __version__
-from agent.clientlog import BadRequestFilter, ClientMistakes
-from agent.errors import NoticeError, ReportError
-from agent.hub import CLOSE, HubFull
-from agent.notice import Kind, Severity
-from agent.peers import is_admin, peer_credentials, peer_doc
-from agent.ports import ApiHost, MetricsView
-from agent.reports import brief, parse_report, seconds
+from agent.core.errors import NoticeError, ReportError
+from agent.core.notice import Kind, Severity
+from agent.core.ports import ApiHost, MetricsView
+from agent.core.reports import brief, parse_report, seconds
+from agent.core.subscribers import CLOSE, HubFull
+from agent.service.clientlog import BadRequestFilter, ClientMistakes
+from agent.service.peers import is_admin, peer_credentials, peer_doc
 
 AGENT_KEY: web.AppKey[ApiHost] = web.AppKey("agent")
 MISTAKES_KEY: web.AppKey[ClientMistakes] = web.AppKey("mistakes")

@@ -5,11 +5,44 @@ notice expiry read it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from agent.sources.base import HealthState, SourceHealth
+from agent.core.notice import format_time
+
+
+class HealthState(str, enum.Enum):
+    STARTING = "starting"
+    OK = "ok"
+    DEGRADED = "degraded"
+    DISABLED = "disabled"
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """A source's health as shown in ``/v1/status`` and in metrics."""
+
+    state: HealthState
+    since: datetime
+    last_error: str | None = None
+    last_error_at: datetime | None = None
+    last_ok_at: datetime | None = None
+    errors: int = 0
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "since": format_time(self.since),
+            "last_error": self.last_error,
+            "last_error_at": format_time(self.last_error_at) if self.last_error_at else None,
+            "last_ok_at": format_time(self.last_ok_at) if self.last_ok_at else None,
+            "errors": self.errors,
+            "detail": dict(self.detail),
+        }
 
 
 class HealthBook(Mapping[str, SourceHealth]):

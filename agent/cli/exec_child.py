@@ -1,5 +1,5 @@
 """The keeper of ``preemptd exec``: exec's child that starts the command and makes sure nothing the command
-started outlives exec (see :mod:`agent.exec` for the process tree), with the Linux process-tree tools it
+started outlives exec (see :mod:`agent.cli.exec` for the process tree), with the Linux process-tree tools it
 uses (prctl's subreaper and parent-death signal, the tree read from /proc). Standard library only.
 """
 

@@ -19,13 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from agent import __version__, cli_help
+from agent import __version__
+from agent.cli import help as cli_help
+from agent.cli.render import countdown, format_event, format_status, note, track
 from agent.client.transport import AgentHTTPError, AgentUnavailable, EventStream, request_json
 from agent.client.watcher import Backoff
-from agent.durations import format_duration, parse_duration
-from agent.errors import ConfigError
-from agent.paths import client_socket_path
-from agent.render import countdown, format_event, format_status, note, track
+from agent.core.durations import format_duration, parse_duration
+from agent.core.errors import ConfigError
+from agent.core.paths import client_socket_path
 
 # Modules that add verbs: each has register(subparsers) and sets a `func` default on its parser. Only the
 # module of the verb being run is imported (the simulators alone would load aiohttp for `preemptd status`);
@@ -33,7 +34,7 @@ from agent.render import countdown, format_event, format_status, note, track
 _EXTENSIONS: dict[str, str] = {
     "advise": "agent.advisor.cli",
     "simulate": "agent.simulate.cli",
-    "exec": "agent.exec",
+    "exec": "agent.cli.exec",
 }
 
 EXIT_OK = 0
@@ -97,8 +98,8 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from agent.config import config_to_json, load_config
-    from agent.daemon import run_agent
-    from agent.logs import configure_logging
+    from agent.service.daemon import run_agent
+    from agent.service.logs import configure_logging
 
     overrides = _run_overrides(args)
 
@@ -271,7 +272,7 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from agent.demo import run_demo
+    from agent.cli.demo import run_demo
 
     return run_demo(args)
 
@@ -374,7 +375,7 @@ def _verb_in(argv: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["exec"]:  # wraps a job for its whole life: import only what it needs
-        from agent.exec import main as exec_main
+        from agent.cli.exec import main as exec_main
 
         return exec_main(args_in[1:])
     parser = build_parser(_verb_in(args_in))

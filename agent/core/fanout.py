@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from agent.board import Change
-from agent.hub import Hub
-from agent.notice import Event, EventType, Notice, Severity, format_time
+from agent.core.board import Change
+from agent.core.notice import Event, EventType, Notice, Severity, format_time
+from agent.core.subscribers import Hub
 
 
 def history_record(event: Event) -> dict[str, Any]:

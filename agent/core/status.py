@@ -8,9 +8,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from agent.health import HealthBook
-from agent.hub import Hub
-from agent.notice import Notice, Severity
+from agent.core.notice import Notice, Severity
+from agent.core.source_health import HealthBook
+from agent.core.subscribers import Hub
 
 SCHEMA = 1
 

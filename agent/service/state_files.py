@@ -18,8 +18,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from agent.errors import NoticeError, StateError
-from agent.notice import Notice, format_time
+from agent.core.errors import NoticeError, StateError
+from agent.core.notice import Notice, format_time
 
 STATE_SCHEMA = 1
 STATE_FILE = "state.json"

@@ -17,12 +17,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from agent.clientlog import ClientMistakes
 from agent.config import MetricsConfig
-from agent.connections import CappedTCPSite, ConnectionCap, open_connections
-from agent.errors import ConfigError
-from agent.notice import Event, EventType
-from agent.ports import MetricsHost, MetricsView
+from agent.core.errors import ConfigError
+from agent.core.notice import Event, EventType
+from agent.core.ports import MetricsHost, MetricsView
+from agent.service.clientlog import ClientMistakes
+from agent.service.connections import CappedTCPSite, ConnectionCap, open_connections
 
 log = structlog.get_logger("preemptd.metrics")
 
@@ -59,7 +59,7 @@ def parse_listen(text: str) -> tuple[str, int] | None:
 
 class MetricsListener:
     """A TCP server for ``GET /metrics`` only: every other path is 404 and every other method 405, so
-    opening the port exposes no part of the API. It has the socket's limits (agent/connections.py): at
+    opening the port exposes no part of the API. It has the socket's limits (agent/service/connections.py): at
     most ``max_connections`` at once (503 past it), and a connection idle for ``idle_timeout_s`` (before
     its request head, or after its answer) is closed."""
 
@@ -233,7 +233,7 @@ class MetricsComponent:
     async def start(self) -> None:
         if self._address is None or self._agent is None:
             return
-        from agent.api import build_registry
+        from agent.service.api import build_registry
 
         self.listener = MetricsListener(
             *self._address,

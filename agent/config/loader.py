@@ -1,7 +1,7 @@
 """The configuration loader, generic over frozen dataclasses: reading TOML, ``PREEMPTD_*`` variables and
 ``--set`` values, merging them with the origin of every key, and converting the merged tables with msgspec
 against each field's type and its declared constraints (``msgspec.Meta``, :class:`Url`). Errors name the file
-(or ``environment``, ``command line``), the dotted key and what was expected. agent/config.py declares the
+(or ``environment``, ``command line``), the dotted key and what was expected. agent/config/__init__.py declares the
 sections; this module knows none of them.
 """
 
@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from agent.errors import ConfigError
+from agent.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

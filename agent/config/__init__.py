@@ -9,7 +9,7 @@ Environment variables: ``PREEMPTD_<KEY>`` for a top-level key (``PREEMPTD_SOCKET
 as TOML values when they parse as one (numbers, booleans, arrays) and as plain strings otherwise.
 
 Over 450 lines because every section is declared here (each key's type, default and range in one place);
-the generic loader is agent/config_loader.py.
+the generic loader is agent/config/loader.py.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from msgspec import Meta
 
-from agent.actions.validate import check_hook, check_signal_rule, check_webhook
-from agent.config_loader import (
+from agent.config.loader import (
     FINITE,
     INTERNAL,
     Url,
@@ -39,8 +38,9 @@ from agent.config_loader import (
     parse_value,
     read_toml,
 )
-from agent.errors import ConfigError
-from agent.paths import default_socket_path, default_state_dir
+from agent.config.validate import check_hook, check_signal_rule, check_webhook
+from agent.core.errors import ConfigError
+from agent.core.paths import default_socket_path, default_state_dir
 
 DEFAULT_CONFIG_PATH = Path("/etc/preemptd/config.toml")
 ENV_PREFIX = "PREEMPTD_"
@@ -122,7 +122,7 @@ class SignalRuleConfig:
 
     def __post_init__(self) -> None:
         # Checked when the file is loaded, so a bad rule fails `preemptd run` and a reload before anything
-        # starts; agent/actions/validate.py holds the checks.
+        # starts; agent/config/validate.py holds the checks.
         check_signal_rule(self)
 
 

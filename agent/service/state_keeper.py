@@ -1,7 +1,7 @@
 """The state keeper: what the agent persists, and when. It loads the state file at start, collects history
 records, leases event sequence numbers ahead of use, and writes the state file and the pending history from
 a worker thread — in the background when something changed, and on demand (``flush``) where a change must be
-durable before it is answered. The file formats and the blocking writes are in :mod:`agent.state`.
+durable before it is answered. The file formats and the blocking writes are in :mod:`agent.service.state_files`.
 
 Sequence numbers are leased ahead of use: the state file holds a mark above every number handed out, and a
 new lease is written, off the event path, when half of the current one is used. After a crash the agent
@@ -17,9 +17,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from agent.errors import StateError
-from agent.notice import Event, Notice, format_time
-from agent.state import History, LoadedState, load_state, prepare_dir, save_state, state_document
+from agent.core.errors import StateError
+from agent.core.notice import Event, Notice, format_time
+from agent.service.state_files import (
+    History,
+    LoadedState,
+    load_state,
+    prepare_dir,
+    save_state,
+    state_document,
+)
 
 SEQ_LEASE = 1 << 16
 
@@ -56,7 +63,7 @@ class StateKeeper:
 
     def load(self) -> LoadedState:
         """Read the state file. An unusable state directory leaves the agent running without persistence
-        (logged, and shown in status); a corrupt file was moved aside by :func:`agent.state.load_state`."""
+        (logged, and shown in status); a corrupt file was moved aside by :func:`agent.service.state_files.load_state`."""
         self.loaded = True
         try:
             prepare_dir(self.state_dir)

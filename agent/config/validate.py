@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from agent.errors import ConfigError
+from agent.core.errors import ConfigError
 
-# What the checks read of the section classes in agent/config.py, which call them from __post_init__ (the
+# What the checks read of the section classes in agent/config/__init__.py, which call them from __post_init__ (the
 # config module imports this one, never the other way round).
 
 

@@ -1,5 +1,5 @@
 """Structured logging: one JSON object per line on stdout, structlog's console renderer on a terminal, and
-under systemd native journal fields (:mod:`agent.journal`) or, without the binding, JSON lines with the
+under systemd native journal fields (:mod:`agent.service.journal`) or, without the binding, JSON lines with the
 syslog priority prefix journald reads.
 
 The standard library's logging (aiohttp's access and error logs) is routed through the same processors.
@@ -15,8 +15,8 @@ from typing import Any, TextIO
 
 import structlog
 
-from agent import journal
-from agent.journal import JOURNAL_SOCKET, JournalSend, load_send
+from agent.service import journal
+from agent.service.journal import JOURNAL_SOCKET, JournalSend, load_send
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 # syslog priorities understood by journald in a "<N>" line prefix (SyslogLevelPrefix=).
@@ -58,7 +58,7 @@ def configure_logging(
 ) -> str:
     """Set up structlog and stdlib logging; returns the format chosen: ``json``, ``console``, ``journal``
     (JSON lines with a priority prefix) or ``journal-native`` (fields through systemd's binding; see
-    :mod:`agent.journal`)."""
+    :mod:`agent.service.journal`)."""
     out = stream or sys.stdout
     if fmt == "auto":
         if stream_is_journal(out):

@@ -2,7 +2,7 @@
 ``journal`` extra) is installed, each log entry goes to journald as fields, so ``journalctl NOTICE_ID=…``
 finds it: ``MESSAGE`` a sentence, ``PRIORITY``, ``SYSLOG_IDENTIFIER`` and every structured field upper-cased
 (``NOTICE_ID``, ``NOTICE_KIND``, ``SOURCE``, ``DEADLINE``, …). Without the binding the agent keeps writing
-JSON lines with a priority prefix (:mod:`agent.logs`).
+JSON lines with a priority prefix (:mod:`agent.service.logs`).
 
 :func:`journal_fields` is pure; :class:`JournalLogger` only hands its result to the binding.
 """

@@ -1,8 +1,8 @@
 """The agent as a composition root: it builds the parts (notice board, event hub and fan-out, state keeper,
 health book, sources, components, HTTP API, server) and wires them together, and it is the host that
-components, reactors and the API are given (the ports in agent/ports.py). The lifecycle — socket, lock,
-start and stop order, signals — is the server's (agent/server.py); persistence is the state keeper's
-(agent/keeper.py); running the sources is agent/sources/runner.py's. docs/internals.md draws the data flow.
+components, reactors and the API are given (the ports in agent/core/ports.py). The lifecycle — socket,
+lock, start/stop order, signals — is agent/service/server.py's; persistence, agent/service/state_keeper.py's;
+running the sources, agent/sources/runner.py's. docs/internals.md draws the data flow.
 """
 
 from __future__ import annotations
@@ -20,27 +20,28 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from agent import __version__, status
-from agent.board import Change, NoticeBoard
-from agent.clientlog import ClientMistakes
-from agent.components import build_components, reload_all, start_all, stop_all
+from agent import __version__
 from agent.config import Config, load_config
-from agent.errors import AlreadyRunningError, ConfigError
-from agent.fanout import Fanout
-from agent.health import HealthBook
-from agent.hub import Hub, Subscriber
-from agent.keeper import StateKeeper
-from agent.notice import Event, EventType, Kind, Notice, Observation, Severity, utcnow
-from agent.ports import Component, Handler
-from agent.reports import Report
-from agent.sdnotify import Notifier
-from agent.server import Server
+from agent.core import status
+from agent.core.board import Change, NoticeBoard
+from agent.core.errors import AlreadyRunningError, ConfigError
+from agent.core.fanout import Fanout
+from agent.core.notice import Event, EventType, Kind, Notice, Observation, Severity, utcnow
+from agent.core.ports import Component, Handler
+from agent.core.reports import Report
+from agent.core.source_health import HealthBook
+from agent.core.subscribers import Hub, Subscriber
+from agent.core.tasks import TaskSet
+from agent.core.threads import call_bounded
+from agent.service.clientlog import ClientMistakes
+from agent.service.components import build_components, reload_all, start_all, stop_all
+from agent.service.sdnotify import Notifier
+from agent.service.server import Server
+from agent.service.state_files import History
+from agent.service.state_keeper import StateKeeper
 from agent.sources import build_sources
 from agent.sources.base import Source
 from agent.sources.runner import SourceRunner
-from agent.state import History
-from agent.tasks import TaskSet
-from agent.threads import call_bounded
 
 DRILL_SOURCE = "drill"
 RELOAD_READ_S = 10.0  # the longest wait for the configuration file on SIGHUP
@@ -127,7 +128,7 @@ class Agent:
     def connections(self) -> dict[str, Any]:
         return self.server.connections()
 
-    # ----- the host port (agent/ports.py; docs/internals.md) -----
+    # ----- the host port (agent/core/ports.py; docs/internals.md) -----
 
     def add_route(self, method: str, path: str, handler: Handler) -> None:
         self._routes.append((method, path, handler))
@@ -317,11 +318,11 @@ class Agent:
             "subscriber_disconnected_slow", subscriber=sub.id, peer=dict(sub.peer), queued=sub.queue.qsize()
         )
 
-    # ----- the parts' start and stop, in the server's order (agent/server.py) -----
+    # ----- the parts' start and stop, in the server's order (agent/service/server.py) -----
 
     async def open(self) -> web.Application:
         """After the socket is bound: restore the state, build the parts, set them up; returns the app."""
-        from agent.api import build_app  # the HTTP handlers; the API is typed against the ports, not Agent
+        from agent.service.api import build_app  # the handlers are typed against the ports, not Agent
 
         # Event streams leave room for requests answered at once (status, reports, drills).
         self.hub.max_subscribers = min(self.config.api.max_subscribers, self.server.budget.streams)
@@ -387,7 +388,7 @@ class Agent:
             self.log.error("reload_failed", error=str(exc), effect="keeping the running configuration")
             self.notifier.notify(ready=1)
             return
-        from agent.logs import configure_logging
+        from agent.service.logs import configure_logging
 
         restart_needed = [
             k

@@ -27,18 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import load_config
-from agent.daemon import Agent
-from agent.durations import format_duration
-from agent.errors import PreemptdError
-from agent.logs import configure_logging
-from agent.notice import Event, EventType
-from agent.paths import user_socket_path
+from agent.core.durations import format_duration
+from agent.core.errors import PreemptdError
+from agent.core.notice import Event, EventType
+from agent.core.paths import user_socket_path
+from agent.core.tasks import TaskSet, wait_for_any
+from agent.service.daemon import Agent
+from agent.service.logs import configure_logging
 from agent.simulate import AwsSimulator
 from agent.sources.detect import cloud_sources
-from agent.tasks import TaskSet, wait_for_any
 
 WIDTH = 80
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fault_tolerant_training.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fault_tolerant_training.py"
 EXIT_PREEMPTED = 75
 JOB_START_TIMEOUT_S = 120.0  # to import PyTorch and connect, or to load the checkpoint after the restart
 FLUSH_GRACE_S = 10.0  # past the deadline, before a job that has not exited 75 is called a failure

@@ -1,7 +1,7 @@
 """Notices and events: the pure value types that decide what clients are told, and the time helpers.
 
 A *source* reports :class:`Observation` values keyed by its own stable key; the notice board
-(:mod:`agent.board`) turns them into :class:`Notice` values with a stable identity and a lifecycle (new →
+(:mod:`agent.core.board`) turns them into :class:`Notice` values with a stable identity and a lifecycle (new →
 updated → cleared), and each change goes out as an :class:`Event`. Nothing here does I/O or reads the clock
 on its own.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from agent.errors import NoticeError
+from agent.core.errors import NoticeError
 
 SCHEMA_VERSION = 1
 

@@ -10,7 +10,7 @@ skipped with a warning):
 3. the ``preemptd.reactors`` entry-point group (third-party packages: ``name = "module:factory"``);
 4. :func:`register` (an embedding program, tests).
 
-A factory takes the :class:`agent.ports.Host` and returns a :class:`agent.ports.Reactor`, or None when its
+A factory takes the :class:`agent.core.ports.Host` and returns a :class:`agent.core.ports.Reactor`, or None when its
 configuration does not ask for it. See docs/internals.md, "How to add a bridge".
 """
 
@@ -26,10 +26,10 @@ from typing import Any
 
 import structlog
 
-from agent.errors import ConfigError
-from agent.notice import Event
-from agent.ports import Host, Reactor, ReactorFactory
-from agent.reports import Report
+from agent.core.errors import ConfigError
+from agent.core.notice import Event
+from agent.core.ports import Host, Reactor, ReactorFactory
+from agent.core.reports import Report
 
 ENTRY_POINT_GROUP = "preemptd.reactors"
 BRIDGES_PACKAGE = "agent.bridges"

@@ -1,10 +1,10 @@
 """The ports: what the parts built on the agent core may use of it, as Protocols.
 
 A source, a component (advisor, actions), a reactor (an action or a scheduler bridge) and the HTTP API are
-typed against these, never against :class:`agent.daemon.Agent`, so each can be built and tested with any
+typed against these, never against :class:`agent.service.daemon.Agent`, so each can be built and tested with any
 object that offers the same few methods. This module is a leaf: it imports the standard library and the
-pure value types of :mod:`agent.notice` and :mod:`agent.reports` only (and, for type checking only, the
-event hub that the API serves from, :mod:`agent.hub`). docs/internals.md says who provides each port and how
+pure value types of :mod:`agent.core.notice` and :mod:`agent.core.reports` only (and, for type checking only, the
+event hub that the API serves from, :mod:`agent.core.subscribers`). docs/internals.md says who provides each port and how
 to add a reactor or a bridge.
 """
 
@@ -17,11 +17,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from agent.notice import Event, Kind, Notice, Observation, Severity
-from agent.reports import Report
+from agent.core.notice import Event, Kind, Notice, Observation, Severity
+from agent.core.reports import Report
 
 if TYPE_CHECKING:
-    from agent.hub import Hub
+    from agent.core.subscribers import Hub
 
 T = TypeVar("T")
 H_contra = TypeVar("H_contra", contravariant=True)
@@ -190,7 +190,7 @@ class Component(Protocol[H_contra]):
 
 
 class Tasks(Protocol):
-    """The agent's task owner (``agent.tasks.TaskSet``): a spawned task is logged when it fails."""
+    """The agent's task owner (``agent.core.tasks.TaskSet``): a spawned task is logged when it fails."""
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any] | None: ...
 
@@ -198,7 +198,7 @@ class Tasks(Protocol):
 
 
 class HistoryFile(Protocol):
-    """Where the history log lives (``agent.state.History``)."""
+    """Where the history log lives (``agent.service.state_files.History``)."""
 
     @property
     def path(self) -> Path: ...
@@ -237,7 +237,7 @@ class AdvisorHost(Protocol):
 
 
 class HealthView(Protocol):
-    """A source's health as the metrics read it (``agent.sources.base.SourceHealth``)."""
+    """A source's health as the metrics read it (``agent.core.source_health.SourceHealth``)."""
 
     @property
     def state(self) -> enum.Enum: ...
@@ -247,7 +247,7 @@ class HealthView(Protocol):
 
 
 class MetricsView(Protocol):
-    """What the agent's own metrics read at scrape time (``agent.api.build_registry``): the board, the hub's
+    """What the agent's own metrics read at scrape time (``agent.service.api.build_registry``): the board, the hub's
     counters, reports, source health, the state directory, connections, and the components' collectors."""
 
     @property
@@ -278,7 +278,7 @@ class MetricsView(Protocol):
 
 
 class MetricsHost(MetricsView, Protocol):
-    """What the metrics component uses of the agent (``agent.metrics_export``)."""
+    """What the metrics component uses of the agent (``agent.service.metrics``)."""
 
     def add_metrics_collector(self, collector: Any) -> None: ...
 
@@ -308,7 +308,7 @@ class ApiConfig(Protocol):
 
 
 class ApiHost(MetricsView, Protocol):
-    """What the HTTP API (``agent.api``) uses of the agent: its metrics, the event stream, client reports,
+    """What the HTTP API (``agent.service.api``) uses of the agent: its metrics, the event stream, client reports,
     drills and the status document."""
 
     reports_rejected: int  # counted by the API's handlers

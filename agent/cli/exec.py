@@ -42,8 +42,15 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
+from agent.cli.exec_child import (
+    EXIT_CANNOT_RUN,
+    EXIT_NOT_FOUND,
+    Keeper,
+    give_terminal,
+    load_prctl,
+    start_time,
+)
 from agent.client.preempted import ENV, read_records
-from agent.exec_keeper import EXIT_CANNOT_RUN, EXIT_NOT_FOUND, Keeper, give_terminal, load_prctl, start_time
 
 EXIT_PREEMPTED = 75  # the client's EXIT_PREEMPTED (EX_TEMPFAIL); kept here so exec does not import more
 STOP_GRACE_S = 10.0
@@ -116,7 +123,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str]) -> int:
     """``preemptd exec`` without building the whole CLI: the wrapper of a job should start in milliseconds
     and hold no more than it needs while the job runs."""
-    from agent import cli_help  # standard library only, like this module
+    from agent.cli import help as cli_help  # standard library only, like this module
 
     parser = argparse.ArgumentParser(prog="preemptd exec", description=_DESCRIPTION)
     _configure(parser)

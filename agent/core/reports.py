@@ -1,7 +1,7 @@
 """Client reports (``POST /v1/reports``): validation of the JSON body into a frozen :class:`Report`.
 
 Pure functions; the API handler only reads the body, calls :func:`parse_report` and answers 4xx with the
-message of a :class:`~agent.errors.ReportError`.
+message of a :class:`~agent.core.errors.ReportError`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from agent.errors import ReportError
-from agent.notice import format_time
+from agent.core.errors import ReportError
+from agent.core.notice import format_time
 
 PHASES = ("started", "finished", "failed")
 # A ``participant`` report registers a training process as soon as it starts (its watcher connected), so a
