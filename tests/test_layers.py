@@ -1,0 +1,52 @@
+"""The folders are the layers: scripts/check_layers.py passes on this tree, and names an import that goes
+up the layer order or a module that belongs to no layer."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import REPO
+
+CHECK = REPO / "scripts" / "check_layers.py"
+
+
+def run_check(root: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(CHECK), str(root)], check=False, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_no_import_in_the_agent_goes_up_the_layers() -> None:
+    """The checked-in tree passes the layering check."""
+    result = run_check(REPO)
+    assert (0, "") == (result.returncode, result.stderr), result.stdout
+
+
+def test_an_upward_import_is_named_with_file_line_and_layers(tmp_path: Path) -> None:
+    """A core module that imports the service fails the check, which says where and which layers."""
+    shutil.copytree(REPO / "agent", tmp_path / "agent", ignore=shutil.ignore_patterns("__pycache__"))
+    board = tmp_path / "agent" / "core" / "board.py"
+    board.write_text(
+        board.read_text() + "\n\ndef _late() -> None:\n    from agent.service import daemon  # noqa\n"
+    )
+    line = len(board.read_text().splitlines())
+    result = run_check(tmp_path)
+    expected = (
+        f"agent/core/board.py:{line}: agent.core.board (core) imports agent.service.daemon (service), "
+        "a layer above it"
+    )
+    assert (1, [expected]) == (result.returncode, [out.split(";")[0] for out in result.stdout.splitlines()])
+
+
+def test_a_module_outside_every_layer_is_named(tmp_path: Path) -> None:
+    """A new top-level module under agent/ fails the check until it is placed in a layer."""
+    shutil.copytree(REPO / "agent", tmp_path / "agent", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "agent" / "stray.py").write_text('"""Placed nowhere."""\n')
+    result = run_check(tmp_path)
+    assert 1 == result.returncode
+    assert ["agent/stray.py: agent.stray belongs to no layer"] == [
+        out.split(";")[0] for out in result.stdout.splitlines()
+    ]
