@@ -64,12 +64,17 @@ class _Alias:
 
     def __init__(self, new: str) -> None:
         self.new = new
+        self.spec: ModuleSpec | None = None
 
     def create_module(self, spec: ModuleSpec) -> ModuleType:
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the module was executed under its new name."""
+        """Nothing to run: the module was executed under its new name. The import system has just set the
+        alias's spec on the shared module: give it back its own, so that it still names the new path."""
+        module.__spec__ = self.spec
 
 
 class MovedFinder:

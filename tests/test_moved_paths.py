@@ -38,6 +38,7 @@ def test_an_old_import_path_warns_and_gives_the_moved_module(old: str, new: str)
     with pytest.warns(DeprecationWarning, match=f"^{old} moved to {new}:"):
         module = importlib.import_module(old)
     assert importlib.import_module(new) is module
+    assert (new, new) == (module.__name__, module.__spec__.name)
 
 
 def test_no_old_path_exists_as_a_file() -> None:
