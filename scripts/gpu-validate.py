@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from agent.config import GpuConfig
 from agent.core.notice import Observation, utcnow
 from agent.sources import nvml as nv
+from agent.sources import nvml_driver as driver
 from agent.sources.gpu_health import CHECKS, CLOCK_REASON_NAMES
 
 
@@ -44,8 +45,8 @@ def bounded(fn: Callable[[], Any], timeout: float) -> tuple[str, Any, float]:
         try:
             box["value"] = fn()
         except Exception as exc:
-            code = nv.error_code(exc)
-            box["error"] = nv.error_text(code) if code is not None else repr(exc)
+            code = driver.error_code(exc)
+            box["error"] = driver.error_text(code) if code is not None else repr(exc)
 
     started = time.monotonic()
     thread = threading.Thread(target=work, daemon=True)
@@ -70,8 +71,8 @@ def raw_checks(library: Path | None, timeout: float) -> tuple[list[str], dict[st
 
     lines: list[str] = []
     facts: dict[str, Any] = {}
-    watch = nv._CallWatch()
-    state, startup, _ = bounded(lambda: nv._start(watch, library), timeout)
+    watch = driver.CallWatch()
+    state, startup, _ = bounded(lambda: driver.start(watch, library), timeout)
     if state != "ok":
         lines.append(f"NVML start-up: **{state}**: {startup}")
         return lines, facts
@@ -98,7 +99,7 @@ def raw_checks(library: Path | None, timeout: float) -> tuple[list[str], dict[st
             "|---|---|---|---|",
         ]
         for check in CHECKS:
-            state, value, ms = bounded(lambda c=check, h=handle: nv._read(watch, c, h), timeout)
+            state, value, ms = bounded(lambda c=check, h=handle: driver.read_check(watch, c, h), timeout)
             if check == "clocks" and state == "ok":
                 names = [n for bit, n in CLOCK_REASON_NAMES.items() if int(value) & bit]
                 value = f"0x{int(value):x} {names}"
@@ -113,7 +114,9 @@ def raw_checks(library: Path | None, timeout: float) -> tuple[list[str], dict[st
             lines.append(f"| {label} | {state} | `{fmt(value)}` | {ms} |")
         state, mask, ms = bounded(lambda h=handle: pynvml.nvmlDeviceGetSupportedEventTypes(h), timeout)
         shown = (
-            f"0x{int(mask):x} (monitor registers 0x{int(mask) & nv.EVENT_MASK:x})" if state == "ok" else mask
+            f"0x{int(mask):x} (monitor registers 0x{int(mask) & driver.EVENT_MASK:x})"
+            if state == "ok"
+            else mask
         )
         lines += [f"| supported events | {state} | `{shown}` | {ms} |", ""]
 
@@ -122,7 +125,7 @@ def raw_checks(library: Path | None, timeout: float) -> tuple[list[str], dict[st
         event_set = pynvml.nvmlEventSetCreate()
         try:
             for _, handle in startup.gpus:
-                supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle) & nv.EVENT_MASK
+                supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle) & driver.EVENT_MASK
                 if supported:
                     pynvml.nvmlDeviceRegisterEvents(handle, supported, event_set)
             try:
@@ -204,7 +207,7 @@ def main() -> int:
         "## Host",
         "",
         f"- host: `{platform.node()}`, kernel `{platform.release()}`, Python {platform.python_version()}",
-        f"- nvidia-ml-py: `{metadata.version('nvidia-ml-py')}`, library: `{args.library or nv.DEFAULT_LIBRARY}`",
+        f"- nvidia-ml-py: `{metadata.version('nvidia-ml-py')}`, library: `{args.library or driver.DEFAULT_LIBRARY}`",
     ]
     raw, facts = raw_checks(args.library, args.call_timeout)
     lines += ["", "## What NVML returned", "", *raw]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sources.nvml import load_library
+from agent.sources.nvml_driver import load_library
 from tests.fake_nvml.build import Scenario, fake_nvml_lib, scenario
 
 __all__ = ["fake_nvml_lib", "scenario"]  # fixtures
