@@ -13,7 +13,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from agent.advisor import math as cm
-from agent.advisor.estimate import LOSS_CAUSES, Observations
+from agent.advisor.estimate import Observations
+from agent.advisor.losses import LOSS_CAUSES
 from agent.core.durations import format_duration as _short_duration
 from agent.core.notice import format_time
 

@@ -1,13 +1,8 @@
 """Estimators over the history log: the checkpoint save time δ from client reports, the mean time M between
 interruptions that lost work, and the host's goodput. Pure: callers pass the records and ``now``.
 
-What counts as a loss (docs/advisor.md): a GPU fault; an interrupting notice (termination, maintenance) that
-reached its deadline while a training client was reporting and no emergency checkpoint finished before the
-deadline; a restart after an unclean stop that no such notice explains. Drills never count. Announced
-interruptions whose flush finished are counted apart: they cost a flush and a restart, not lost work.
-
-Over 450 lines because the estimators read the same records under the same rules of what counts;
-splitting them would split those rules.
+:func:`observe` reads the records (history.py), judges each notice and restart by the rules of what counts
+as a loss (losses.py) and estimates δ, M and goodput from what it found.
 """
 
 from __future__ import annotations
@@ -20,35 +15,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from agent.advisor.history import Checkpoint, Run, merge_checkpoints, parse, timeline
+from agent.advisor.losses import LOSS_CAUSES, Loss, coalesce, tally, unclean_restarts
 from agent.advisor.stats import mad_sigma, median, rate_interval
-from agent.core.errors import ConfigError, NoticeError
-from agent.core.notice import parse_time
+from agent.core.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: `preemptd advise` must not load the config loader (msgspec)
     from agent.config import AdvisorConfig
 
-GPU_FAULT = "gpu_fault"
-UNCOVERED_NOTICE = "uncovered_notice"
-UNCLEAN_RESTART = "unclean_restart"
-LOSS_CAUSES = (GPU_FAULT, UNCOVERED_NOTICE, UNCLEAN_RESTART)
 # A checkpoint further than this many robust standard deviations from the median is reported as an outlier
 # (it still counts: the median is what keeps it from moving δ).
 OUTLIER_SIGMAS = 3.5
-# Tolerance on "the flush finished before the deadline": reports are stamped on arrival.
-DEADLINE_SLACK = timedelta(seconds=1)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One checkpoint of one job, merged over the reports of all its ranks (the job blocks for the slowest)."""
-
-    job: str
-    step: int | None
-    finished_at: datetime
-    duration_s: float
-    emergency: bool
-    notice_id: str | None
-    reports: int
 
 
 @dataclass(frozen=True)
@@ -69,13 +46,6 @@ class SaveTime:
             "spread_s": _r(self.spread_s),
             "outliers": self.outliers,
         }
-
-
-@dataclass(frozen=True)
-class Loss:
-    time: datetime
-    cause: str
-    notice_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -187,160 +157,6 @@ def _r(value: float | None, digits: int = 3) -> float | None:
     return round(value, digits)
 
 
-# --- parsing the history ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Notice:
-    id: str
-    kind: str
-    drill: bool
-    detected_at: datetime
-    deadline: datetime | None
-    cleared_at: datetime | None
-    run: int
-
-
-@dataclass
-class _Run:
-    start: datetime
-    previous_clean: bool | None
-    last: datetime
-    stopped: datetime | None = None
-
-
-@dataclass
-class _Report:
-    time: datetime
-    phase: str
-    duration_s: float | None
-    emergency: bool
-    notice_id: str | None
-    step: int | None
-    job: str
-    run: int
-
-
-def _time(record: Mapping[str, Any], key: str = "time") -> datetime | None:
-    value = record.get(key)
-    if not isinstance(value, str):
-        return None
-    try:
-        return parse_time(value)
-    except NoticeError:
-        return None
-
-
-def _parse(records: Iterable[Any]) -> tuple[list[_Run], dict[str, _Notice], list[_Report]]:
-    runs: list[_Run] = []
-    notices: dict[str, _Notice] = {}
-    reports: list[_Report] = []
-    for record in records:
-        if not isinstance(record, Mapping):
-            continue
-        at = _time(record)
-        if at is None:
-            continue
-        kind = record.get("type")
-        if kind == "agent_start" or not runs:
-            clean = record.get("previous_clean") if kind == "agent_start" else None
-            runs.append(_Run(start=at, previous_clean=clean if isinstance(clean, bool) else None, last=at))
-            if kind == "agent_start":
-                continue
-        run = runs[-1]
-        run.last = max(run.last, at)
-        if kind == "agent_stop":
-            run.stopped = at
-        elif kind in ("notice", "update", "cleared"):
-            _note_notice(notices, record.get("notice"), at, kind, len(runs) - 1)
-        elif kind == "report":
-            parsed = _parse_report(record.get("report"), at, len(runs) - 1)
-            if parsed is not None:
-                reports.append(parsed)
-    return runs, notices, reports
-
-
-def _note_notice(notices: dict[str, _Notice], doc: Any, at: datetime, kind: Any, run: int) -> None:
-    if (
-        not isinstance(doc, Mapping)
-        or not isinstance(doc.get("id"), str)
-        or not isinstance(doc.get("kind"), str)
-    ):
-        return
-    deadline = _time(doc, "deadline")
-    known = notices.get(doc["id"])
-    if known is None:
-        detected = _time(doc, "detected_at") or at
-        known = notices[doc["id"]] = _Notice(
-            id=doc["id"],
-            kind=doc["kind"],
-            drill=bool(doc.get("drill")),
-            detected_at=detected,
-            deadline=deadline,
-            cleared_at=None,
-            run=run,
-        )
-    elif deadline is not None:
-        known.deadline = deadline
-    if kind == "cleared":
-        known.cleared_at = _time(doc, "cleared_at") or at
-    elif kind == "notice":
-        known.cleared_at = None
-
-
-def _parse_report(doc: Any, at: datetime, run: int) -> _Report | None:
-    if not isinstance(doc, Mapping) or doc.get("kind", "checkpoint") != "checkpoint":
-        return None
-    phase = doc.get("phase")
-    if phase not in ("started", "finished", "failed"):
-        return None
-    duration = doc.get("duration_s")
-    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration):
-        duration = None
-    client = doc.get("client") if isinstance(doc.get("client"), Mapping) else {}
-    assert isinstance(client, Mapping)
-    job = client.get("job") or client.get("name") or client.get("host") or doc.get("peer_pid") or ""
-    step = doc.get("step")
-    return _Report(
-        time=_time(doc, "received_at") or at,
-        phase=str(phase),
-        duration_s=float(duration) if duration is not None and duration >= 0 else None,
-        emergency=bool(doc.get("emergency")),
-        notice_id=doc.get("notice_id") if isinstance(doc.get("notice_id"), str) else None,
-        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
-        job=str(job),
-        run=run,
-    )
-
-
-def _checkpoints(reports: Sequence[_Report]) -> list[Checkpoint]:
-    """Finished checkpoints, one per (job, step, kind): every rank reports the same checkpoint."""
-    groups: dict[tuple[Any, ...], list[_Report]] = {}
-    for index, report in enumerate(reports):
-        if report.phase != "finished" or report.duration_s is None:
-            continue
-        key: tuple[Any, ...] = (
-            (report.job, report.step, report.emergency, report.notice_id)
-            if report.step is not None
-            else (index,)
-        )
-        groups.setdefault(key, []).append(report)
-    result = [
-        Checkpoint(
-            job=group[0].job,
-            step=group[0].step,
-            finished_at=max(r.time for r in group),
-            duration_s=max(r.duration_s or 0.0 for r in group),
-            emergency=group[0].emergency,
-            notice_id=group[0].notice_id,
-            reports=len(group),
-        )
-        for group in groups.values()
-    ]
-    result.sort(key=lambda c: c.finished_at)
-    return result
-
-
 def _save_time(
     checkpoints: Sequence[Checkpoint], window: int, fallback: float | None, minimum: int
 ) -> SaveTime:
@@ -364,81 +180,25 @@ def _save_time(
 
 def observe(records: Iterable[Any], now: datetime, config: AdvisorConfig) -> Observations:
     """Read history-shaped records (oldest first) into the advisor's inputs."""
-    runs, notices, reports = _parse(records)
+    runs, notices, reports = parse(records)
     interrupting = set(config.interrupting_kinds)
-    # Where each run ended: its stop record, else its last record when a later run started (an unclean stop:
-    # the advisor's periodic record bounds what this hides), else now for the current run.
-    ends: list[datetime] = []
-    for i, run in enumerate(runs):
-        if run.stopped is not None:
-            ends.append(run.stopped)
-        elif i + 1 < len(runs):
-            ends.append(run.last)
-        else:
-            ends.append(max(now, run.last))
-    exposure = sum(max(0.0, (end - run.start).total_seconds()) for run, end in zip(runs, ends, strict=True))
+    times = timeline(runs, reports, now)
+    exposure = times.exposure_s
 
-    checkpoints = _checkpoints(reports)
+    checkpoints = merge_checkpoints(reports)
     periodic = [c for c in checkpoints if not c.emergency]
     emergency = [c for c in checkpoints if c.emergency]
     save = _save_time(periodic, config.report_window, config.save_time_s, max(1, config.min_reports))
     emergency_save = _save_time(emergency, config.report_window, None, 1)
 
-    first_report_in_run: dict[int, datetime] = {}
-    for r in reports:
-        if r.run not in first_report_in_run or r.time < first_report_in_run[r.run]:
-            first_report_in_run[r.run] = r.time
-    losses: list[Loss] = []
-    announced: list[str] = []
-    drills = pending = 0
-    for notice in notices.values():
-        if notice.drill:
-            drills += 1
-            continue
-        if notice.kind == GPU_FAULT:
-            losses.append(Loss(notice.detected_at, GPU_FAULT, notice.id))
-            continue
-        if notice.kind not in interrupting:
-            continue
-        run_end = ends[notice.run] if notice.run < len(ends) else now
-        if notice.deadline is not None:
-            if notice.deadline > now:
-                pending += 1
-                continue
-            if notice.cleared_at is not None and notice.cleared_at < notice.deadline - DEADLINE_SLACK:
-                continue  # withdrawn before it took the host
-            due = notice.deadline
-        else:
-            if notice.cleared_at is not None or (notice.run == len(runs) - 1 and runs[-1].stopped is None):
-                continue  # no deadline: it happened only if the agent went down with it active
-            due = run_end
-        first_report = first_report_in_run.get(notice.run)
-        if _covered(notice, due, emergency):
-            announced.append(notice.id)
-        elif first_report is not None and first_report <= due:
-            losses.append(Loss(due, UNCOVERED_NOTICE, notice.id))
-        else:
-            announced.append(notice.id)  # no training client was reporting: nothing to lose, nothing to flush
-
-    for i in range(1, len(runs)):
-        if runs[i].previous_clean is not False:
-            continue
-        explained = any(
-            not n.drill
-            and n.run == i - 1
-            and (n.kind == GPU_FAULT or n.kind in interrupting)
-            and (n.cleared_at is None or n.cleared_at >= ends[i - 1])
-            for n in notices.values()
-        )
-        if not explained:
-            losses.append(Loss(ends[i - 1], UNCLEAN_RESTART))
-
-    losses = _coalesce(sorted(losses, key=lambda loss: loss.time), config.coalesce_s)
+    counted = tally(notices.values(), times, emergency, interrupting)
+    found = counted.losses + unclean_restarts(list(notices.values()), times, interrupting)
+    losses = coalesce(sorted(found, key=lambda loss: loss.time), config.coalesce_s)
     causes = {cause: sum(1 for loss in losses if loss.cause == cause) for cause in LOSS_CAUSES}
     lost = _mtbp(len(losses), exposure, config, use_prior=True)
-    announced_m = _mtbp(len(announced), exposure, config, use_prior=False, minimum=1)
+    announced_m = _mtbp(len(counted.announced), exposure, config, use_prior=False, minimum=1)
     current, current_source = _current_interval(periodic, save.value_s, losses, runs, config)
-    goodput = _goodput(runs, ends, checkpoints, losses, now)
+    goodput = _goodput(runs, times.ends, checkpoints, losses, now)
     return Observations(
         save=save,
         emergency_save=emergency_save,
@@ -446,36 +206,16 @@ def observe(records: Iterable[Any], now: datetime, config: AdvisorConfig) -> Obs
         announced=announced_m,
         losses=tuple(losses),
         causes=causes,
-        announced_ids=tuple(announced),
+        announced_ids=tuple(counted.announced),
         runs=len(runs),
         exposure_s=exposure,
         current_interval_s=current,
         current_source=current_source,
         goodput=goodput,
-        drills_ignored=drills,
-        pending_notices=pending,
+        drills_ignored=counted.drills,
+        pending_notices=counted.pending,
         checkpoints=tuple(checkpoints),
     )
-
-
-def _covered(notice: _Notice, due: datetime, emergency: Sequence[Checkpoint]) -> bool:
-    for checkpoint in emergency:
-        if checkpoint.finished_at > due + DEADLINE_SLACK:
-            continue
-        if checkpoint.notice_id == notice.id:
-            return True
-        if checkpoint.notice_id is None and checkpoint.finished_at >= notice.detected_at:
-            return True
-    return False
-
-
-def _coalesce(losses: Sequence[Loss], window_s: float) -> list[Loss]:
-    kept: list[Loss] = []
-    for loss in losses:
-        if kept and window_s > 0 and (loss.time - kept[-1].time).total_seconds() <= window_s:
-            continue
-        kept.append(loss)
-    return kept
 
 
 def _mtbp(
@@ -522,7 +262,7 @@ def _current_interval(
     periodic: Sequence[Checkpoint],
     save_s: float | None,
     losses: Sequence[Loss],
-    runs: Sequence[_Run],
+    runs: Sequence[Run],
     config: AdvisorConfig,
 ) -> tuple[float | None, str | None]:
     """The interval the jobs use now: configured, else the median gap between periodic checkpoints less δ."""
@@ -547,7 +287,7 @@ def _current_interval(
 
 
 def _goodput(
-    runs: Sequence[_Run],
+    runs: Sequence[Run],
     ends: Sequence[datetime],
     checkpoints: Sequence[Checkpoint],
     losses: Sequence[Loss],
