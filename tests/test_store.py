@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.client import CheckpointError, CheckpointStore, CheckpointWarning
-from agent.client.store import crc32_combine
+from agent.client.manifest import crc32_combine
 
 
 def write_files(files: dict[str, bytes]) -> Callable[[Path], None]:

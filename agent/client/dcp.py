@@ -49,6 +49,7 @@ from agent.client.dcp_commit import (
     zip_crc_off,
 )
 from agent.client.dcp_state import Progress, TrainState, layout
+from agent.client.durable import ChecksumThreads
 from agent.client.preempted import record_emergency
 from agent.client.reporting import Reporter
 from agent.client.store import (
@@ -56,7 +57,6 @@ from agent.client.store import (
     CheckpointError,
     CheckpointStore,
     CheckpointWarning,
-    ChecksumThreads,
     Verify,
     loaded_only,
     valid_only,

@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
+from agent.client.durable import fsync_dir, fsync_file, write_durably
 from agent.client.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -33,7 +34,7 @@ from agent.client.manifest import (
     file_crc,
     reason_of,
 )
-from agent.client.store import _TMP_PREFIX, CheckpointStore, _write_durably, fsync_dir, fsync_file
+from agent.client.store import _TMP_PREFIX, CheckpointStore
 from agent.client.store_failure import os_error, summary
 
 DCP_METADATA = ".metadata"
@@ -125,7 +126,7 @@ class Ranks:
         if self.rank == 0:
             probe = root / f"{_PROBE_PREFIX}{uuid.uuid4().hex}"
             try:
-                _write_durably(probe, b"")
+                write_durably(probe, b"")
             except OSError as exc:
                 problem = (f"checkpoint root {root} cannot be written by rank 0: {exc}", reason_of(exc))
         name, problem = self.from_zero((probe.name if probe is not None else None, problem))
@@ -177,7 +178,7 @@ def commit(
         try:
             final = local.path_of(what.step)
             doc = manifest(what, everyone, ranks.world_size)
-            _write_durably(tmp / MANIFEST, json.dumps(doc, indent=1).encode())
+            write_durably(tmp / MANIFEST, json.dumps(doc, indent=1).encode())
             fsync_dir(tmp)
             local._replace(tmp, final)
             fsync_dir(local.root)
@@ -299,7 +300,7 @@ def add_own_checksums(directory: Path, own: list[FileEntry], rank: int) -> None:
             doc = {path: crc() for path, crc in sums.items()}
         target = directory / CRC_SIDECAR.format(rank=rank)
         staged = directory / f".{target.name}.tmp"
-        _write_durably(staged, json.dumps(doc).encode())
+        write_durably(staged, json.dumps(doc).encode())
         os.rename(staged, target)
         fsync_dir(directory)
     except (OSError, CheckpointError):

@@ -8,30 +8,35 @@ then step: a save of a step lower than the newest one starts a new run that outr
 :meth:`CheckpointStore.save`). Every failure to save or read is a :class:`CheckpointError` naming its cause.
 Each save is reported to the agent (started, finished or failed) so the advisor learns what a checkpoint costs.
 
-The manifest and its verification live in :mod:`agent.client.manifest`, the reading of a failure's cause in
-:mod:`agent.client.store_failure`. Over 450 lines because saving (with :class:`DurableFile`), resuming and
-pruning share the store's directory layout and its invariants, which are kept in one place.
+The manifest and its verification live in :mod:`agent.client.manifest`, the fsyncs, the sealing and
+:class:`DurableFile` in :mod:`agent.client.durable`, the reading of a failure's cause in
+:mod:`agent.client.store_failure`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import socket
-import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextvars import ContextVar
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from agent.client.durable import (
+    CHECKSUM_NOW,
+    ChecksumThreads,
+    DurableFile,
+    add_checksums,
+    fsync_dir,
+    fsync_file,
+    presealed,
+    seal,
+)
 from agent.client.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -43,9 +48,7 @@ from agent.client.manifest import (
     FileEntry,
     Verify,
     crc32_combine,
-    crc_fd_range,
     default_hash_workers,
-    file_crc,
     reason_of,
     run_of,
 )
@@ -53,7 +56,8 @@ from agent.client.preempted import record_emergency
 from agent.client.reporting import Reporter
 from agent.client.store_failure import convertible, fall_back, free_bytes, save_failure
 
-# What other modules (and users) import from here: the on-disk format comes from agent.client.manifest.
+# What other modules (and users) import from here: the on-disk format comes from agent.client.manifest, the
+# durable files from agent.client.durable.
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
@@ -81,35 +85,7 @@ _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 
 Writer = Callable[[Path], Any]
-# Whether files written for the save in progress should be checksummed now (see DurableFile).
-_CHECKSUM_NOW: ContextVar[bool] = ContextVar("preemptd_checksum_now", default=True)
 _Loaded = TypeVar("_Loaded")
-
-
-class ChecksumThreads:
-    """The deferred-checksum threads of a store (one per emergency save): started once the data is durable,
-    waited for before the process exits."""
-
-    def __init__(self) -> None:
-        self._threads: list[threading.Thread] = []
-
-    def start(self, name: str, target: Callable[..., None], *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def join_named(self, name: str) -> None:
-        for thread in self._threads:
-            if thread.name == name:
-                thread.join()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Join them all, bounded by ``timeout`` in all; False if some are still running."""
-        end = None if timeout is None else time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(None if end is None else max(0.0, end - time.monotonic()))
-        self._threads = [t for t in self._threads if t.is_alive()]
-        return not self._threads
 
 
 class CheckpointStore:
@@ -190,11 +166,11 @@ class CheckpointStore:
         free_before = free_bytes(self.root)
         try:
             tmp.mkdir()
-            token = _CHECKSUM_NOW.set(checksum_now)
+            token = CHECKSUM_NOW.set(checksum_now)
             try:
                 written = writer(tmp)
             finally:
-                _CHECKSUM_NOW.reset(token)
+                CHECKSUM_NOW.reset(token)
             sealed = seal(
                 tmp,
                 step,
@@ -204,7 +180,7 @@ class CheckpointStore:
                 notice_id=notice_id,
                 metadata=metadata,
                 started=started,
-                presealed=_presealed(written),
+                presealed=presealed(written),
                 run=run,
             )
             final = self.path_of(step)
@@ -242,7 +218,7 @@ class CheckpointStore:
         )
         if defer:
             self._checksummers.start(
-                f"preemptd-checksum {final.name}", _add_checksums, final, self.hash_workers
+                f"preemptd-checksum {final.name}", add_checksums, final, self.hash_workers
             )
         if not emergency:  # never spend a notice window deleting old checkpoints: the next save prunes
             self.prune(protect=final)
@@ -450,91 +426,6 @@ def loaded_only(
         yield checkpoint, loaded
 
 
-def seal(
-    directory: Path,
-    step: int,
-    *,
-    manifest: str = MANIFEST,
-    checksum: bool = True,
-    hash_workers: int | None = None,
-    emergency: bool = False,
-    notice_id: str | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    started: float | None = None,
-    presealed: Mapping[str, FileEntry] | None = None,
-    run: int = 0,
-) -> Checkpoint:
-    """Make a directory of finished files durable and describe it: fsync every file (checksumming them at the
-    same time on a thread pool), write the manifest last, fsync the directories. Used by the store before its
-    rename, and by callbacks whose framework writes checkpoint directories itself.
-
-    ``presealed`` maps relative paths to the entries of files already made durable and checksummed while
-    they were written (:class:`DurableFile`); only their sizes are checked here."""
-    paths = sorted(
-        p for p in directory.rglob("*") if p.is_file() and not p.is_symlink() and p.name != manifest
-    )
-    if not paths:
-        raise CheckpointError(f"the writer put no files into {directory}")
-    done = dict(presealed or {})
-    workers = hash_workers or default_hash_workers()
-    with ThreadPoolExecutor(max_workers=workers + 1) as pool:
-        pending: list[tuple[str, int, Future[None] | None, Callable[[], int | None]]] = []
-        for path in paths:
-            name = path.relative_to(directory).as_posix()
-            size = path.stat().st_size
-            entry = done.get(name)
-            if entry is not None:
-                if entry.bytes != size:
-                    raise CheckpointError(f"{path}: {size} bytes on disk, {entry.bytes} written")
-                pending.append((name, size, None, _known(entry.crc32)))
-                continue
-            synced: Future[None] = pool.submit(fsync_file, path)
-            crc: Callable[[], int | None] = file_crc(pool, path, size) if checksum else _known(None)
-            pending.append((name, size, synced, crc))
-        files = []
-        for name, size, sync, checksum_of in pending:
-            if sync is not None:
-                sync.result()
-            files.append(FileEntry(name, size, checksum_of()))
-    for sub in sorted({p.parent for p in paths if p.parent != directory}, key=lambda p: -len(p.parts)):
-        fsync_dir(sub)
-    now = datetime.now(timezone.utc)
-    total = sum(f.bytes for f in files)
-    duration = round(time.monotonic() - started, 6) if started is not None else None
-    doc = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "step": step,
-        "run": run,
-        "time": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-        "bytes": total,
-        "emergency": emergency,
-        "notice_id": notice_id,
-        "duration_s": duration,
-        "files": [
-            {"path": f.path, "bytes": f.bytes, **({"crc32": f.crc32} if f.crc32 is not None else {})}
-            for f in files
-        ],
-        "checksum": "crc32" if checksum else None,
-        "host": socket.gethostname(),
-        "metadata": dict(metadata or {}),
-    }
-    _write_durably(directory / manifest, json.dumps(doc, indent=1).encode())
-    fsync_dir(directory)
-    return Checkpoint(
-        step=step,
-        path=directory,
-        time=now,
-        bytes=total,
-        files=tuple(files),
-        emergency=emergency,
-        notice_id=notice_id,
-        duration_s=duration,
-        metadata=dict(metadata or {}),
-        run=run,
-    )
-
-
 def _owner_tag() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -556,173 +447,3 @@ def _abandoned(name: str) -> bool:
     except PermissionError:
         return False
     return False
-
-
-def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    """Flush a file's data to disk."""
-    _fsync(path, os.O_RDONLY)
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (a rename or a new file in it) to disk."""
-    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _add_checksums(directory: Path, workers: int) -> None:
-    """Add the CRCs an emergency save deferred to its manifest (an atomic rewrite). A checkpoint removed or
-    replaced meanwhile is left alone."""
-    path = directory / MANIFEST
-    try:
-        doc = json.loads(path.read_text())
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            sums = {
-                f["path"]: file_crc(pool, directory / f["path"], int(f["bytes"]))
-                for f in doc["files"]
-                if f.get("crc32") is None
-            }
-            for entry in doc["files"]:
-                if entry["path"] in sums:
-                    entry["crc32"] = sums[entry["path"]]()
-        doc["checksum"] = "crc32"
-        staged = directory / (MANIFEST + ".tmp")
-        _write_durably(staged, json.dumps(doc, indent=1).encode())
-        os.rename(staged, path)
-        fsync_dir(directory)
-    except (OSError, ValueError, KeyError, CheckpointError):
-        pass
-
-
-def _known(value: int | None) -> Callable[[], int | None]:
-    return lambda: value
-
-
-def _presealed(written: Any) -> dict[str, FileEntry]:
-    """What a writer returned about the files it sealed itself: a mapping of relative path to FileEntry."""
-    if not isinstance(written, Mapping):
-        return {}
-    return {str(k): v for k, v in written.items() if isinstance(v, FileEntry)}
-
-
-class DurableFile:
-    """A write-only binary file that is written back to disk and checksummed *while* it is being written.
-
-    For writers that stream one large file (``torch.save`` into a file object): every ``piece`` bytes, a
-    background thread starts writeback (``fdatasync``) and another computes that piece's CRC from the page
-    cache, so the final fsync and the checksum cost little after the last write. Return
-    ``{name: handle.entry}`` from the writer so the store does not fsync or hash the file again::
-
-        def writer(directory):
-            with DurableFile(directory / "state.pt") as handle:
-                torch.save(state, handle)
-            return {"state.pt": handle.entry}
-    """
-
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        checksum: bool | None = None,
-        piece: int | None = None,
-        workers: int | None = None,
-    ) -> None:
-        self.path = Path(path)
-        # None: as the store's save in progress wants (no CRC now for a deferred emergency save), else yes.
-        self.checksum = checksum if checksum is not None else _CHECKSUM_NOW.get()
-        self._piece = piece or HASH_PIECE
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._read_fd = os.open(self.path, os.O_RDONLY)
-        self._hashers = ThreadPoolExecutor(
-            max_workers=workers or default_hash_workers(), thread_name_prefix="crc"
-        )
-        self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writeback")
-        self._size = 0
-        self._cut = 0
-        self._pieces: list[tuple[Future[int], int]] = []
-        self._sync: Future[None] | None = None
-        self._closed = False
-        self.entry: FileEntry | None = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        total = len(view)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        self._size += total
-        while self._size - self._cut >= self._piece:
-            self._submit(self._cut, self._piece)
-        return total
-
-    def flush(self) -> None:
-        """Nothing is buffered in user space; durability comes with :meth:`close`."""
-
-    def tell(self) -> int:
-        return self._size
-
-    def _submit(self, offset: int, length: int) -> None:
-        if self.checksum:
-            self._pieces.append((self._hashers.submit(crc_fd_range, self._read_fd, offset, length), length))
-        if self._sync is None or self._sync.done():
-            if self._sync is not None:
-                self._sync.result()
-            self._sync = self._flusher.submit(os.fdatasync, self._fd)
-        self._cut = offset + length
-
-    def close(self) -> FileEntry:
-        """Finish the checksum, fsync the file and return its entry (name, size, CRC)."""
-        if self.entry is not None:
-            return self.entry
-        try:
-            if self._size > self._cut or self._size == 0:
-                self._submit(self._cut, self._size - self._cut)
-            crc = 0
-            for piece, length in self._pieces:
-                crc = crc32_combine(crc, piece.result(), length)
-            if self._sync is not None:
-                self._sync.result()
-            os.fsync(self._fd)
-            self.entry = FileEntry(self.path.name, self._size, crc if self.checksum else None)
-            return self.entry
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._hashers.shutdown(wait=True, cancel_futures=True)
-        self._flusher.shutdown(wait=True)
-        os.close(self._read_fd)
-        os.close(self._fd)
-
-    def __enter__(self) -> DurableFile:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self._release()
