@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -147,6 +148,24 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 10.0, what:
             break
         await asyncio.sleep(0.01)
     raise TimeoutError(f"{what} not reached within {timeout}s")
+
+
+def threads_named(prefix: str) -> set[threading.Thread]:
+    """The live threads whose name starts with ``prefix`` (the agent names its worker threads)."""
+    return {t for t in threading.enumerate() if t.name.startswith(prefix)}
+
+
+async def threads_ended(threads: set[threading.Thread], timeout: float = 10.0) -> None:
+    """Wait, bounded, until ``threads`` have ended. A worker thread hands its outcome to the loop
+    (``call_soon_threadsafe``) before it ends, and the join's own result reaches the loop after that: when
+    this returns, the callbacks those threads handed over have run."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    for thread in threads:
+        await asyncio.to_thread(thread.join, max(0.0, end - loop.time()))
+    alive = sorted(t.name for t in threads if t.is_alive())
+    if alive:
+        raise TimeoutError(f"threads {alive} still running after {timeout}s")
 
 
 async def http_json(

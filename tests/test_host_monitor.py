@@ -20,7 +20,7 @@ from agent.core.notice import EventType, Kind, Observation, utcnow
 from agent.core.reports import Report
 from agent.sources.host import HostSource
 from tests.fake_nvml.recording import RecordingSink
-from tests.support import SSEClient, http_json, running_agent
+from tests.support import SSEClient, http_json, running_agent, threads_ended
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -184,18 +184,16 @@ async def test_a_read_that_fails_after_the_monitor_stopped_is_not_left_unretriev
     """The agent stops while a statvfs hangs; the call then fails. Nobody waits for it any more: its error is
     dropped, not left in a future that asyncio reports as "exception was never retrieved"."""
     release = threading.Event()
-    finished = threading.Event()
+    stuck_threads: set[threading.Thread] = set()
     stuck = tmp_path / "nfs"
     real = host_module.read_disk
 
     def read_disk(path: Path) -> Any:
         if path != stuck:
             return real(path)
-        try:
-            release.wait(10)
-            raise OSError(5, "Input/output error")
-        finally:
-            finished.set()
+        stuck_threads.add(threading.current_thread())
+        release.wait(10)
+        raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(host_module, "read_disk", read_disk)
     loop = asyncio.get_running_loop()
@@ -206,8 +204,8 @@ async def test_a_read_that_fails_after_the_monitor_stopped_is_not_left_unretriev
         async with monitor(tmp_path, checkpoint_dirs=(stuck,), call_timeout_s=0.1) as (_source, sink):
             await sink.wait_active(f"disk/{stuck}")
         release.set()
-        await asyncio.to_thread(finished.wait, 5)
-        await asyncio.sleep(0.1)  # the worker thread hands its error back to the loop
+        assert stuck_threads
+        await threads_ended(stuck_threads, 5)  # the worker thread has handed its error back to the loop
         gc.collect()
         await asyncio.sleep(0)
     finally:

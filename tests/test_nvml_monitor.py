@@ -19,6 +19,7 @@ from agent.core.notice import EventType, Kind, Observation, Severity, utcnow
 from agent.sources.nvml import NvmlSource
 from tests.fake_nvml.build import Scenario, fake_nvml_lib, scenario
 from tests.fake_nvml.recording import RecordingSink
+from tests.support import threads_ended, threads_named
 
 __all__ = ["fake_nvml_lib", "scenario"]  # fixtures
 
@@ -409,10 +410,13 @@ async def test_a_start_up_error_after_the_monitor_stopped_is_dropped_not_left_un
     loop.set_exception_handler(lambda _loop, context: unretrieved.append(str(context.get("message"))))
     try:
         scenario.update({"hang.nvmlInitWithFlags": 1, "error.nvmlInitWithFlags": 999})
+        earlier = threads_named("preemptd-nvml")
         async with monitor(fake_nvml_lib) as (_source, sink):
             await sink.wait_active("driver/hung")
+            workers = threads_named("preemptd-nvml") - earlier
         scenario.unset("hang.nvmlInitWithFlags")
-        await asyncio.sleep(0.3)  # the worker thread returns from the fake and hands back its error
+        assert workers
+        await threads_ended(workers)  # the hung worker has returned from the fake and handed back its error
         gc.collect()
         await asyncio.sleep(0)
     finally:
