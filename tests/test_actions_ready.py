@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from agent.actions.azure_ack import AzureAcknowledger
 from agent.actions.common import Recent
-from agent.actions.ready import AzureAcknowledger, ReadyEngine
+from agent.actions.ready import ReadyEngine
 from agent.config import ReadyConfig
 from agent.core.notice import EventType, Kind, Severity, utcnow
 from agent.core.reports import Report

@@ -12,9 +12,10 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from agent.actions.azure_ack import AzureAcknowledger
 from agent.actions.common import Recent
 from agent.actions.hooks import HookEngine
-from agent.actions.ready import AzureAcknowledger, ReadyEngine
+from agent.actions.ready import ReadyEngine
 from agent.actions.signals import SignalEngine, SignalRule, call_gpu_pids
 from agent.actions.webhooks import WebhookEngine
 from agent.config import ActionsConfig
