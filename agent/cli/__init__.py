@@ -35,6 +35,7 @@ _EXTENSIONS: dict[str, str] = {
     "advise": "agent.advisor.cli",
     "simulate": "agent.simulate.cli",
     "exec": "agent.cli.exec",
+    "report": "agent.cli.report",
 }
 
 EXIT_OK = 0

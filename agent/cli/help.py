@@ -151,6 +151,23 @@ VERBS: Mapping[str, VerbHelp] = {
         ),
         summary="run a training command; exit 75 when it stopped for a notice after an emergency checkpoint",
     ),
+    "report": VerbHelp(
+        "Report what preemption cost on this host, per job and in total, from the agent's ledger (or the "
+        "ledger file when no agent answers): interruptions, flushes, GPU-hours redone and checkpointing, "
+        "goodput, and with [cost] prices the realised discount and the break-even preemption rate.",
+        (
+            "preemptd report",
+            "preemptd report --since 30d --job 4711 --json",
+            "preemptd report --prices prices.toml --html report.html",
+        ),
+        (
+            (0, "reported"),
+            (1, "the ledger or the output file could not be read or written, or no plot without matplotlib"),
+            USAGE,
+            (69, "no agent answers and there is no ledger file to read (EX_UNAVAILABLE)"),
+        ),
+        summary="what preemption cost: interruptions, flushes, GPU-hours redone, discount, break-even",
+    ),
 }
 
 

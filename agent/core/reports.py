@@ -29,6 +29,7 @@ _CLIENT_KEYS = {
     "job": str,
     "name": str,
     "participant": bool,
+    "gpus": int,  # GPUs this process drives (the ledger's GPU-hours; one when absent)
 }
 MAX_TEXT = 512
 # Bounds that keep every accepted value usable downstream (``timedelta``, float arithmetic, int64 metrics).

@@ -15,6 +15,8 @@ from agent.core.ports import Component
 def build_components(config: Config) -> list[Component[Any]]:
     """The components a configuration runs, in start order (they stop in reverse)."""
     from agent.actions import ActionsComponent
+    from agent.ledger.component import LedgerComponent
+    from agent.ledger.config import LedgerConfig
     from agent.service.metrics import MetricsComponent
 
     components: list[Component[Any]] = [ActionsComponent(config)]
@@ -22,6 +24,8 @@ def build_components(config: Config) -> list[Component[Any]]:
         from agent.advisor.component import AdvisorComponent
 
         components.append(AdvisorComponent())
+    if config.table("ledger", LedgerConfig).enabled:
+        components.append(LedgerComponent())
     components.append(MetricsComponent(config.metrics, config.api.idle_timeout_s))
     return components
 

@@ -1,0 +1,68 @@
+"""``preemptd report --png`` / ``--html``: where each job's GPU-hours went (useful, checkpointing, flushing,
+redone, restarting), as stacked bars. matplotlib is the advisor's optional extra (``preemptd[plot]``),
+imported only here and only when asked."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from agent.advisor.plot import PlotUnavailable
+
+_PARTS = (
+    ("useful", "tab:green"),
+    ("checkpoint_gpu_hours", "tab:blue"),
+    ("flush_gpu_hours", "tab:cyan"),
+    ("redone_gpu_hours", "tab:red"),
+    ("restart_gpu_hours", "tab:orange"),
+)
+
+
+def _draw(target: Path | BinaryIO, doc: dict[str, Any]) -> None:
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotUnavailable(
+            "plots need matplotlib, which is not installed: pip install 'preemptd[plot]'"
+        ) from exc
+    matplotlib.use("Agg", force=True)  # no display: render to a file only
+    import matplotlib.pyplot as plt
+
+    jobs = doc["jobs"] or {"(none)": doc["total"]}
+    names = list(jobs)
+    figure, axes = plt.subplots(figsize=(max(6.0, 1.2 * len(names) + 3), 4.5), dpi=100)
+    try:
+        bottom = [0.0] * len(names)
+        for key, colour in _PARTS:
+            values = []
+            for fig in jobs.values():
+                if key == "useful":
+                    overhead = sum(fig[k] or 0.0 for k, _ in _PARTS[1:])
+                    values.append(max(0.0, (fig["gpu_hours"] or 0.0) - overhead))
+                else:
+                    values.append(fig[key] or 0.0)
+            label = key.removesuffix("_gpu_hours").replace("_", " ")
+            axes.bar(names, values, bottom=bottom, color=colour, label=label)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        axes.set_ylabel("GPU-hours")
+        axes.set_title(f"Where the GPU-hours went since {doc['since'] or 'the start'}")
+        axes.legend(loc="upper right", fontsize="small")
+        figure.tight_layout()
+        figure.savefig(target, format="png")
+    finally:
+        plt.close(figure)
+
+
+def plot_report(path: Path, doc: dict[str, Any]) -> Path:
+    """Write the PNG of a report document and return its path."""
+    _draw(path, doc)
+    return path
+
+
+def plot_data_uri(doc: dict[str, Any]) -> str:
+    """The PNG as a ``data:`` URI, for the one-file HTML page."""
+    buffer = io.BytesIO()
+    _draw(buffer, doc)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")

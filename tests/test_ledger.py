@@ -1,0 +1,448 @@
+"""The preemption cost ledger on a real agent with a real SQLite file: a scripted week of drills, flushes,
+resumes and periodic checkpoints through the socket (the agent's clock injected) gives `preemptd report`'s
+exact totals, hand-computed here; a restart keeps them; a damaged file is moved aside for a fresh one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import math
+import sqlite3
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from agent.cli.report import register, run
+from agent.service.daemon import Agent
+from tests.support import agent_config, http_json, short_tmp
+
+H = 3600.0
+T0 = datetime(2026, 11, 2, tzinfo=timezone.utc)
+
+
+class Week:
+    """One agent at a time on one state directory, its clock set by the script."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.clock = [T0]
+        self.agent: Agent | None = None
+
+    def at(self, hours: float) -> None:
+        self.clock[0] = T0 + timedelta(hours=hours)
+
+    async def start(self) -> None:
+        self.agent = Agent(agent_config(self.base, {"log_level": "error"}), clock=lambda: self.clock[0])
+        await self.agent.start()
+
+    async def stop(self) -> None:
+        assert self.agent is not None
+        await self.agent.stop()
+        self.agent = None
+
+    @property
+    def socket(self) -> Path:
+        return self.base / "a.sock"
+
+    async def post(self, body: dict[str, Any]) -> None:
+        status, answer = await http_json(self.socket, "POST", "/v1/reports", body)
+        assert status == 202, answer
+
+    async def register(self, job: str, pid: int, rank: int | None = None, gpus: int | None = None) -> None:
+        client: dict[str, Any] = {"job": job, "pid": pid, "participant": True}
+        if rank is not None:
+            client["rank"] = rank
+        if gpus is not None:
+            client["gpus"] = gpus
+        await self.post({"kind": "participant", "phase": "registered", "client": client})
+
+    async def checkpoint(
+        self,
+        job: str,
+        pid: int,
+        step: int,
+        duration_s: float,
+        size: int,
+        rank: int | None = None,
+        **extra: Any,
+    ) -> None:
+        client: dict[str, Any] = {"job": job, "pid": pid}
+        if rank is not None:
+            client["rank"] = rank
+        body = {
+            "kind": "checkpoint",
+            "phase": "finished",
+            "step": step,
+            "duration_s": duration_s,
+            "bytes": size,
+        }
+        await self.post({**body, **extra, "client": client})
+
+    async def drill(self, in_s: float) -> str:
+        status, answer = await http_json(
+            self.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": in_s}
+        )
+        assert status == 201, answer
+        return str(answer["notice"]["id"])
+
+
+async def report(socket: Path, *flags: str) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["report", "--json", "--socket", str(socket), *flags])
+    out, err = io.StringIO(), io.StringIO()
+    code = await asyncio.to_thread(run, args, out, err)
+    assert code == 0, err.getvalue()
+    doc: dict[str, Any] = json.loads(out.getvalue())
+    return doc
+
+
+async def script_week(week: Week, restart: bool = False) -> tuple[str, str]:
+    """Job A: two ranks on one GPU each; job B: one process on four GPUs. Hours from T0:
+
+    A registers at 0 (pids 100, 101), checkpoints steps 100 (ranks take 60 and 120 s) and 200 at 1 h and
+    2 h; drill N1 at 2.5 h (deadline 2 min later), A flushes step 250 in 30 s at 2.5 h + 1 min; A comes back
+    at 2 h 40 (pids 200, 201), checkpoints step 400 at 4 h; drill N2 at 5 h (deadline 1 min later): A
+    starts step 450 and fails, falling back to 400; A comes back at 5 h 10 (pids 300, 301), checkpoints step
+    500 at 6 h; [restart of the agent]; A comes back unannounced at 7.5 h (pids 400, 401) and checkpoints
+    step 600 at 8 h. B registers at 3 h, checkpoints step 10 (120 s, 4 GB) at 4 h, flushes step 11 for N2
+    in 20 s at 5 h + 30 s, checkpoints step 20 at 6 h. Every rank's save is 1 GB for A."""
+    gb = 10**9
+    week.at(0)
+    await week.register("A", 100, 0)
+    await week.register("A", 101, 1)
+    week.at(1)
+    await week.checkpoint("A", 100, 100, 60.0, gb, 0)
+    await week.checkpoint("A", 101, 100, 120.0, gb, 1)
+    week.at(2)
+    for pid, rank in ((100, 0), (101, 1)):
+        await week.checkpoint("A", pid, 200, 60.0, gb, rank)
+    week.at(2.5)
+    n1 = await week.drill(120)
+    week.at(2.5 + 1 / 60)
+    for pid, rank in ((100, 0), (101, 1)):
+        await week.checkpoint("A", pid, 250, 30.0, gb, rank, emergency=True, notice_id=n1)
+    week.at(2 + 40 / 60)
+    await week.register("A", 200, 0)
+    await week.register("A", 201, 1)
+    week.at(3)
+    await week.register("B", 500, gpus=4)
+    week.at(4)
+    for pid, rank in ((200, 0), (201, 1)):
+        await week.checkpoint("A", pid, 400, 60.0, gb, rank)
+    await week.checkpoint("B", 500, 10, 120.0, 4 * gb)
+    week.at(5)
+    n2 = await week.drill(60)
+    for pid, rank in ((200, 0), (201, 1)):
+        client = {"job": "A", "pid": pid, "rank": rank}
+        await week.post(
+            {
+                "kind": "checkpoint",
+                "phase": "started",
+                "step": 450,
+                "emergency": True,
+                "notice_id": n2,
+                "client": client,
+            }
+        )
+        await week.post(
+            {
+                "kind": "checkpoint",
+                "phase": "failed",
+                "step": 450,
+                "emergency": True,
+                "notice_id": n2,
+                "flush": {"fallback_step": 400},
+                "client": client,
+            }
+        )
+    week.at(5 + 0.5 / 60)
+    await week.checkpoint("B", 500, 11, 20.0, 4 * gb, emergency=True, notice_id=n2)
+    week.at(5 + 10 / 60)
+    await week.register("A", 300, 0)
+    await week.register("A", 301, 1)
+    week.at(6)
+    for pid, rank in ((300, 0), (301, 1)):
+        await week.checkpoint("A", pid, 500, 60.0, gb, rank)
+    await week.checkpoint("B", 500, 20, 120.0, 4 * gb)
+    if restart:
+        await week.stop()
+        await week.start()
+    week.at(7.5)
+    await week.register("A", 400, 0)
+    await week.register("A", 401, 1)
+    week.at(8)
+    for pid, rank in ((400, 0), (401, 1)):
+        await week.checkpoint("A", pid, 600, 60.0, gb, rank)
+    week.at(7 * 24)  # the report is made at the end of the week
+    return n1, n2
+
+
+# The hand-computed figures of the scripted week.
+# A: 2 GPUs, 0 h to 8 h: 16 GPU-h. Periodic checkpoints 120+60+60+60+60 = 360 s x 2 GPUs = 0.2 GPU-h; the
+# flush of step 250: 30 s x 2 = 1/60 GPU-h. Redone: N2 was lost (deadline 5 h 01 - checkpoint 4 h = 3660 s)
+# and the unannounced one at 7.5 h (7.5 h - 6 h = 5400 s): 9060 s x 2 = 5.0333 GPU-h. Restarts after the
+# notices: 2 h 40 - 2 h 32 = 480 s, 5 h 10 - 5 h 01 = 540 s: 1020 s x 2 = 0.5667 GPU-h. Steps redone:
+# 450 - 400 = 50. Goodput 1 - (0.2 + 1/60 + 5.0333 + 0.5667) / 16 = 0.6365.
+# B: 4 GPUs, 3 h to 6 h: 12 GPU-h; checkpoints 240 s x 4 = 0.2667 GPU-h, flush 20 s x 4 = 0.0222 GPU-h.
+A_LOST = (0.2 + 30 * 2 / H + 9060 * 2 / H + 1020 * 2 / H) / 16
+B_LOST = (240 * 4 / H + 20 * 4 / H) / 12
+TOTAL_OVERHEAD = 0.2 + 30 * 2 / H + 9060 * 2 / H + 1020 * 2 / H + 240 * 4 / H + 20 * 4 / H
+
+
+def expected_total() -> dict[str, Any]:
+    return {
+        "jobs": 2,
+        "gpus": 6,
+        "job_hours": 11.0,
+        "gpu_hours": 28.0,
+        "interruptions": {"announced": 3, "unannounced": 1, "total": 4},
+        "notice_coverage": 0.75,
+        "flushes": {"in_time": 2, "late": 0, "lost": 1},
+        "checkpoints": 7,
+        "checkpoint_bytes": 24 * 10**9,
+        "checkpoint_gpu_hours": round(0.2 + 240 * 4 / H, 4),
+        "flush_gpu_hours": round(30 * 2 / H + 20 * 4 / H, 4),
+        "redone_gpu_hours": round(9060 * 2 / H, 4),
+        "restart_gpu_hours": round(1020 * 2 / H, 4),
+        "steps_redone": 50,
+        "goodput": round(1 - TOTAL_OVERHEAD / 28, 4),
+        "notice_benefit": {
+            "covered_share": 0.5,
+            "interval_factor": round(1 / math.sqrt(0.5), 4),
+            "checkpoint_gpu_hours_saved": round((0.2 + 240 * 4 / H) * (1 / math.sqrt(0.5) - 1), 4),
+            "checkpoint_bytes_saved": round(18 * 10**9 * (1 / math.sqrt(0.5) - 1)),
+        },
+        "cost": {"missing": ["cost.spot_per_gpu_hour", "cost.on_demand_per_gpu_hour"]},
+    }
+
+
+@pytest.fixture
+def base() -> Path:
+    return short_tmp("pd-ledger-")
+
+
+async def test_a_scripted_week_gives_the_hand_computed_totals(base: Path) -> None:
+    """Drills, flushes (in time, lost), resumes (announced, unannounced) and periodic checkpoints of two jobs
+    through the socket: the report's totals are the hand-computed ones."""
+    week = Week(base)
+    await week.start()
+    try:
+        await script_week(week)
+        doc = await report(week.socket, "--drills", "--since", "30d")
+    finally:
+        await week.stop()
+    assert expected_total() == doc["total"]
+
+
+async def test_each_job_has_its_own_figures(base: Path) -> None:
+    """Job A's and job B's goodput, interruptions and GPU-hours, apart."""
+    week = Week(base)
+    await week.start()
+    try:
+        await script_week(week)
+        doc = await report(week.socket, "--drills", "--since", "30d")
+    finally:
+        await week.stop()
+    a, b = doc["jobs"]["A"], doc["jobs"]["B"]
+    assert (
+        (2, 16.0, {"announced": 2, "unannounced": 1, "total": 3}, round(1 - A_LOST, 4)),
+        (4, 12.0, {"announced": 1, "unannounced": 0, "total": 1}, round(1 - B_LOST, 4)),
+    ) == (
+        (a["gpus"], a["gpu_hours"], a["interruptions"], a["goodput"]),
+        (b["gpus"], b["gpu_hours"], b["interruptions"], b["goodput"]),
+    )
+
+
+async def test_flushes_and_resumes_are_listed_with_their_outcome(base: Path) -> None:
+    """Each flush with its outcome and slack; each resume with the step it came back from."""
+    week = Week(base)
+    await week.start()
+    try:
+        n1, n2 = await script_week(week)
+        doc = await report(week.socket, "--drills", "--since", "30d")
+    finally:
+        await week.stop()
+    flushes = sorted(
+        (f["job"], f["notice_id"], f["outcome"], f["slack_s"], f["fallback_step"]) for f in doc["flushes"]
+    )
+    resumes = [
+        (r["job"], r["from_step"], r["steps_redone"], r["announced"], r["notice_id"]) for r in doc["resumes"]
+    ]
+    assert (
+        sorted(
+            [("A", n1, "in_time", 60.0, None), ("A", n2, "lost", None, 400), ("B", n2, "in_time", 30.0, None)]
+        ),
+        [("A", 250, 0, True, n1), ("A", 400, 50, True, n2), ("A", 500, 0, False, None)],
+    ) == (flushes, resumes)
+
+
+async def test_a_restart_mid_week_keeps_the_totals(base: Path) -> None:
+    """The agent stops and starts again between 6 h and 7.5 h: the same totals as without the restart."""
+    week = Week(base)
+    await week.start()
+    try:
+        await script_week(week, restart=True)
+        doc = await report(week.socket, "--drills", "--since", "30d")
+    finally:
+        await week.stop()
+    assert expected_total() == doc["total"]
+
+
+async def test_drills_are_not_interruptions_unless_asked(base: Path) -> None:
+    """Without --drills the drill notices are counted as notices only; the unannounced resume remains."""
+    week = Week(base)
+    await week.start()
+    try:
+        await script_week(week)
+        doc = await report(week.socket, "--since", "30d")
+    finally:
+        await week.stop()
+    assert (
+        {"announced": 0, "unannounced": 1, "total": 1},
+        2,
+    ) == (doc["total"]["interruptions"], doc["notices"]["drills"])
+
+
+async def test_prices_give_the_discount_and_the_break_even_rate(base: Path, tmp_path: Path) -> None:
+    """Spot 1.00 and on demand 3.00 per GPU-hour, storage 0.02 per GB-month kept a month, 0.005 per 1000
+    requests: the realised discount and the break-even rate of docs/ledger.md, by hand."""
+    prices = tmp_path / "prices.toml"
+    prices.write_text(
+        "[cost]\nspot_per_gpu_hour = 1.0\non_demand_per_gpu_hour = 3.0\n"
+        "storage_per_gb_month = 0.02\nper_1000_requests = 0.005\nkeep_days = 30\n"
+    )
+    week = Week(base)
+    await week.start()
+    try:
+        await script_week(week)
+        doc = await report(week.socket, "--drills", "--since", "30d", "--prices", str(prices))
+    finally:
+        await week.stop()
+    storage = 24 * 0.02 * 1 + 15 / 1000 * 0.005  # 24 GB for a month; 15 saves (12 of A's ranks, 3 of B)
+    spot = 28 * 1.0 + storage
+    useful = 28 - TOTAL_OVERHEAD
+    c = (0.2 + 240 * 4 / H) / 28
+    ell = (TOTAL_OVERHEAD - (0.2 + 240 * 4 / H)) / 4 / (28 / 11)  # job-hours lost per interruption
+    break_even = 24 * (1 - c - (1.0 + storage / 28) / 3.0) / ell
+    cost = doc["total"]["cost"]
+    assert (
+        [],
+        round(spot, 4),
+        round(useful * 3.0, 4),
+        round(1 - spot / (useful * 3.0), 4),
+        round(24 * 4 / 11, 4),
+        round(break_even, 4),
+    ) == (
+        cost["missing"],
+        cost["spot"],
+        cost["on_demand_equivalent"],
+        cost["effective_discount"],
+        cost["preemptions_per_day"],
+        cost["break_even_per_day"],
+    )
+
+
+async def test_missing_prices_are_said_not_printed_as_zeros(base: Path) -> None:
+    """Without [cost] prices the text report says which are missing and prints no money."""
+    week = Week(base)
+    await week.start()
+    try:
+        await week.checkpoint("A", 100, 1, 10.0, 1000, 0)
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers())
+        args = parser.parse_args(["report", "--socket", str(week.socket)])
+        out = io.StringIO()
+        code = await asyncio.to_thread(run, args, out, io.StringIO())
+    finally:
+        await week.stop()
+    text = out.getvalue()
+    assert (0, True, False) == (
+        code,
+        "prices missing: set cost.spot_per_gpu_hour, cost.on_demand_per_gpu_hour" in text,
+        "spot cost" in text,
+    )
+
+
+async def test_a_corrupt_ledger_is_moved_aside_and_a_fresh_one_starts(base: Path) -> None:
+    """Garbage where the ledger should be: the agent logs ledger_corrupt naming where it moved the file,
+    keeps running, and records into a fresh ledger."""
+    state = base / "state"
+    state.mkdir(parents=True)
+    (state / "ledger.sqlite").write_bytes(b"this is not a database\n" * 100)
+    week = Week(base)
+    with structlog.testing.capture_logs() as logs:
+        await week.start()
+        try:
+            await week.checkpoint("A", 100, 1, 10.0, 1000, 0)
+            doc = await report(week.socket)
+            _, status = await http_json(week.socket, "GET", "/v1/status")
+        finally:
+            await week.stop()
+    corrupt = [e for e in logs if e["event"] == "ledger_corrupt"]
+    moved = Path(corrupt[0]["moved_to"])
+    kept = await asyncio.to_thread(moved.read_bytes)
+    assert (1, True, b"this is not", 1, str(moved)) == (
+        len(corrupt),
+        moved.name.startswith("ledger.sqlite.corrupt-"),
+        kept[:11],
+        doc["total"]["checkpoints"],
+        status["ledger"]["moved_aside_to"],
+    )
+
+
+async def test_the_ledger_is_sqlite_in_wal_mode_in_the_state_directory(base: Path) -> None:
+    """The file is a real SQLite database in WAL mode holding the reports."""
+    week = Week(base)
+    await week.start()
+    try:
+        await week.checkpoint("A", 100, 1, 10.0, 1000, 0)
+        await report(week.socket)  # waits until the facts are written
+    finally:
+        await week.stop()
+    conn = sqlite3.connect(base / "state" / "ledger.sqlite")
+    try:
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        rows = conn.execute("SELECT job, step, bytes FROM reports").fetchall()
+    finally:
+        conn.close()
+    assert ("wal", [("A", 1, 1000)]) == (mode, rows)
+
+
+async def test_report_reads_the_file_when_no_agent_answers(base: Path, tmp_path: Path) -> None:
+    """With the agent stopped, `preemptd report` reads the ledger file the configuration names."""
+    week = Week(base)
+    await week.start()
+    try:
+        await week.checkpoint("A", 100, 1, 10.0, 1000, 0)
+        await report(week.socket)
+    finally:
+        await week.stop()
+    config = tmp_path / "config.toml"
+    config.write_text(f'state_dir = "{base / "state"}"\n')
+    doc = await report(base / "a.sock", "--config", str(config), "--since", "3650d")
+    assert ("file", 1, 1000) == (doc["source"], doc["total"]["checkpoints"], doc["total"]["checkpoint_bytes"])
+
+
+def test_old_facts_are_pruned_past_the_retention(tmp_path: Path) -> None:
+    """Facts older than the retention are deleted; newer ones stay."""
+    from agent.ledger import store
+    from agent.ledger.facts import ReportFact
+
+    path = tmp_path / "ledger.sqlite"
+    conn = store.connect(path)
+    try:
+        rows = [
+            ReportFact(t, "A", 1, 0, None, "checkpoint", "finished", 1, 1.0, 1, False, None, None, None)
+            for t in (100.0, 200.0, 300.0)
+        ]
+        store.write(conn, [], rows)
+        gone = store.prune(conn, 250.0)
+    finally:
+        conn.close()
+    assert (2, [300.0]) == (gone, [r.time for r in store.read(path).reports])
