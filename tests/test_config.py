@@ -10,7 +10,7 @@ from typing import Annotated
 import pytest
 from msgspec import Meta
 
-from agent.config import Config, load_config, parse_setting
+from agent.config import Config, load_config, parse_setting, register_table, unregister_table
 from agent.core.errors import ConfigError
 from agent.core.paths import client_socket_path, default_socket_path, default_state_dir, user_socket_path
 
@@ -200,7 +200,7 @@ def test_state_dir_prefers_systemd_state_directory() -> None:
             '[aws]\nendpoint = "ftp://x"\n',
             r"key 'aws\.endpoint': expected an http:// or https:// URL, got 'ftp://x'$",
         ),
-        ("tables = {}\n", r"unknown key 'tables'"),
+        ("tables = {}\n", r"unknown table 'tables'"),
     ],
 )
 def test_each_kind_of_bad_value_names_file_key_expectation_and_value(
@@ -257,20 +257,24 @@ def test_a_plug_in_table_declares_its_ranges_and_forms_with_msgspec(tmp_path: Pa
         nodes: Annotated[tuple[str, ...], Meta(min_length=1)] = ("n1",)
 
     path = write(tmp_path, '[actions.pbs]\nretries = 3\nqueue = "gpu"\n')
-    assert Settings(3, "gpu", ("n1",)) == load_config(path, env={}).table("actions.pbs", Settings)
-    for text, message in [
-        ("retries = 11", r"key 'actions\.pbs\.retries': expected an integer >= 0 and <= 10, got 11$"),
-        (
-            'queue = "GPU"',
-            r"key 'actions\.pbs\.queue': expected a string matching '\^\[a-z\]\+\$', got 'GPU'$",
-        ),
-        ("queue = 3", r"key 'actions\.pbs\.queue': expected a string, got 3$"),
-        ("nodes = []", r"key 'actions\.pbs\.nodes': expected an array of length >= 1, got \[\]$"),
-    ]:
-        path.write_text(f"[actions.pbs]\n{text}\n")
-        with pytest.raises(ConfigError, match=message) as info:
-            load_config(path, env={}).table("actions.pbs", Settings)
-        assert str(info.value).startswith(f"{path}: ")
+    register_table("actions.pbs", Settings)
+    try:
+        assert Settings(3, "gpu", ("n1",)) == load_config(path, env={}).table("actions.pbs", Settings)
+        for text, message in [
+            ("retries = 11", r"key 'actions\.pbs\.retries': expected an integer >= 0 and <= 10, got 11$"),
+            (
+                'queue = "GPU"',
+                r"key 'actions\.pbs\.queue': expected a string matching '\^\[a-z\]\+\$', got 'GPU'$",
+            ),
+            ("queue = 3", r"key 'actions\.pbs\.queue': expected a string, got 3$"),
+            ("nodes = []", r"key 'actions\.pbs\.nodes': expected an array of length >= 1, got \[\]$"),
+        ]:
+            path.write_text(f"[actions.pbs]\n{text}\n")
+            with pytest.raises(ConfigError, match=message) as info:
+                load_config(path, env={})  # refused when the file is loaded, not when the table is read
+            assert str(info.value).startswith(f"{path}: ")
+    finally:
+        unregister_table("actions.pbs")
 
 
 # Every interval, timeout and backoff key of the built-in sections (tiny values once pinned a core).

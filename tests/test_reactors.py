@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 
 from agent.actions import registry as reactors
 from agent.config import load_config
@@ -218,14 +217,14 @@ async def test_a_bad_table_stops_the_agent_before_it_serves(base: Path, register
         await agent.stop()
 
 
-async def test_a_table_for_a_bridge_that_is_not_installed_does_not_break_loading(base: Path) -> None:
-    with structlog.testing.capture_logs() as logs:
-        async with running_agent(base, {"actions.nosuchbridge.url": "http://x"}) as agent:
-            assert ("actions.nosuchbridge",) == agent.config.extension_tables()
-            _, shown = await http_json(agent.config.socket, "GET", "/v1/status")
-            assert "nosuchbridge" not in shown["actions"]["reactors"]
-    [unused] = [r for r in logs if r["event"] == "config_table_unused"]
-    assert "actions.nosuchbridge" == unused["table"]
+def test_a_table_for_a_bridge_that_is_not_installed_is_refused_when_loading() -> None:
+    """A table no reactor is named after (a typo, a bridge not installed here) stops the loading, naming the
+    tables that exist, instead of being ignored."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(env={}, overrides={"actions.slurmm.enabled": True})
+    assert str(refused.value).startswith(
+        "command line: unknown table 'actions.slurmm' (did you mean 'actions.slurm'?); the tables under"
+    )
 
 
 async def test_one_failing_reactor_does_not_keep_events_from_the_others(base: Path, registered: Any) -> None:

@@ -11,7 +11,10 @@ skipped with a warning):
 4. :func:`register` (an embedding program, tests).
 
 A factory takes the :class:`agent.core.ports.Host` and returns a :class:`agent.core.ports.Reactor`, or None when its
-configuration does not ask for it. See docs/internals.md, "How to add a bridge".
+configuration does not ask for it. A reactor with a table declares it where its schema is defined
+(``register_table("actions.slurm", SlurmConfig)``, agent/config/tables.py): the loader then checks it when the
+file is loaded, and a table under ``[actions]`` that no reactor is named after is an error. See
+docs/internals.md, "How to add a bridge".
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from agent.config.tables import Discovered, add_discovery
 from agent.core.errors import ConfigError
 from agent.core.notice import Event
 from agent.core.ports import Host, Reactor, ReactorFactory
@@ -121,6 +125,15 @@ def discover() -> list[Found]:
         seen[item.name] = item
         result.append(item)
     return result
+
+
+def _tables() -> Discovered:
+    """For the loader: every reactor is found (so the bridges' modules have declared their tables), and a
+    reactor that declared no table may still read ``[actions.<its name>]`` itself."""
+    return Discovered("actions", frozenset(f"actions.{item.name}" for item in discover()))
+
+
+add_discovery(_tables)
 
 
 def build_reactors(host: Host, found: Iterable[Found] | None = None) -> list[Reactor]:

@@ -32,7 +32,7 @@ from agent.actions.common import Recent, applies
 from agent.bridges.common import drain_reason, register_metrics
 from agent.bridges.ray_gcs import RayNode, unreachable
 from agent.bridges.slurm_commands import host_names
-from agent.config import AtLeastOne, NoticeKindName, Seconds, SecondsOrOff, SeverityName
+from agent.config import AtLeastOne, NoticeKindName, Seconds, SecondsOrOff, SeverityName, register_table
 from agent.core.notice import Event, EventType, Notice, format_time, utcnow
 from agent.core.ports import Host
 from agent.core.tasks import TaskSet
@@ -79,6 +79,9 @@ class RayConfig:
     # went down is said when it happens; 0: only at notices.
     check_interval_s: SecondsOrOff = 30.0
     history_size: AtLeastOne = 50
+
+
+register_table("actions.ray", RayConfig)
 
 
 class RayError(Exception):

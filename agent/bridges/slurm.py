@@ -33,7 +33,7 @@ from agent.bridges.slurm_commands import (
     parse_signal,
     requeue_verdict,
 )
-from agent.config import NoticeKindName, SeverityName
+from agent.config import NoticeKindName, SeverityName, register_table
 from agent.core.notice import Event, EventType, Notice, format_time, utcnow
 from agent.core.ports import Host
 from agent.core.tasks import TaskSet, wait_for_any
@@ -81,6 +81,9 @@ class SlurmConfig:
     # How long beyond the deadline (or the clear) the requeue of a stopped job and the resume go on.
     persist_s: Span = 3600.0
     history_size: Annotated[int, Meta(ge=1, le=10_000, description="a whole number from 1 to 10000")] = 50
+
+
+register_table("actions.slurm", SlurmConfig)
 
 
 @dataclass

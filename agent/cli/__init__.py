@@ -99,6 +99,7 @@ def _run_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from agent.config import config_to_json, load_config
+    from agent.service import plugins  # noqa: F401 - so that every plug-in's table is checked when loading
     from agent.service.daemon import run_agent
     from agent.service.logs import configure_logging
 

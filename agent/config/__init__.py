@@ -1,15 +1,14 @@
 """The agent's configuration: one frozen :class:`Config`, loaded from a TOML file, ``PREEMPTD_*`` environment
 variables and command-line settings, in increasing precedence.
 
-Each subsystem owns one section dataclass below; the loader is generic and checks every key against the
-field's type, so a bad file fails with the file, the dotted key and what was expected.
+Each subsystem owns one section dataclass below (the built-in clouds' are in agent/config/clouds.py); every
+other part declares its table in agent/config/tables.py. The loader is generic and checks every key of every
+table against the field's type when the file is loaded, so a bad file fails with the file, the dotted key and
+what was expected before anything starts.
 
 Environment variables: ``PREEMPTD_<KEY>`` for a top-level key (``PREEMPTD_SOCKET``), and
 ``PREEMPTD_<SECTION>__<KEY>`` for a key in a section (``PREEMPTD_AWS__POLL_INTERVAL_S=2``). Values are read
 as TOML values when they parse as one (numbers, booleans, arrays) and as plain strings otherwise.
-
-Over 450 lines because every section is declared here (each key's type, default and range in one place);
-the generic loader is agent/config/loader.py.
 """
 
 from __future__ import annotations
@@ -24,50 +23,63 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from msgspec import Meta
 
+from agent.config.actions import ActionsConfig, HookConfig, ReadyConfig, SignalRuleConfig, WebhookConfig
+from agent.config.clouds import (
+    BUILTIN_CLOUDS,
+    AlibabaConfig,
+    AwsConfig,
+    AzureAcknowledge,
+    AzureConfig,
+    GcpConfig,
+    TencentConfig,
+)
 from agent.config.loader import (
-    FINITE,
     INTERNAL,
-    Url,
-    ZeroOr,
     build,
     dotted_to_nested,
     env_table,
-    extension_tables,
+    fail,
     field_names,
     merge,
     parse_value,
     read_toml,
+    where,
 )
-from agent.config.validate import check_hook, check_signal_rule, check_webhook
+from agent.config.tables import (
+    Discovered,
+    add_discovery,
+    known,
+    register_table,
+    take_tables,
+    unregister_table,
+)
+from agent.config.types import (
+    MIN_INTERVAL_S,
+    AtLeastOne,
+    HttpUrl,
+    NonNegative,
+    NoticeKindName,
+    Seconds,
+    SecondsOrOff,
+    SeverityName,
+)
 from agent.core.errors import ConfigError
 from agent.core.paths import default_socket_path, default_state_dir
 
 DEFAULT_CONFIG_PATH = Path("/etc/preemptd/config.toml")
 ENV_PREFIX = "PREEMPTD_"
 
-CloudName = Literal["auto", "none", "aws", "gcp", "azure", "alibaba", "tencent"]
-CLOUDS: tuple[str, ...] = typing.get_args(CloudName)
+# ``cloud``: these, or a cloud whose table was declared (register_table(..., cloud=True)).
+CLOUDS: tuple[str, ...] = ("auto", "none", *BUILTIN_CLOUDS)
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
-# Sections whose unknown sub-tables belong to plug-ins (reactors, scheduler bridges): ``[actions.slurm]`` is
-# kept as it was written and checked by the bridge that reads it (Config.table); an unknown scalar key
-# there is still an error.
+# Sections whose sub-tables belong to plug-ins (reactors, scheduler bridges): ``[actions.slurm]`` is checked
+# against the schema its bridge declared; a sub-table nobody declared is an error once the reactor registry
+# has said which exist (agent/config/tables.py).
 EXTENSIBLE = ("actions",)
 T = TypeVar("T")
 
 
-# Ranges checked by msgspec (a queue of 0 is unbounded, ...).
-# Every interval, timeout and backoff: anything the agent waits on or repeats at. A heartbeat or a poll of
-# 1e-9 s keeps a core busy, so each has a floor (tests and plug-in tables use the same types).
-MIN_INTERVAL_S = 0.1
-Seconds = Annotated[
-    float, Meta(ge=MIN_INTERVAL_S, le=FINITE, description=f"a finite number of seconds >= {MIN_INTERVAL_S}")
-]
-# An interval where 0 turns the repetition off.
-SecondsOrOff = Annotated[float, ZeroOr(MIN_INTERVAL_S)]
-NonNegative = Annotated[float, Meta(ge=0, le=FINITE)]
-AtLeastOne = Annotated[int, Meta(ge=1)]
-HttpUrl = Annotated[str, Url()]
 # listen(2)'s backlog is a C int that the kernel caps at net.core.somaxconn (4096 by default).
 MAX_BACKLOG = 65535
 
@@ -91,173 +103,6 @@ class ApiConfig:
     max_connections: AtLeastOne = 8192
 
 
-# --- actions (agent/actions/) --------------------------------------------------------------------------
-
-NoticeKindName = Literal[
-    "termination", "rebalance", "maintenance", "gpu_fault", "gpu_degraded", "host_degraded"
-]
-SeverityName = Literal["info", "warning", "critical"]
-ActionTrigger = Literal["notice", "update", "cleared", "ready"]
-
-
-@dataclass(frozen=True)
-class SignalRuleConfig:
-    """One ``[[actions.signals]]`` rule: which notices send which signal to which processes."""
-
-    name: str = "signal"
-    kinds: tuple[NoticeKindName, ...] = ("termination", "maintenance")
-    min_severity: SeverityName = "warning"
-    drills: bool = True
-    signal: str = "SIGTERM"
-    # Targets; a rule with none of them does nothing.
-    gpu_processes: bool = False
-    gpu_scope: Literal["all", "notice"] = "all"
-    units: tuple[str, ...] = ()
-    cgroups: tuple[str, ...] = ()
-    pid_files: tuple[Path, ...] = ()
-    cmdline: tuple[str, ...] = ()
-    # Sent to the processes still alive this long after the first signal; 0 disables escalation.
-    escalate_after_s: float = 0.0
-    escalate_signal: str = "SIGKILL"
-
-    def __post_init__(self) -> None:
-        # Checked when the file is loaded, so a bad rule fails `preemptd run` and a reload before anything
-        # starts; agent/config/validate.py holds the checks.
-        check_signal_rule(self)
-
-
-@dataclass(frozen=True)
-class HookConfig:
-    """One ``[[actions.hooks]]`` entry: a command (argv, never a shell) run on some events."""
-
-    argv: tuple[str, ...] = ()
-    name: str = ""
-    on: tuple[ActionTrigger, ...] = ("notice",)
-    kinds: tuple[NoticeKindName, ...] = ()
-    min_severity: SeverityName = "info"
-    drills: bool = True
-    timeout_s: Seconds = 30.0
-    env: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        check_hook(self)
-
-
-@dataclass(frozen=True)
-class WebhookConfig:
-    """One ``[[actions.webhooks]]`` entry: an HTTP endpoint that receives events as JSON."""
-
-    url: str = ""
-    name: str = ""
-    on: tuple[ActionTrigger, ...] = ("notice", "cleared", "ready")
-    kinds: tuple[NoticeKindName, ...] = ()
-    min_severity: SeverityName = "info"
-    drills: bool = True
-    format: Literal["event", "slack"] = "event"
-    template: str = (
-        "preemptd on $host: $event $kind ($severity) from $source: $reason; $seconds_left s left$drill"
-    )
-    headers: dict[str, str] = field(default_factory=dict)
-    timeout_s: Seconds = 10.0
-    retries: int = 3
-    backoff_s: Seconds = 1.0
-    backoff_max_s: Seconds = 30.0
-
-    def __post_init__(self) -> None:
-        check_webhook(self)
-
-
-@dataclass(frozen=True)
-class ReadyConfig:
-    """When the agent declares a notice ``ready`` (participants saved) and acknowledges it to the cloud."""
-
-    enabled: bool = True
-    kinds: tuple[NoticeKindName, ...] = ("termination", "maintenance", "rebalance")
-    min_severity: SeverityName = "warning"
-    # Longest wait for participants after the notice; never later than ``deadline - deadline_margin_s``.
-    grace_s: NonNegative = 120.0
-    deadline_margin_s: NonNegative = 5.0
-    # Without declared participants: ``grace`` waits out the grace (signalled programs may be saving),
-    # ``immediately`` declares ready at once.
-    without_participants: Literal["grace", "immediately"] = "grace"
-    # A participant is forgotten when its process is gone or it has not reported for this long.
-    participant_ttl_s: Seconds = 7 * 24 * 3600.0
-    # Registered participants, per user and in all; a registration past a limit is refused with 429.
-    max_participants_per_uid: AtLeastOne = 256
-    max_participants: AtLeastOne = 1024
-    azure_acknowledge: Literal["on_ready", "immediately", "never"] = "on_ready"
-
-
-@dataclass(frozen=True)
-class ActionsConfig:
-    """What the agent does about notices besides telling clients: signals, hooks, webhooks, ready."""
-
-    dry_run: bool = False
-    signals: tuple[SignalRuleConfig, ...] = ()
-    hooks: tuple[HookConfig, ...] = ()
-    hook_concurrency: AtLeastOne = 4
-    hook_output_max_bytes: AtLeastOne = 65536
-    webhooks: tuple[WebhookConfig, ...] = ()
-    ready: ReadyConfig = field(default_factory=ReadyConfig)
-    # Bounded wait at shutdown for running actions; keep it below api.shutdown_timeout_s.
-    stop_timeout_s: NonNegative = 2.0
-    history_size: AtLeastOne = 100
-
-
-# --- cloud sources (issue 3) ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AwsConfig:
-    """EC2 instance metadata (IMDSv2)."""
-
-    endpoint: HttpUrl = "http://169.254.169.254"
-    poll_interval_s: Seconds = 1.0
-    timeout_s: Seconds = 1.0
-    token_ttl_s: AtLeastOne = 21600
-    # IMDSv1 (no token) only when asked for: it is what SSRF attacks use, and many fleets disable it.
-    imdsv1_fallback: bool = False
-    backoff_max_s: Seconds = 5.0
-
-
-@dataclass(frozen=True)
-class GcpConfig:
-    """Google Compute Engine metadata server; changes arrive through hanging GETs."""
-
-    # Empty: $GCE_METADATA_HOST (as in Google's own clients), else http://metadata.google.internal.
-    endpoint: Annotated[str, Url(empty=True)] = ""
-    wait_timeout_s: AtLeastOne = 60
-    timeout_s: Seconds = 2.0
-    backoff_max_s: Seconds = 5.0
-    # Seconds between ACPI soft-off and hard power-off of a preempted VM.
-    preempt_notice_s: float = 30.0
-    # How early maintenance-event flips before the host maintenance starts.
-    maintenance_notice_s: float = 60.0
-
-
-AzureAcknowledge = Literal["never", "immediate"]
-
-
-@dataclass(frozen=True)
-class AzureConfig:
-    """Azure IMDS Scheduled Events."""
-
-    endpoint: HttpUrl = "http://169.254.169.254"
-    poll_interval_s: Seconds = 1.0
-    timeout_s: Seconds = 1.0
-    api_version: str = "2020-07-01"
-    instance_api_version: str = "2021-02-01"
-    # This VM's name as listed in events' Resources; empty: read compute.name from instance metadata.
-    vm_name: str = ""
-    # When to send StartRequests for an event that concerns this VM. "never": only when a component calls
-    # AzureSource.acknowledge(); "immediate": as soon as the event is seen (shortens the notice window).
-    acknowledge: AzureAcknowledge = "never"
-    backoff_max_s: Seconds = 5.0
-    # Microsoft: the first Scheduled Events call after boot (which enables the service) can take up to two
-    # minutes; so may the first after a server error. Those calls get this long instead of timeout_s.
-    first_call_timeout_s: Seconds = 120.0
-
-
 @dataclass(frozen=True)
 class MetricsConfig:
     """Prometheus metrics beyond the Unix socket's ``/metrics``."""
@@ -268,29 +113,6 @@ class MetricsConfig:
     listen: str = ""
     # Connections served at once; past it a connection is answered 503.
     max_connections: AtLeastOne = 64
-
-
-@dataclass(frozen=True)
-class AlibabaConfig:
-    """Alibaba Cloud ECS metadata."""
-
-    endpoint: HttpUrl = "http://100.100.100.200"
-    poll_interval_s: Seconds = 1.0
-    timeout_s: Seconds = 1.0
-    # The hardened mode: fetch a token first (required when the instance enforces it).
-    token: bool = False
-    token_ttl_s: AtLeastOne = 21600
-    backoff_max_s: Seconds = 5.0
-
-
-@dataclass(frozen=True)
-class TencentConfig:
-    """Tencent Cloud CVM metadata."""
-
-    endpoint: HttpUrl = "http://metadata.tencentyun.com"
-    poll_interval_s: Seconds = 1.0
-    timeout_s: Seconds = 1.0
-    backoff_max_s: Seconds = 5.0
 
 
 @dataclass(frozen=True)
@@ -398,7 +220,7 @@ class Config:
     socket_mode: Annotated[int, Meta(ge=0, le=0o777, description="a mode from 0o000 to 0o777")] = 0o660
     admin_group: str | None = None
     state_dir: Path = field(default_factory=default_state_dir)
-    cloud: CloudName = "auto"
+    cloud: str = "auto"
     log_format: LogFormat = "auto"
     log_level: LogLevel = "info"
     # How long after its deadline a notice whose source is not running (a drill, a notice restored from a
@@ -422,13 +244,16 @@ class Config:
     config_file: Path | None = None
     # Plug-in tables by dotted name (``"actions.slurm"``), as written; read them with :meth:`table`.
     tables: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, metadata=INTERNAL)
+    # The declared tables (agent/config/tables.py), checked and built when the file was loaded.
+    built: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False, metadata=INTERNAL)
     # Where each dotted key was set (a file, "environment", "command line"), for the errors of table().
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False, metadata=INTERNAL)
 
     def table(self, name: str, schema: type[T]) -> T:
         """The table ``name`` (dotted: ``"actions.slurm"``) checked against the frozen dataclass ``schema``
         with the loader's rules and errors (file, dotted key, what was expected); the schema's defaults when
-        the table was not set. A built-in section (``"actions"``, ``"aws"``) is returned as loaded."""
+        the table was not set. A built-in section (``"actions"``, ``"aws"``) is returned as loaded, and so
+        is a declared table (already checked when the file was loaded)."""
         section: Any = self
         for part in name.split("."):
             section = getattr(section, part, None) if part in field_names(type(section)) else None
@@ -439,6 +264,9 @@ class Config:
             if not isinstance(section, schema):
                 raise TypeError(f"[{name}] is a {type(section).__name__}, not a {schema.__name__}")
             return section
+        declared = self.built.get(name)
+        if isinstance(declared, schema):
+            return declared
         built: T = build(schema, self.tables.get(name, {}), name + ".", self.origins)
         return built
 
@@ -456,7 +284,9 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Config:
-    """Build the configuration: defaults, then the file, then the environment, then ``overrides``.
+    """Build the configuration: defaults, then the file, then the environment, then ``overrides``; every
+    table is checked: the core sections, and each table declared in agent/config/tables.py (the registries
+    that declare them, the reactors' and the clouds', are asked first).
 
     ``path`` None means the file named by ``PREEMPTD_CONFIG`` or the default path, which may be absent; an
     explicit path must exist. ``overrides`` maps dotted keys (``"api.heartbeat_s"``) to values.
@@ -472,10 +302,25 @@ def load_config(
     merge(merged, env_table(environ, ENV_PREFIX, Config), origin, "environment")
     merge(merged, dotted_to_nested(overrides or {}), origin, "command line")
     merged.pop("config_file", None)
-    tables = extension_tables(merged, Config, EXTENSIBLE)
+    hints = typing.get_type_hints(Config)
+    core = {name: dataclasses.is_dataclass(hints[name]) for name in field_names(Config)}
+    found = known()
+    plugins = {name: item for name, item in found.declared.items() if name not in core}
+    clouds = (*CLOUDS, *(name for name in found.clouds() if name not in CLOUDS))
+    if "cloud" in merged and merged["cloud"] not in clouds:
+        raise fail(origin, "cloud", "one of " + ", ".join(repr(c) for c in clouds), merged["cloud"])
+    extensible = {name: field_names(hints[name]) for name in EXTENSIBLE}
+    tables = take_tables(
+        merged, dataclasses.replace(found, declared=plugins), core, extensible, lambda n: where(origin, n)
+    )
     config: Config = build(Config, merged, "", origin)
+    built = {
+        name: build(item.schema, tables.get(name, {}), name + ".", origin) for name, item in plugins.items()
+    }
     loaded_from = file_path if file_path.exists() else None
-    return dataclasses.replace(config, config_file=loaded_from, tables=tables, origins=dict(origin))
+    return dataclasses.replace(
+        config, config_file=loaded_from, tables=tables, built=built, origins=dict(origin)
+    )
 
 
 def parse_setting(text: str) -> tuple[str, Any]:
@@ -506,7 +351,51 @@ def config_to_json(config: Config) -> dict[str, Any]:
 
     result = convert(config)
     assert isinstance(result, dict)
-    for dotted, table in config.tables.items():
+    # A plug-in table as loaded (its defaults filled in): a top-level one always, as the sections are; one
+    # under a section (a bridge's) when it was set; one read unchecked, as written.
+    for dotted in sorted({*config.tables, *config.built}):
         section, _, name = dotted.rpartition(".")
-        result.setdefault(section, {})[name] = convert(table)
+        if section and dotted not in config.tables:
+            continue
+        shown = config.built.get(dotted, config.tables.get(dotted))
+        (result.setdefault(section, {}) if section else result)[name] = convert(shown)
     return result
+
+
+# The public face: the sections, the value types plug-in tables use, the table registry, the loader.
+__all__ = [
+    "CLOUDS",
+    "MIN_INTERVAL_S",
+    "ActionsConfig",
+    "AdvisorConfig",
+    "AlibabaConfig",
+    "ApiConfig",
+    "AtLeastOne",
+    "AwsConfig",
+    "AzureAcknowledge",
+    "AzureConfig",
+    "Config",
+    "DetectConfig",
+    "Discovered",
+    "GcpConfig",
+    "GpuConfig",
+    "HookConfig",
+    "HostConfig",
+    "HttpUrl",
+    "MetricsConfig",
+    "NonNegative",
+    "NoticeKindName",
+    "ReadyConfig",
+    "Seconds",
+    "SecondsOrOff",
+    "SeverityName",
+    "SignalRuleConfig",
+    "TencentConfig",
+    "WebhookConfig",
+    "add_discovery",
+    "config_to_json",
+    "load_config",
+    "parse_setting",
+    "register_table",
+    "unregister_table",
+]

@@ -202,22 +202,6 @@ def field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
 
 
-def extension_tables(
-    merged: dict[str, Any], top_level: type, sections: tuple[str, ...]
-) -> dict[str, dict[str, Any]]:
-    """Take the plug-in tables (unknown tables under one of ``sections`` of ``top_level``) out of
-    ``merged``, by dotted name."""
-    tables: dict[str, dict[str, Any]] = {}
-    for section in sections:
-        node = merged.get(section)
-        if not isinstance(node, dict):
-            continue
-        known = field_names(typing.get_type_hints(top_level)[section])
-        for key in [k for k, v in node.items() if isinstance(v, Mapping) and k not in known]:
-            tables[f"{section}.{key}"] = dict(node.pop(key))
-    return tables
-
-
 def build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mapping[str, str]) -> Any:
     """The frozen dataclass ``cls`` from ``table`` (the keys under ``prefix``), checked by msgspec against
     the field types and their ``msgspec.Meta`` constraints; every error is a :class:`ConfigError` naming the
@@ -230,10 +214,10 @@ def build(cls: type[Any], table: Mapping[str, Any], prefix: str, origin: Mapping
     except ConfigError as exc:  # a section's own check (__post_init__): say where the table came from
         # The message starts with the key it is about ("actions.signals (rule 'x') ...").
         named = re.match(r"[a-z_][\w.]*", str(exc))
-        where = _where(origin, named.group() if named else prefix.rstrip("."))
-        if str(exc).startswith(where):
+        place = where(origin, named.group() if named else prefix.rstrip("."))
+        if str(exc).startswith(place):
             raise
-        raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError(f"{place}: {exc}") from None
 
 
 def _decode(hint: Any, value: Any) -> Any:
@@ -256,7 +240,7 @@ def _prepare(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> A
         hint, *marks = typing.get_args(hint)
         problem = next((p for m in marks if isinstance(m, CHECKS) and (p := m.problem(value))), None)
         if problem is not None:
-            raise _fail(origin, dotted, problem, value)
+            raise fail(origin, dotted, problem, value)
     kind = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return _prepare_table(hint, value, dotted, origin)
@@ -283,7 +267,7 @@ def _prepare(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> A
 
 def _prepare_table(cls: Any, table: Any, dotted: str, origin: Mapping[str, str]) -> dict[str, Any]:
     if not isinstance(table, Mapping):
-        raise _fail(origin, dotted, "a table", table)
+        raise fail(origin, dotted, "a table", table)
     hints = typing.get_type_hints(cls, include_extras=True)
     names = field_names(cls)
     prefix = f"{dotted}." if dotted else ""
@@ -291,7 +275,7 @@ def _prepare_table(cls: Any, table: Any, dotted: str, origin: Mapping[str, str])
         if key not in names:
             close = difflib.get_close_matches(key, sorted(names), n=1)
             hint = f" (did you mean {prefix + close[0]!r}?)" if close else ""
-            raise ConfigError(f"{_where(origin, prefix + key)}: unknown key {prefix + key!r}{hint}")
+            raise ConfigError(f"{where(origin, prefix + key)}: unknown key {prefix + key!r}{hint}")
     return {key: _prepare(hints[key], value, prefix + key, origin) for key, value in table.items()}
 
 
@@ -304,7 +288,7 @@ def _translate(message: str, cls: Any, table: Any, dotted: str, origin: Mapping[
     """msgspec's error in today's words: the file, the dotted key, what was expected and what was there."""
     at = _AT.fullmatch(message)
     if at is None:
-        return ConfigError(f"{_where(origin, dotted)}: {message}")
+        return ConfigError(f"{where(origin, dotted)}: {message}")
     hint, value = cls, table
     for name, index in re.findall(r"\.(\w+)|\[(\d+|\.\.\.)\]", at["path"]):
         hint = _unwrap(hint)
@@ -315,7 +299,7 @@ def _translate(message: str, cls: Any, table: Any, dotted: str, origin: Mapping[
             item = typing.get_args(hint)[1]
             key = next((k for k, v in value.items() if not _converts(v, item)), None)
             if key is None:
-                return ConfigError(f"{_where(origin, dotted)}: key {dotted!r}: {at['what']}")
+                return ConfigError(f"{where(origin, dotted)}: key {dotted!r}: {at['what']}")
             hint, value, dotted = item, value[key], f"{dotted}.{key}"
         else:
             hint, value, dotted = typing.get_args(hint)[0], value[int(index)], f"{dotted}[{index}]"
@@ -324,12 +308,12 @@ def _translate(message: str, cls: Any, table: Any, dotted: str, origin: Mapping[
         key = next(
             (k for k in value if not _converts({k: None}, types.GenericAlias(dict, (key_hint, Any)))), ""
         )
-        return _fail(origin, f"{dotted}.{key}", f"{describe(key_hint)} key", key)
+        return fail(origin, f"{dotted}.{key}", f"{describe(key_hint)} key", key)
     if at["what"].startswith(("Expected", "Invalid")):
         # "Expected `float`, got `str`" is the wrong type; "Expected `float` > 0.0" is out of range.
         wrong_type = ", got `" in at["what"] and typing.get_origin(hint) is Annotated
-        return _fail(origin, dotted, describe(typing.get_args(hint)[0] if wrong_type else hint), value)
-    return ConfigError(f"{_where(origin, dotted)}: key {dotted!r}: {at['what']}")
+        return fail(origin, dotted, describe(typing.get_args(hint)[0] if wrong_type else hint), value)
+    return ConfigError(f"{where(origin, dotted)}: key {dotted!r}: {at['what']}")
 
 
 def _converts(value: Any, hint: Any) -> bool:
@@ -350,15 +334,15 @@ def _unwrap(hint: Any) -> Any:
     return hint
 
 
-def _where(origin: Mapping[str, str], dotted: str) -> str:
+def where(origin: Mapping[str, str], dotted: str) -> str:
     """Where ``dotted`` was set: its own origin, else the nearest enclosing table's."""
     parts = re.sub(r"\[\d+\]", "", dotted).split(".")
     found = (origin.get(".".join(parts[:n])) for n in range(len(parts), 0, -1))
     return next((where for where in found if where), "configuration")
 
 
-def _fail(origin: Mapping[str, str], dotted: str, expected: str, value: Any) -> ConfigError:
-    return ConfigError(f"{_where(origin, dotted)}: key {dotted!r}: expected {expected}, got {value!r}")
+def fail(origin: Mapping[str, str], dotted: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{where(origin, dotted)}: key {dotted!r}: expected {expected}, got {value!r}")
 
 
 _WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path"}
