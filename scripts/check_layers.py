@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config, client, simulate", ("agent.config", "agent.client", "agent.simulate")),
     (
         "sources, actions, bridges, advisor",
-        ("agent.sources", "agent.actions", "agent.bridges", "agent.advisor", "agent.ledger"),
+        ("agent.sources", "agent.actions", "agent.bridges", "agent.advisor", "agent.ledger", "agent.ramtier"),
     ),
     ("service", ("agent.service",)),
     ("cli", ("agent.cli",)),

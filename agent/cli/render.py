@@ -94,10 +94,40 @@ def format_status(doc: dict[str, Any]) -> str:
             f"Connections: {conn.get('open')} open of {conn.get('max')}, {conn.get('refused')} refused;"
             f" descriptors {fds.get('open')} of {fds.get('limit')}"
         )
+    tier = doc.get("ram_tier")
+    if isinstance(tier, dict) and tier.get("enabled"):
+        lines.append(_ram_tier_line(tier))
     advice = doc.get("advice")
     if isinstance(advice, dict) and advice.get("interval_s"):
         lines.append(f"Advice: checkpoint every {format_duration(float(advice['interval_s']))}")
     return "\n".join(printable(line) for line in lines)
+
+
+def _size(value: Any) -> str:
+    size = float(value or 0)
+    if size < 1024:
+        return f"{size:.0f} B"
+    unit = "KiB"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):  # noqa: B007 (the unit the loop stops at is the one shown)
+        size /= 1024
+        if size < 1024:
+            break
+    return f"{size:.1f} {unit}"
+
+
+def _ram_tier_line(tier: dict[str, Any]) -> str:
+    if tier.get("state") != "ready":
+        return f"RAM tier: {str(tier.get('state')).upper()}" + (
+            f": {tier['error']}" if tier.get("error") else ""
+        )
+    jobs = tier.get("jobs") or {}
+    steps = sum(len(job.get("steps") or []) for job in jobs.values())
+    where = f"{tier.get('filesystem')}" + ("" if tier.get("in_ram") else ": NOT RAM")
+    return (
+        f"RAM tier: {_size(tier.get('used_bytes'))} used of {_size(tier.get('cap_bytes'))}, "
+        f"{_size(tier.get('reserved_bytes'))} reserved; {_plural(steps, 'step')} of {_plural(len(jobs), 'job')} "
+        f"in {tier.get('path')} ({where})"
+    )
 
 
 WIDTH = 80  # what `preemptd watch` fits its lines into: the classic terminal, and narrow tmux panes

@@ -17,6 +17,7 @@ def build_components(config: Config) -> list[Component[Any]]:
     from agent.actions import ActionsComponent
     from agent.ledger.component import LedgerComponent
     from agent.ledger.config import LedgerConfig
+    from agent.ramtier import RamTierComponent
     from agent.service.metrics import MetricsComponent
 
     components: list[Component[Any]] = [ActionsComponent(config)]
@@ -26,6 +27,7 @@ def build_components(config: Config) -> list[Component[Any]]:
         components.append(AdvisorComponent())
     if config.table("ledger", LedgerConfig).enabled:
         components.append(LedgerComponent())
+    components.append(RamTierComponent())  # always: answers "off" on its routes when disabled
     components.append(MetricsComponent(config.metrics, config.api.idle_timeout_s))
     return components
 

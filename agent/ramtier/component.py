@@ -1,0 +1,232 @@
+"""The RAM tier as an agent component: a tmpfs directory on this host that holds jobs' checkpoint steps for
+them (issue 24), its inventory rebuilt from the directory at start, its cap, its routes under
+``/v1/ram-tier``, the ``ram_tier`` status section and its metrics. docs/ram-tier.md is the user's guide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import psutil
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from agent.ramtier.config import RamTierConfig
+from agent.ramtier.holdings import Holdings
+from agent.ramtier.inventory import Root, Scan, TierError, prepare_root, remove_tree, scan, step_dir
+from agent.ramtier.ports import RamTierHost
+from agent.ramtier.routes import routes
+
+State = Literal["off", "loading", "ready", "unavailable"]
+
+
+class RamTierComponent:
+    name = "ram_tier"
+
+    def __init__(self, config: RamTierConfig | None = None) -> None:
+        self._config = config
+        self._host: RamTierHost | None = None
+        self.state: State = "off"
+        self.error: str | None = None
+        self.root: Root | None = None
+        self.holdings = Holdings(0, 600.0)
+        self.removed = 0
+        # Set once the inventory is read back (or the tier found unusable): tests and tools wait on it.
+        self.loaded = asyncio.Event()
+        self._load: asyncio.Task[Any] | None = None
+
+    @property
+    def config(self) -> RamTierConfig:
+        if self._config is None:
+            raise RuntimeError("the RAM tier component was not set up")
+        return self._config
+
+    @property
+    def host(self) -> RamTierHost:
+        if self._host is None:
+            raise RuntimeError("the RAM tier component was not set up")
+        return self._host
+
+    # ----- component contract -----
+
+    def setup(self, host: RamTierHost) -> None:
+        self._host = host
+        if self._config is None:
+            self._config = host.config.table("ram_tier", RamTierConfig)
+        self.holdings = Holdings(0, self.config.reservation_ttl_s)
+        self.state = "loading" if self.config.enabled else "off"
+        for method, path, handler in routes(self):
+            host.add_route(method, path, handler)
+        host.add_status_section("ram_tier", self.status)
+        host.add_metrics_collector(RamTierCollector(self))
+
+    async def start(self) -> None:
+        if self.state == "off":
+            self.loaded.set()
+            return
+        self._load = self.host.tasks.spawn(self._read_back(), "ram-tier-load")
+
+    async def stop(self) -> None:
+        if self._load is not None:
+            await self.host.tasks.cancel(self._load, timeout=1.0)
+            self._load = None
+
+    async def _read_back(self) -> None:
+        log = self.host.log
+        config = self.config
+        try:
+            root, found = await asyncio.to_thread(_open, config.path)
+        except TierError as exc:
+            self.state, self.error = "unavailable", str(exc)
+            log.error("ram_tier_unavailable", path=str(config.path), error=str(exc))
+            return
+        finally:
+            self.loaded.set()  # also when it failed: waiting for it ends either way
+        if not root.in_ram:
+            log.warning(
+                "ram_tier_not_ram",
+                path=str(root.path),
+                filesystem=root.filesystem,
+                effect="not RAM: what the tier holds is written to that file system's disk and may outlive the "
+                "host; use a directory on tmpfs (/dev/shm)",
+            )
+        for name, why in found.ignored:
+            log.warning("ram_tier_entry_ignored", path=str(root.path / name), why=why)
+        for job, step, why in found.removed:
+            log.warning("ram_tier_step_removed", job=job, step=step, why=why)
+        cap = config.cap_bytes or int(config.cap_fraction * psutil.virtual_memory().available)
+        if root.in_ram and cap > root.size_bytes:
+            log.warning(
+                "ram_tier_cap_above_filesystem",
+                cap_bytes=cap,
+                filesystem_bytes=root.size_bytes,
+                effect="the file system's size is the cap",
+            )
+            cap = root.size_bytes
+        self.root = root
+        self.holdings.cap_bytes = cap
+        self.holdings.records.update(found.records)
+        self.removed += len(found.removed)
+        self.state = "ready"
+        log.info(
+            "ram_tier_ready",
+            path=str(root.path),
+            filesystem=root.filesystem,
+            cap_bytes=cap,
+            steps=len(found.records),
+            used_bytes=self.holdings.used_bytes,
+            removed=len(found.removed),
+        )
+
+    # ----- used by the routes -----
+
+    async def ready_root(self) -> Root:
+        """The root of a tier that serves, once the reservations whose time is up are dropped (and the steps
+        nobody committed for them removed); else the refusal that says why the tier does not serve."""
+        if self.state == "off":
+            raise TierError(
+                404,
+                "the RAM tier is off on this host: set [ram_tier] enabled = true in the agent's configuration "
+                "(see docs/ram-tier.md)",
+            )
+        if self.state == "loading":
+            raise TierError(
+                503, "the RAM tier is being read back (its CRCs checked) after a start: try again"
+            )
+        if self.state == "unavailable" or self.root is None:
+            raise TierError(503, f"the RAM tier is unavailable on this host: {self.error}")
+        for reservation in self.holdings.expire(self.host.now()):
+            key = (reservation.job, reservation.step)
+            abandoned = key not in self.holdings.records and not self.holdings.has(*key)
+            self.host.log.warning(
+                "ram_tier_reservation_expired",
+                job=reservation.job,
+                step=reservation.step,
+                bytes=reservation.bytes,
+                effect="released; the uncommitted step is removed" if abandoned else "released",
+            )
+            if abandoned:
+                await asyncio.to_thread(remove_tree, step_dir(self.root.path, *key))
+        return self.root
+
+    # ----- status and metrics -----
+
+    def summary(self) -> dict[str, Any]:
+        """``GET /v1/ram-tier``: the tier and what it holds, by job."""
+        holdings = self.holdings
+        return {
+            "enabled": self.config.enabled,
+            "path": str(self.config.path),
+            "cap_bytes": holdings.cap_bytes,
+            "used_bytes": holdings.used_bytes,
+            "reserved_bytes": holdings.reserved_bytes,
+            "free_bytes": holdings.free_bytes,
+            "jobs": holdings.jobs(),
+        }
+
+    def status(self) -> dict[str, Any]:
+        if self.state == "off":
+            return {"enabled": False, "state": "off"}
+        doc = self.summary()
+        doc.update(
+            state=self.state,
+            error=self.error,
+            filesystem=self.root.filesystem if self.root else None,
+            in_ram=self.root.in_ram if self.root else None,
+            reservations=len(self.holdings.reservations),
+            refusals=self.holdings.refusals,
+            removed_steps=self.removed,
+        )
+        return doc
+
+
+def _open(path: Path) -> tuple[Root, Scan]:
+    root = prepare_root(path)
+    return root, scan(root.path)
+
+
+class RamTierCollector:
+    """``preemptd_ram_tier_*``: bytes used, reserved and capped, steps held, refusals and removed steps."""
+
+    def __init__(self, tier: RamTierComponent) -> None:
+        self._tier = tier
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        tier = self._tier
+        if tier.state == "off":
+            return
+        holdings = tier.holdings
+        size = GaugeMetricFamily(
+            "preemptd_ram_tier_bytes", "Bytes of the RAM tier: used, reserved and its cap", labels=["kind"]
+        )
+        for kind, value in (
+            ("used", holdings.used_bytes),
+            ("reserved", holdings.reserved_bytes),
+            ("cap", holdings.cap_bytes),
+        ):
+            size.add_metric([kind], float(value))
+        yield size
+        yield GaugeMetricFamily(
+            "preemptd_ram_tier_steps", "Steps the RAM tier holds", value=len(holdings.records)
+        )
+        yield GaugeMetricFamily(
+            "preemptd_ram_tier_up",
+            "1 when the RAM tier serves, 0 while it loads or is unavailable",
+            value=1.0 if tier.state == "ready" else 0.0,
+        )
+        yield CounterMetricFamily(
+            "preemptd_ram_tier_refusals",
+            "Reservations and commits refused because the tier was full",
+            value=holdings.refusals,
+        )
+        yield CounterMetricFamily(
+            "preemptd_ram_tier_removed_steps",
+            "Incomplete or damaged steps removed when the tier was read back",
+            value=tier.removed,
+        )

@@ -1,0 +1,60 @@
+"""What the RAM tier's parts use of each other and of the agent, as Protocols: the component is set up with a
+:class:`RamTierHost` (the agent), and the routes serve a :class:`TierView` (the component)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Protocol, TypeVar
+
+from agent.core.ports import Handler, Tasks
+from agent.ramtier.config import RamTierConfig
+from agent.ramtier.holdings import Holdings
+from agent.ramtier.inventory import Root
+
+T = TypeVar("T")
+
+
+class TierConfigView(Protocol):
+    @property
+    def admin_group(self) -> str | None: ...
+
+    def table(self, name: str, schema: type[T]) -> T: ...
+
+
+class RamTierHost(Protocol):
+    """What the RAM tier uses of the agent."""
+
+    @property
+    def config(self) -> TierConfigView: ...
+
+    @property
+    def log(self) -> Any: ...
+
+    @property
+    def tasks(self) -> Tasks: ...
+
+    def now(self) -> datetime: ...
+
+    def add_route(self, method: str, path: str, handler: Handler) -> None: ...
+
+    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
+
+    def add_metrics_collector(self, collector: Any) -> None: ...
+
+
+class TierView(Protocol):
+    """What the routes use of the component."""
+
+    @property
+    def config(self) -> RamTierConfig: ...
+
+    @property
+    def host(self) -> RamTierHost: ...
+
+    @property
+    def holdings(self) -> Holdings: ...
+
+    async def ready_root(self) -> Root: ...
+
+    def summary(self) -> dict[str, Any]: ...

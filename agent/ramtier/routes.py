@@ -1,0 +1,195 @@
+"""The RAM tier's HTTP routes on the agent's socket (``/v1/ram-tier``): thin handlers over the component's
+books and the inventory's directory work (run in a thread); every refusal is ``{"error": ...}`` with the
+status of its :class:`~agent.ramtier.inventory.TierError`."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from agent.core.peers import is_admin, peer_credentials
+from agent.ramtier.inventory import (
+    Root,
+    TierError,
+    check_file,
+    check_file_name,
+    check_job,
+    check_step,
+    job_owner,
+    make_step_dir,
+    read_step,
+    remove_tree,
+    step_dir,
+)
+from agent.ramtier.ports import TierView
+
+BODY_TIMEOUT_S = 10.0
+MAX_RESERVE_BYTES = 2**62
+Route = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def routes(tier: TierView) -> list[tuple[str, str, Route]]:
+    def bind(handler: Callable[[TierView, web.Request], Awaitable[web.StreamResponse]]) -> Route:
+        @functools.wraps(handler)
+        async def serve(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(tier, request)
+            except TierError as exc:
+                level = "info" if exc.status in (404, 507) else "warning"
+                getattr(tier.host.log, level)(
+                    "ram_tier_refused", path=request.path, status=exc.status, error=str(exc)
+                )
+                return web.json_response({"error": str(exc), **exc.extra}, status=exc.status)
+
+        return serve
+
+    base = "/v1/ram-tier"
+    step = base + "/jobs/{job}/steps/{step}"
+    return [
+        ("GET", base, bind(info)),
+        ("GET", base + "/jobs/{job}", bind(job)),
+        ("DELETE", base + "/jobs/{job}", bind(free)),
+        ("POST", base + "/jobs/{job}/reserve", bind(reserve)),
+        ("POST", step + "/commit", bind(commit)),
+        ("DELETE", step, bind(free)),
+        ("GET", step + "/files/{name}", bind(fetch)),
+    ]
+
+
+async def _body(request: web.Request, fields: tuple[str, ...]) -> Mapping[str, Any]:
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise TierError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g}s") from None
+    try:
+        doc = json.loads(raw) if raw.strip() else None
+    except (ValueError, RecursionError):
+        raise TierError(400, "the body is not valid JSON") from None
+    if not isinstance(doc, Mapping):
+        raise TierError(400, f"the body must be a JSON object with {', '.join(fields)}")
+    unknown = sorted(set(doc) - set(fields))
+    if unknown:
+        raise TierError(400, f"unknown field(s) {', '.join(unknown)[:200]}; known: {', '.join(fields)}")
+    return doc
+
+
+def _peer(tier: TierView, request: web.Request) -> tuple[int, int, bool]:
+    """The client's uid and gid (from the kernel), and whether it may act on any job."""
+    creds = peer_credentials(request)
+    if creds is None:
+        raise TierError(403, "the RAM tier serves only clients on the agent's Unix socket (peer credentials)")
+    privileged, _ = is_admin(creds, tier.host.config.admin_group)
+    return creds[1], creds[2], privileged
+
+
+async def _owner_only(tier: TierView, request: web.Request, root: Root, job: str) -> None:
+    """Only the job's user (or root, the agent's user, the admin group) may commit, read or free it."""
+    uid, _, privileged = _peer(tier, request)
+    owner = await asyncio.to_thread(job_owner, root.path, job)
+    if owner is not None and owner != uid and not privileged:
+        raise TierError(403, f"job {job} belongs to uid {owner} on this host, not to uid {uid}")
+
+
+async def info(tier: TierView, request: web.Request) -> web.StreamResponse:
+    await tier.ready_root()
+    return web.json_response(tier.summary())
+
+
+async def job(tier: TierView, request: web.Request) -> web.StreamResponse:
+    root = await tier.ready_root()
+    return web.json_response(job_doc(tier, root, check_job(request.match_info["job"])))
+
+
+async def reserve(tier: TierView, request: web.Request) -> web.StreamResponse:
+    root = await tier.ready_root()
+    name = check_job(request.match_info["job"])
+    body = await _body(request, ("step", "bytes"))
+    number = check_step(body.get("step"))
+    nbytes = body.get("bytes")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_RESERVE_BYTES:
+        raise TierError(400, f"field 'bytes' must be a whole number of bytes from 0 to {MAX_RESERVE_BYTES}")
+    uid, gid, privileged = _peer(tier, request)
+    reservation = tier.holdings.reserve(name, number, nbytes, uid, tier.host.now())
+    try:
+        path = await asyncio.to_thread(make_step_dir, root.path, name, number, uid, gid, privileged)
+    except BaseException:
+        tier.holdings.reservations.pop(reservation.id, None)
+        raise
+    tier.host.log.info("ram_tier_reserved", job=name, step=number, bytes=nbytes, uid=uid)
+    return web.json_response(
+        {
+            "path": str(path),
+            "reservation": reservation.id,
+            "expires_in_s": tier.config.reservation_ttl_s,
+        }
+    )
+
+
+async def commit(tier: TierView, request: web.Request) -> web.StreamResponse:
+    root = await tier.ready_root()
+    name = check_job(request.match_info["job"])
+    number = check_step(request.match_info["step"], in_url=True)
+    body = await _body(request, ("reservation",))
+    if not isinstance(body.get("reservation"), str):
+        raise TierError(400, "field 'reservation' must be the id that reserve answered")
+    await _owner_only(tier, request, root, name)
+    known = tier.holdings.reservations.get(body["reservation"])
+    if known is None or (known.job, known.step) != (name, number):
+        # The bytes are there either way; without the reservation they must fit what the tier has free.
+        tier.host.log.warning("ram_tier_commit_unreserved", job=name, step=number)
+    record = await asyncio.to_thread(read_step, step_dir(root.path, name, number), name, number, False)
+    tier.holdings.commit(record)
+    tier.host.log.info(
+        "ram_tier_committed", job=name, step=number, bytes=record.bytes, files=len(record.files)
+    )
+    return web.json_response(record.to_json())
+
+
+async def free(tier: TierView, request: web.Request) -> web.StreamResponse:
+    root = await tier.ready_root()
+    name = check_job(request.match_info["job"])
+    raw_step = request.match_info.get("step")
+    number = None if raw_step is None else check_step(raw_step, in_url=True)
+    await _owner_only(tier, request, root, name)
+    target = root.path / name if number is None else step_dir(root.path, name, number)
+    exists = await asyncio.to_thread(target.exists)
+    if not exists and not tier.holdings.has(name, number):
+        what = f"job {name}" if number is None else f"job {name} step {number}"
+        raise TierError(404, f"the RAM tier holds nothing for {what}")
+    gone = tier.holdings.forget(name, number)
+    tier.holdings.release(name, number)
+    await asyncio.to_thread(remove_tree, target)
+    freed = sum(record.bytes for record in gone)
+    tier.host.log.info("ram_tier_freed", job=name, step=number, bytes=freed)
+    return web.json_response({"job": name, "steps": sorted(r.step for r in gone), "freed_bytes": freed})
+
+
+async def fetch(tier: TierView, request: web.Request) -> web.StreamResponse:
+    root = await tier.ready_root()
+    name = check_job(request.match_info["job"])
+    number = check_step(request.match_info["step"], in_url=True)
+    file_name = check_file_name(request.match_info["name"])
+    await _owner_only(tier, request, root, name)
+    record = tier.holdings.records.get((name, number))
+    if record is None:
+        raise TierError(404, f"the RAM tier holds no committed step {number} of job {name}")
+    entry = record.files.get(file_name)
+    if entry is None:
+        raise TierError(404, f"step {number} of job {name} has no file {file_name} on this host")
+    directory = step_dir(root.path, name, number)
+    where = f"job {name} step {number}"
+    await asyncio.to_thread(check_file, directory, file_name, entry, True, where)
+    return web.FileResponse(directory / file_name)
+
+
+def job_doc(tier: TierView, root: Root, job: str) -> dict[str, Any]:
+    return {
+        "job": job,
+        "path": str(root.path / job),
+        "steps": [record.to_json() for record in tier.holdings.steps_of(job)],
+    }

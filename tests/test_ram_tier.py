@@ -1,0 +1,448 @@
+"""The RAM tier (issue 24 item 1) through a real agent on a temporary Unix socket and its real HTTP API: a
+step reserved, written, committed, listed, fetched and freed; the inventory read back at start; the cap; and
+each kind of bad input refused with a clear error while the agent keeps running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import zlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from structlog.testing import capture_logs
+
+from agent.cli.render import format_status
+from agent.ramtier import RamTierComponent, RamTierConfig
+from agent.service.daemon import Agent
+from tests.support import agent_config, http_json, running_agent
+
+JOB = "job-1"
+
+
+@asynccontextmanager
+async def tier_agent(
+    base: Path,
+    clock: Callable[[], datetime] | None = None,
+    agent_settings: Mapping[str, Any] | None = None,
+    **settings: Any,
+) -> AsyncIterator[tuple[Agent, RamTierComponent]]:
+    """A real agent whose RAM tier lives in ``base/ram`` (not /dev/shm), read back before it is used."""
+    settings = {"enabled": True, "path": base / "ram", "cap_bytes": 1 << 20, **settings}
+    tier = RamTierComponent(RamTierConfig(**settings))
+    config = agent_config(base, agent_settings)
+    agent = Agent(config, components=[tier], **({"clock": clock} if clock else {}))
+    await agent.start()
+    try:
+        await asyncio.wait_for(tier.loaded.wait(), 30)
+        yield agent, tier
+    finally:
+        await agent.stop()
+
+
+def write_step(
+    path: Path,
+    step: int,
+    files: Mapping[str, bytes],
+    job: str = JOB,
+    sizes: Mapping[str, int] | None = None,
+) -> None:
+    """What a client writes: the files, then ``tier.json`` last (``sizes`` overrides what it says)."""
+    listed = {}
+    for rank, (name, data) in enumerate(files.items()):
+        (path / name).write_bytes(data)
+        size = (sizes or {}).get(name, len(data))
+        listed[name] = {"size": size, "crc32": zlib.crc32(data), "rank": rank}
+    doc = {
+        "job": job,
+        "step": step,
+        "run": 1,
+        "world_size": max(1, len(files)),
+        "files": listed,
+        "complete": True,
+        "time": "2026-12-03T21:00:00Z",
+    }
+    (path / "tier.tmp").write_text(json.dumps(doc))
+    (path / "tier.tmp").rename(path / "tier.json")
+
+
+async def put_step(agent: Agent, step: int, files: Mapping[str, bytes], job: str = JOB) -> tuple[int, Any]:
+    """Reserve, write and commit one step as a client does; the commit's answer."""
+    sock = agent.config.socket
+    status, body = await http_json(
+        sock,
+        "POST",
+        f"/v1/ram-tier/jobs/{job}/reserve",
+        {"step": step, "bytes": sum(map(len, files.values()))},
+    )
+    assert 200 == status, body
+    write_step(Path(body["path"]), step, files, job)
+    return await http_json(
+        sock, "POST", f"/v1/ram-tier/jobs/{job}/steps/{step}/commit", {"reservation": body["reservation"]}
+    )
+
+
+async def test_a_disabled_tier_answers_404_saying_how_to_turn_it_on(base: Path) -> None:
+    """Off by default: the endpoint exists and says which key turns it on."""
+    async with running_agent(base) as agent:
+        status, body = await http_json(agent.config.socket, "GET", "/v1/ram-tier")
+        _, doc = await http_json(agent.config.socket, "GET", "/v1/status")
+    assert 404 == status
+    assert "[ram_tier] enabled = true" in body["error"]
+    assert {"enabled": False, "state": "off"} == doc["ram_tier"]
+
+
+async def test_a_committed_step_is_listed_with_its_files_and_bytes(base: Path) -> None:
+    """Reserve gives a step directory under the tier; after commit the job and the tier list the step."""
+    files = {"__0_0.distcp": b"a" * 100, ".metadata": b"m" * 10}
+    async with tier_agent(base) as (agent, _):
+        status, committed = await put_step(agent, 7, files)
+        _, job = await http_json(agent.config.socket, "GET", f"/v1/ram-tier/jobs/{JOB}")
+        _, tier = await http_json(agent.config.socket, "GET", "/v1/ram-tier")
+    assert 200 == status, committed
+    step_bytes = committed["bytes"]
+    assert 110 < step_bytes  # the files and tier.json
+    assert (str(base / "ram" / JOB), [7], {"size": 100, "crc32": zlib.crc32(b"a" * 100), "rank": 0}) == (
+        job["path"],
+        [s["step"] for s in job["steps"]],
+        job["steps"][0]["files"]["__0_0.distcp"],
+    )
+    assert ({JOB: {"steps": [7], "bytes": step_bytes}}, step_bytes, 0) == (
+        tier["jobs"],
+        tier["used_bytes"],
+        tier["reserved_bytes"],
+    )
+
+
+async def test_steps_of_a_job_are_listed_newest_first(base: Path) -> None:
+    async with tier_agent(base) as (agent, _):
+        for step in (3, 10, 5):
+            await put_step(agent, step, {"__0_0.distcp": b"x"})
+        _, job = await http_json(agent.config.socket, "GET", f"/v1/ram-tier/jobs/{JOB}")
+    assert [10, 5, 3] == [s["step"] for s in job["steps"]]
+
+
+async def test_a_reservation_counts_against_the_cap_until_commit(base: Path) -> None:
+    async with tier_agent(base, cap_bytes=1000) as (agent, _):
+        await http_json(
+            agent.config.socket, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 1, "bytes": 600}
+        )
+        _, tier = await http_json(agent.config.socket, "GET", "/v1/ram-tier")
+    assert (1000, 600, 400) == (tier["cap_bytes"], tier["reserved_bytes"], tier["free_bytes"])
+
+
+async def test_a_full_tier_refuses_a_reservation_with_507_saying_what_is_free(base: Path) -> None:
+    async with tier_agent(base, cap_bytes=1000) as (agent, tier):
+        sock = agent.config.socket
+        first, _ = await http_json(
+            sock, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 1, "bytes": 600}
+        )
+        status, body = await http_json(
+            sock, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 2, "bytes": 600}
+        )
+        _, metrics = await http_json(sock, "GET", "/metrics")
+        running, _ = await http_json(sock, "GET", "/v1/status")
+    assert (200, 507, 200) == (first, status, running)
+    assert body["error"].startswith("ram tier full: need 600 bytes, free 400 of cap 1000")
+    assert (600, 400, 1000) == (body["need_bytes"], body["free_bytes"], body["cap_bytes"])
+    assert "preemptd_ram_tier_refusals_total 1.0" in metrics
+    assert 1 == tier.holdings.refusals
+
+
+async def test_the_inventory_is_read_back_when_the_agent_starts_again(base: Path) -> None:
+    """The tier outlives the agent: a new agent on the same directory holds the same steps."""
+    async with tier_agent(base) as (agent, _):
+        await put_step(agent, 4, {"__0_0.distcp": b"q" * 50})
+        _, before = await http_json(agent.config.socket, "GET", f"/v1/ram-tier/jobs/{JOB}")
+    async with tier_agent(base) as (agent, _):
+        _, after = await http_json(agent.config.socket, "GET", f"/v1/ram-tier/jobs/{JOB}")
+    assert before == after
+    assert [4] == [s["step"] for s in after["steps"]]
+
+
+async def test_an_incomplete_step_is_removed_at_start_with_a_log_event(base: Path) -> None:
+    step = base / "ram" / JOB / "9"
+    async with tier_agent(base):
+        pass
+    step.mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(b"half")
+    with capture_logs() as logs:
+        async with tier_agent(base) as (agent, _):
+            _, job = await http_json(agent.config.socket, "GET", f"/v1/ram-tier/jobs/{JOB}")
+    removed = [e for e in logs if e["event"] == "ram_tier_step_removed"]
+    assert ([], False) == (job["steps"], step.exists())
+    assert [(JOB, 9)] == [(e["job"], e["step"]) for e in removed]
+    assert "no tier.json" in removed[0]["why"]
+
+
+async def test_a_damaged_step_is_removed_at_start_naming_the_file_that_fails_its_crc(base: Path) -> None:
+    async with tier_agent(base) as (agent, _):
+        await put_step(agent, 2, {"__0_0.distcp": b"good bytes"})
+    (base / "ram" / JOB / "2" / "__0_0.distcp").write_bytes(b"evil bytes")  # same size
+    with capture_logs() as logs:
+        async with tier_agent(base) as (agent, _):
+            _, doc = await http_json(agent.config.socket, "GET", "/v1/status")
+    removed = [e for e in logs if e["event"] == "ram_tier_step_removed"]
+    assert ({}, 1) == (doc["ram_tier"]["jobs"], doc["ram_tier"]["removed_steps"])
+    assert "__0_0.distcp fails its CRC32" in removed[0]["why"]
+
+
+async def test_a_tier_json_that_lies_about_a_size_is_refused_at_commit(base: Path) -> None:
+    async with tier_agent(base) as (agent, _):
+        sock = agent.config.socket
+        _, res = await http_json(sock, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 1, "bytes": 10})
+        write_step(Path(res["path"]), 1, {"__0_0.distcp": b"12345"}, sizes={"__0_0.distcp": 9})
+        status, body = await http_json(
+            sock, "POST", f"/v1/ram-tier/jobs/{JOB}/steps/1/commit", {"reservation": res["reservation"]}
+        )
+        _, job = await http_json(sock, "GET", f"/v1/ram-tier/jobs/{JOB}")
+    assert (409, []) == (status, job["steps"])
+    assert "tier.json says __0_0.distcp holds 9 bytes, the file holds 5" in body["error"]
+
+
+async def test_a_file_name_that_leaves_the_step_directory_is_refused_at_commit(base: Path) -> None:
+    async with tier_agent(base) as (agent, _):
+        sock = agent.config.socket
+        _, res = await http_json(sock, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 1, "bytes": 10})
+        (base / "ram" / "outside").write_bytes(b"x")
+        doc = {
+            "job": JOB,
+            "step": 1,
+            "run": 1,
+            "world_size": 1,
+            "complete": True,
+            "files": {"../../outside": {"size": 1, "crc32": zlib.crc32(b"x"), "rank": 0}},
+        }
+        (Path(res["path"]) / "tier.json").write_text(json.dumps(doc))
+        status, body = await http_json(
+            sock, "POST", f"/v1/ram-tier/jobs/{JOB}/steps/1/commit", {"reservation": res["reservation"]}
+        )
+    assert 409 == status
+    assert "file name '../../outside' is not valid" in body["error"]
+
+
+async def test_a_file_name_that_is_not_plain_is_refused_at_fetch(base: Path) -> None:
+    async with tier_agent(base) as (agent, _):
+        await put_step(agent, 1, {"__0_0.distcp": b"x"})
+        status, body = await http_json(
+            agent.config.socket, "GET", f"/v1/ram-tier/jobs/{JOB}/steps/1/files/tier.json"
+        )
+    assert 400 == status
+    assert "file name 'tier.json' is not valid" in body["error"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "expected"),
+    [
+        ("/v1/ram-tier/jobs/a%20b/reserve", {"step": 1, "bytes": 1}, "job id 'a b' is not valid"),
+        (
+            "/v1/ram-tier/jobs/" + "j" * 129 + "/reserve",
+            {"step": 1, "bytes": 1},
+            "is not valid: use 1 to 128",
+        ),
+        (f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": -1, "bytes": 1}, "step -1 is not valid"),
+        (f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": "7", "bytes": 1}, "step '7' is not valid"),
+        (f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": True, "bytes": 1}, "step True is not valid"),
+        (
+            f"/v1/ram-tier/jobs/{JOB}/reserve",
+            {"step": 1, "bytes": -5},
+            "field 'bytes' must be a whole number",
+        ),
+        (f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 1, "bytes": 1, "x": 1}, "unknown field(s) x"),
+        (f"/v1/ram-tier/jobs/{JOB}/steps/abc/commit", {"reservation": "r"}, "step 'abc' is not valid"),
+        (f"/v1/ram-tier/jobs/{JOB}/steps/1/commit", {"reservation": 5}, "field 'reservation' must be the id"),
+    ],
+)
+async def test_a_bad_job_id_step_or_body_is_a_400_naming_it(
+    base: Path, path: str, body: dict[str, Any], expected: str
+) -> None:
+    async with tier_agent(base) as (agent, _):
+        status, answer = await http_json(agent.config.socket, "POST", path, body)
+        alive, _ = await http_json(agent.config.socket, "GET", "/v1/status")
+    assert (400, 200) == (status, alive)
+    assert expected in answer["error"]
+
+
+async def test_deleting_a_step_frees_its_bytes_and_its_directory(base: Path) -> None:
+    async with tier_agent(base) as (agent, _):
+        sock = agent.config.socket
+        _, committed = await put_step(agent, 1, {"__0_0.distcp": b"x" * 30})
+        await put_step(agent, 2, {"__0_0.distcp": b"y" * 30})
+        status, freed = await http_json(sock, "DELETE", f"/v1/ram-tier/jobs/{JOB}/steps/1")
+        _, tier = await http_json(sock, "GET", "/v1/ram-tier")
+        again, _ = await http_json(sock, "DELETE", f"/v1/ram-tier/jobs/{JOB}/steps/1")
+    assert (200, [1], committed["bytes"]) == (status, freed["steps"], freed["freed_bytes"])
+    assert ({JOB: {"steps": [2], "bytes": tier["used_bytes"]}}, 404) == (tier["jobs"], again)
+    assert not (base / "ram" / JOB / "1").exists()
+
+
+async def test_deleting_a_job_frees_every_step_and_its_reservations(base: Path) -> None:
+    async with tier_agent(base, cap_bytes=10_000) as (agent, _):
+        sock = agent.config.socket
+        await put_step(agent, 1, {"__0_0.distcp": b"x" * 30})
+        await http_json(sock, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 2, "bytes": 500})
+        status, freed = await http_json(sock, "DELETE", f"/v1/ram-tier/jobs/{JOB}")
+        _, tier = await http_json(sock, "GET", "/v1/ram-tier")
+    assert (200, [1]) == (status, freed["steps"])
+    assert ({}, 0, 0, 10_000) == (
+        tier["jobs"],
+        tier["used_bytes"],
+        tier["reserved_bytes"],
+        tier["free_bytes"],
+    )
+    assert not (base / "ram" / JOB).exists()
+
+
+async def test_a_file_is_fetched_with_its_bytes(base: Path) -> None:
+    async with tier_agent(base) as (agent, _):
+        await put_step(agent, 3, {"__0_0.distcp": b"payload"})
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(agent.config.socket))) as http,
+            http.get(f"http://agent/v1/ram-tier/jobs/{JOB}/steps/3/files/__0_0.distcp") as answer,
+        ):
+            got = (answer.status, await answer.read())
+    assert (200, b"payload") == got
+
+
+async def test_a_damaged_file_is_refused_at_fetch(base: Path) -> None:
+    """CRCs are checked lazily at fetch: a file changed after its commit is not served."""
+    async with tier_agent(base) as (agent, _):
+        await put_step(agent, 3, {"__0_0.distcp": b"payload"})
+        (base / "ram" / JOB / "3" / "__0_0.distcp").write_bytes(b"PAYLOAD")
+        status, body = await http_json(
+            agent.config.socket, "GET", f"/v1/ram-tier/jobs/{JOB}/steps/3/files/__0_0.distcp"
+        )
+    assert 409 == status
+    assert "__0_0.distcp fails its CRC32" in body["error"]
+
+
+async def test_a_path_that_is_not_tmpfs_is_used_with_a_not_ram_warning(base: Path) -> None:
+    """Tests keep the tier under /tmp, which is a disk here: the agent says so and still serves."""
+    with capture_logs() as logs:
+        async with tier_agent(base) as (agent, tier):
+            _, doc = await http_json(agent.config.socket, "GET", "/v1/status")
+    warned = [e for e in logs if e["event"] == "ram_tier_not_ram"]
+    assert tier.root is not None and not tier.root.in_ram
+    assert ("ready", False) == (doc["ram_tier"]["state"], doc["ram_tier"]["in_ram"])
+    assert 1 == len(warned) and "not RAM" in warned[0]["effect"]
+
+
+async def test_a_path_that_cannot_be_written_leaves_the_agent_serving_and_says_why(base: Path) -> None:
+    (base / "file").write_text("not a directory")
+    with capture_logs() as logs:
+        async with tier_agent(base, path=base / "file" / "ram") as (agent, _):
+            status, body = await http_json(agent.config.socket, "GET", "/v1/ram-tier")
+            alive, doc = await http_json(agent.config.socket, "GET", "/v1/status")
+    assert (503, 200, "unavailable") == (status, alive, doc["ram_tier"]["state"])
+    assert f"ram_tier.path {base / 'file' / 'ram'} cannot be used" in body["error"]
+    assert ["ram_tier_unavailable"] == [e["event"] for e in logs if e["event"].startswith("ram_tier_un")]
+
+
+async def test_a_directory_holding_files_of_someone_else_is_not_used(base: Path) -> None:
+    """Without the tier's marker a non-empty directory is not the agent's: it removes nothing from it."""
+    (base / "ram").mkdir()
+    (base / "ram" / "precious").write_text("keep me")
+    async with tier_agent(base) as (agent, _):
+        status, body = await http_json(agent.config.socket, "GET", "/v1/ram-tier")
+    assert 503 == status
+    assert "holds files that preemptd did not put there" in body["error"]
+    assert (base / "ram" / "precious").exists()
+
+
+async def test_a_reservation_not_committed_in_time_is_released_and_its_step_removed(base: Path) -> None:
+    now = [datetime(2026, 12, 3, 21, 0, tzinfo=timezone.utc)]
+    async with tier_agent(base, clock=lambda: now[0], cap_bytes=1000, reservation_ttl_s=600) as (agent, tier):
+        sock = agent.config.socket
+        _, res = await http_json(sock, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 1, "bytes": 900})
+        (Path(res["path"]) / "__0_0.distcp").write_bytes(b"partial")
+        now[0] += timedelta(seconds=601)
+        status, _ = await http_json(
+            sock, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 2, "bytes": 900}
+        )
+        gone = not await asyncio.to_thread(Path(res["path"]).exists)
+    assert (200, True) == (status, gone)
+    assert 0 == tier.removed  # removed by expiry, not by a read-back
+
+
+def test_preemptd_status_shows_the_tier_in_one_line() -> None:
+    doc: dict[str, Any] = {
+        "agent": {"version": "x", "uptime_s": 1},
+        "ram_tier": {
+            "enabled": True,
+            "state": "ready",
+            "path": "/dev/shm/preemptd",
+            "filesystem": "tmpfs",
+            "in_ram": True,
+            "cap_bytes": 4 * 1024**3,
+            "used_bytes": 1024**3,
+            "reserved_bytes": 0,
+            "free_bytes": 3 * 1024**3,
+            "jobs": {"a": {"steps": [1, 2], "bytes": 1024**3}},
+        },
+    }
+    line = next(x for x in format_status(doc).splitlines() if x.startswith("RAM tier"))
+    assert (
+        "RAM tier: 1.0 GiB used of 4.0 GiB, 0 B reserved; 2 steps of 1 job in /dev/shm/preemptd (tmpfs)"
+        == line
+    )
+
+
+def test_preemptd_status_says_when_the_tier_is_unavailable() -> None:
+    doc: dict[str, Any] = {
+        "agent": {},
+        "ram_tier": {"enabled": True, "state": "unavailable", "error": "ram_tier.path /x cannot be used"},
+    }
+    assert "RAM tier: UNAVAILABLE: ram_tier.path /x cannot be used" in format_status(doc)
+
+
+async def test_a_job_directory_belongs_to_the_user_who_reserved_it(base: Path) -> None:
+    """Peer credentials decide the owner; another user may not write into, read or free that job."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to connect as other users")
+    os.chmod(base, 0o755)
+    async with tier_agent(base, agent_settings={"socket_mode": 0o666}) as (agent, _):
+        status, body = await request_as(
+            agent.config.socket, 65534, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 1, "bytes": 10}
+        )
+        owner = os.stat(base / "ram" / JOB).st_uid, os.stat(body["path"]).st_uid
+        other, refused = await request_as(
+            agent.config.socket, 65533, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 2, "bytes": 10}
+        )
+        freed, _ = await request_as(agent.config.socket, 65533, "DELETE", f"/v1/ram-tier/jobs/{JOB}")
+    assert (200, (65534, 65534)) == (status, owner)
+    assert (403, 403) == (other, freed)
+    assert "job job-1 belongs to uid 65534" in refused["error"]
+
+
+def connect_as(path: Path, uid: int) -> Any:
+    """SO_PEERCRED records the credentials in effect at connect()."""
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    os.seteuid(uid)
+    try:
+        sock.connect(str(path))
+    finally:
+        os.seteuid(0)
+    return sock
+
+
+async def request_as(path: Path, uid: int, method: str, target: str, body: Any = None) -> tuple[int, Any]:
+    reader, writer = await asyncio.open_unix_connection(sock=connect_as(path, uid))
+    raw = json.dumps(body).encode()
+    writer.write(
+        f"{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    answer = json.loads(await reader.readexactly(length))
+    writer.close()
+    await writer.wait_closed()
+    return int(head.split()[1]), answer
