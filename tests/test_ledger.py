@@ -18,6 +18,7 @@ import pytest
 import structlog
 
 from agent.cli.report import register, run
+from agent.core.errors import ConfigError
 from agent.service.daemon import Agent
 from tests.support import agent_config, http_json, short_tmp
 
@@ -446,3 +447,44 @@ def test_old_facts_are_pruned_past_the_retention(tmp_path: Path) -> None:
     finally:
         conn.close()
     assert (2, [300.0]) == (gone, [r.time for r in store.read(path).reports])
+
+
+async def test_the_agents_cost_table_prices_the_report(base: Path) -> None:
+    """Prices set in the agent's [cost] table reach `preemptd report` through the socket."""
+    settings = {"log_level": "error", "cost.spot_per_gpu_hour": 1.0, "cost.on_demand_per_gpu_hour": 4.0}
+    agent = Agent(agent_config(base, settings))
+    await agent.start()
+    try:
+        await http_json(
+            agent.config.socket,
+            "POST",
+            "/v1/reports",
+            {"kind": "checkpoint", "phase": "finished", "step": 1, "duration_s": 1.0, "client": {"job": "A"}},
+        )
+        doc = await report(agent.config.socket)
+    finally:
+        await agent.stop()
+    assert ([], 0.75) == (doc["total"]["cost"]["missing"], doc["total"]["cost"]["list_discount"])
+
+
+def test_a_bad_price_is_refused_when_the_configuration_loads(base: Path) -> None:
+    """A negative price in [cost] is a configuration error naming the key."""
+    with pytest.raises(ConfigError, match=r"cost\.spot_per_gpu_hour"):
+        agent_config(base, {"cost.spot_per_gpu_hour": -1.0})
+
+
+async def test_a_bad_prices_file_is_a_usage_error_naming_the_key(base: Path, tmp_path: Path) -> None:
+    """`--prices FILE` with a misspelt key exits 2 and names the file and the key."""
+    prices = tmp_path / "prices.toml"
+    prices.write_text("spot_per_gpu_hr = 1.0\n")
+    week = Week(base)
+    await week.start()
+    try:
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers())
+        args = parser.parse_args(["report", "--socket", str(week.socket), "--prices", str(prices)])
+        err = io.StringIO()
+        code = await asyncio.to_thread(run, args, io.StringIO(), err)
+    finally:
+        await week.stop()
+    assert (2, True) == (code, f"{prices}: unknown key(s) spot_per_gpu_hr" in err.getvalue())

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from agent.ledger.facts import Facts, ReportFact
-from agent.ledger.tally import Prices, build_report
+from agent.ledger.report import Prices, build_report
 from tests.support import REPO
 
 DOC = (REPO / "docs" / "ledger.md").read_text()

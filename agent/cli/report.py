@@ -105,7 +105,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
 def _report(args: argparse.Namespace) -> dict[str, Any]:
     from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
     from agent.ledger.facts import Facts
-    from agent.ledger.tally import Rules, build_report, prices_from_json
+    from agent.ledger.report import build_report, prices_from_json
+    from agent.ledger.tally import Rules
 
     query = f"/v1/ledger?since_s={args.since:.3f}"
     if args.job:
@@ -146,7 +147,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
 def _prices_file(path: Path) -> Any:
     from agent.core.errors import ConfigError
     from agent.ledger.config import prices_from_file
-    from agent.ledger.tally import prices_of
+    from agent.ledger.report import prices_of
 
     try:
         return prices_of(prices_from_file(path))
@@ -161,7 +162,8 @@ def _from_file(args: argparse.Namespace) -> tuple[Any, Any, Any, datetime]:
     from agent.ledger import store
     from agent.ledger.component import ledger_path
     from agent.ledger.config import CostConfig, LedgerConfig
-    from agent.ledger.tally import Rules, prices_of
+    from agent.ledger.report import prices_of
+    from agent.ledger.tally import Rules
 
     try:
         config = load_config(path=args.config)

@@ -22,7 +22,8 @@ from agent.core.threads import deliver, settle
 from agent.ledger import store
 from agent.ledger.config import CostConfig, LedgerConfig
 from agent.ledger.facts import Facts, notice_fact, report_fact
-from agent.ledger.tally import Prices, Rules, build_report, prices_of, prices_to_json
+from agent.ledger.report import Prices, build_report, prices_of, prices_to_json
+from agent.ledger.tally import Rules
 
 # How often old facts are pruned and the counters recomputed.
 PRUNE_S = 3600.0

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from msgspec import Meta
 
 from agent.config.loader import read_toml
+from agent.config.tables import register_table
 from agent.core.errors import ConfigError
 
 Days = Annotated[float, Meta(gt=0, le=36500, description="a number of days > 0")]
@@ -55,6 +56,10 @@ class CostConfig:
             return self
         return prices_from_file(self.file, base=self)
 
+
+# Checked when the configuration is loaded (agent/config/tables.py): a bad value stops the start-up, named.
+register_table("ledger", LedgerConfig)
+register_table("cost", CostConfig)
 
 _PRICE_KEYS = ("spot_per_gpu_hour", "on_demand_per_gpu_hour", "storage_per_gb_month", "per_1000_requests")
 

@@ -1,37 +1,23 @@
-"""The report's arithmetic (``preemptd report``, the ledger's metrics): from the facts to interruptions, flush
-outcomes, resumes, GPU-hours redone and spent checkpointing, goodput, and with prices the realised discount
-and the break-even preemption rate. Pure and standard library only; docs/ledger.md derives every formula.
-
-Over 400 lines because one pass over a job's reports decides its interruptions, its flushes and its
-resumes under the same rules; splitting it would split those rules.
+"""Counting one job's interruptions, flushes, resumes and hours from its reports and the notices: the
+arithmetic under ``preemptd report`` (agent/ledger/report.py turns it into the document and the money). Pure
+and standard library only; docs/ledger.md says how each figure is counted.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from agent.ledger.facts import Facts, NoticeFact, ReportFact
+from agent.ledger.facts import NoticeFact, ReportFact
 
-REPORT_SCHEMA = 1
 # Reports are stamped on arrival: a flush that finished this close after the deadline was still in time.
 DEADLINE_SLACK_S = 1.0
 # A flush that names no notice belongs to the notice it came in the window of, or up to this long after.
 LATE_LIMIT_S = 600.0
 HOUR = 3600.0
-
-
-@dataclass(frozen=True)
-class Prices:
-    spot_per_gpu_hour: float | None = None
-    on_demand_per_gpu_hour: float | None = None
-    storage_per_gb_month: float | None = None
-    per_1000_requests: float | None = None
-    keep_days: float = 7.0
 
 
 @dataclass(frozen=True)
@@ -108,9 +94,13 @@ def _flush_doc(job: str, notice: NoticeFact, reports: Sequence[ReportFact], outc
         "outcome": outcome,
         "step": next((r.step for r in finished if r.step is not None), None),
         "tier": ",".join(tiers) or None,
-        "duration_s": _r(max((r.duration_s or 0.0 for r in finished), default=0.0)) if finished else None,
+        "duration_s": rounded(max((r.duration_s or 0.0 for r in finished), default=0.0))
+        if finished
+        else None,
         "bytes": sum(r.bytes or 0 for r in finished) if finished else None,
-        "slack_s": _r(notice.deadline - end) if end is not None and notice.deadline is not None else None,
+        "slack_s": rounded(notice.deadline - end)
+        if end is not None and notice.deadline is not None
+        else None,
         "fallback_step": fallback,
     }
 
@@ -252,7 +242,7 @@ def tally_job(
         out.resumes.append(
             {
                 "job": job,
-                "time": _iso(start),
+                "time": iso(start),
                 "from_step": cause.from_step if cause else None,
                 "steps_redone": cause.steps_redone if cause else None,
                 "announced": cause.announced if cause else False,
@@ -288,192 +278,11 @@ def tally_job(
     return out
 
 
-def cost(t: Tally, prices: Prices) -> dict[str, Any]:
-    """Money: what the spot GPU-hours and checkpoint storage cost, what the same useful work would have cost
-    on demand, the realised discount and the break-even preemption rate (docs/ledger.md, "Prices")."""
-    missing = [
-        f"cost.{name}"
-        for name in ("spot_per_gpu_hour", "on_demand_per_gpu_hour")
-        if getattr(prices, name) is None
-    ]
-    if missing:
-        return {"missing": missing}
-    p_s, p_o = prices.spot_per_gpu_hour, prices.on_demand_per_gpu_hour
-    assert p_s is not None and p_o is not None
-    storage = (t.checkpoint_bytes / 1e9) * (prices.storage_per_gb_month or 0.0) * prices.keep_days / 30.0
-    storage += t.saves / 1000.0 * (prices.per_1000_requests or 0.0)
-    useful = (
-        t.gpu_hours - t.checkpoint_gpu_hours - t.flush_gpu_hours - t.redone_gpu_hours - t.restart_gpu_hours
-    )
-    doc: dict[str, Any] = {
-        "missing": [],
-        "assumed_zero": [
-            f"cost.{name}"
-            for name in ("storage_per_gb_month", "per_1000_requests")
-            if getattr(prices, name) is None
-        ],
-        "spot": _r(t.gpu_hours * p_s + storage, 4),
-        "storage": _r(storage, 4),
-        "on_demand_equivalent": _r(max(0.0, useful) * p_o, 4),
-        "list_discount": _r(1.0 - p_s / p_o, 4) if p_o > 0 else None,
-        "effective_discount": None,
-        "preemptions_per_day": None,
-        "break_even_per_day": None,
-    }
-    if t.gpu_hours <= 0 or p_o <= 0:
-        return doc
-    u = useful / t.gpu_hours
-    s = storage / t.gpu_hours  # storage per GPU-hour of spot time
-    c = t.checkpoint_gpu_hours / t.gpu_hours
-    if u > 0:
-        doc["effective_discount"] = _r(1.0 - (p_s + s) / (u * p_o), 4)
-    events = t.announced + t.unannounced
-    if t.job_hours > 0:
-        doc["preemptions_per_day"] = _r(24.0 * events / t.job_hours, 4)
-    if events:
-        # ell: job-hours lost per interruption, at the job's mean GPUs (GPU-hours / job-hours).
-        loss = (t.flush_gpu_hours + t.redone_gpu_hours + t.restart_gpu_hours) / events
-        ell = loss / (t.gpu_hours / t.job_hours)
-        if ell > 0:
-            doc["break_even_per_day"] = _r(max(0.0, 24.0 * (1.0 - c - (p_s + s) / p_o) / ell), 4)
-    return doc
-
-
-def notice_benefit(t: Tally) -> dict[str, Any]:
-    """How much longer the advised interval is because notices covered a share ``a`` of the interruptions:
-    T* ∝ √M and only uncovered ones count in M, so T* grows by 1/√(1-a); the periodic checkpoints a
-    notice-blind interval would have added are the ones saved."""
-    events = t.announced + t.unannounced
-    if not events:
-        return {
-            "covered_share": None,
-            "interval_factor": None,
-            "checkpoint_gpu_hours_saved": None,
-            "checkpoint_bytes_saved": None,
-        }
-    a = (t.in_time + t.late) / events  # the flush kept the work: covered
-    if a >= 1.0:
-        return {
-            "covered_share": 1.0,
-            "interval_factor": None,
-            "checkpoint_gpu_hours_saved": None,
-            "checkpoint_bytes_saved": None,
-        }
-    factor = 1.0 / math.sqrt(1.0 - a)
-    return {
-        "covered_share": _r(a, 4),
-        "interval_factor": _r(factor, 4),
-        "checkpoint_gpu_hours_saved": _r(t.checkpoint_gpu_hours * (factor - 1.0), 4),
-        "checkpoint_bytes_saved": round(t.periodic_bytes * (factor - 1.0)),
-    }
-
-
-def figures(t: Tally, prices: Prices | None) -> dict[str, Any]:
-    """The ``--json`` figures of one job or of the total (each key in docs/ledger.md)."""
-    events = t.announced + t.unannounced
-    lost_hours = t.checkpoint_gpu_hours + t.flush_gpu_hours + t.redone_gpu_hours + t.restart_gpu_hours
-    return {
-        "jobs": t.jobs,
-        "gpus": t.gpus,
-        "job_hours": _r(t.job_hours, 4),
-        "gpu_hours": _r(t.gpu_hours, 4),
-        "interruptions": {"announced": t.announced, "unannounced": t.unannounced, "total": events},
-        "notice_coverage": _r(t.announced / events, 4) if events else None,
-        "flushes": {"in_time": t.in_time, "late": t.late, "lost": t.lost},
-        "checkpoints": t.checkpoints,
-        "checkpoint_bytes": t.checkpoint_bytes,
-        "checkpoint_gpu_hours": _r(t.checkpoint_gpu_hours, 4),
-        "flush_gpu_hours": _r(t.flush_gpu_hours, 4),
-        "redone_gpu_hours": _r(t.redone_gpu_hours, 4),
-        "restart_gpu_hours": _r(t.restart_gpu_hours, 4),
-        "steps_redone": t.steps_redone,
-        "goodput": _r(1.0 - lost_hours / t.gpu_hours, 4) if t.gpu_hours > 0 else None,
-        "notice_benefit": notice_benefit(t),
-        "cost": cost(t, prices) if prices is not None else {"missing": ["cost"]},
-    }
-
-
-def build_report(
-    facts: Facts,
-    now: datetime,
-    since: datetime | None = None,
-    job: str | None = None,
-    prices: Prices | None = None,
-    rules: Rules | None = None,
-    source: str = "agent",
-) -> dict[str, Any]:
-    """The report document (``preemptd report --json``)."""
-    rules = rules or Rules()
-    at = now.timestamp()
-    start = since.timestamp() if since is not None else None
-    reports = [
-        r for r in facts.reports if (start is None or r.time >= start) and (job is None or r.job == job)
-    ]
-    notices = [n for n in facts.notices if start is None or (n.deadline or n.detected_at) >= start]
-    by_job: dict[str, list[ReportFact]] = {}
-    for report in sorted(reports, key=lambda r: r.time):
-        by_job.setdefault(report.job, []).append(report)
-    total = Tally()
-    jobs: dict[str, Any] = {}
-    flushes: list[dict[str, Any]] = []
-    resumes: list[dict[str, Any]] = []
-    for name, rows in sorted(by_job.items()):
-        one = tally_job(name, rows, notices, at, rules)
-        jobs[name] = figures(one, prices)
-        total.add(one)
-    flushes, resumes = total.flushes, total.resumes
-    leads = [n.lead_s for n in notices if n.lead_s is not None and (rules.drills or not n.drill)]
-    kinds: dict[str, int] = {}
-    for notice in notices:
-        kinds[notice.kind] = kinds.get(notice.kind, 0) + 1
-    return {
-        "schema": REPORT_SCHEMA,
-        "source": source,
-        "generated_at": _iso(at),
-        "since": _iso(start) if start is not None else None,
-        "job": job,
-        "drills_counted": rules.drills,
-        "notices": {
-            "total": len(notices),
-            "drills": sum(1 for n in notices if n.drill),
-            "by_kind": kinds,
-            "lead_s": {
-                "min": _r(min(leads)) if leads else None,
-                "median": _r(statistics.median(leads)) if leads else None,
-                "max": _r(max(leads)) if leads else None,
-            },
-        },
-        "total": figures(total, prices),
-        "jobs": jobs,
-        "flushes": flushes,
-        "resumes": sorted(resumes, key=lambda r: r["time"]),
-    }
-
-
-def prices_of(config: Any) -> Prices:
-    """:class:`Prices` from a ``CostConfig`` (or anything with the same attributes)."""
-    return Prices(
-        spot_per_gpu_hour=config.spot_per_gpu_hour,
-        on_demand_per_gpu_hour=config.on_demand_per_gpu_hour,
-        storage_per_gb_month=config.storage_per_gb_month,
-        per_1000_requests=config.per_1000_requests,
-        keep_days=config.keep_days,
-    )
-
-
-def prices_to_json(prices: Prices) -> dict[str, Any]:
-    return {name: getattr(prices, name) for name in Prices.__dataclass_fields__}
-
-
-def prices_from_json(doc: Mapping[str, Any]) -> Prices:
-    return Prices(**{k: v for k, v in doc.items() if k in Prices.__dataclass_fields__})
-
-
-def _iso(seconds: float) -> str:
+def iso(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _r(value: float | None, digits: int = 3) -> float | None:
+def rounded(value: float | None, digits: int = 3) -> float | None:
     if value is None or not math.isfinite(value):
         return None
     return round(value, digits)

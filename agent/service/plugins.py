@@ -11,3 +11,4 @@ from __future__ import annotations
 
 # Imported for what they do when imported: each registry joins the loader (agent.config.add_discovery).
 import agent.actions.registry  # noqa: F401
+from agent.ledger import config as ledger_tables  # noqa: F401
