@@ -84,7 +84,28 @@ def calculate(inputs: Inputs) -> dict[str, Any]:
             "interval_s": round(naive, 3),
             "waste": round(waste_at(inputs, naive), 5),
         }
+    doc["notice_benefit"] = notice_benefit(inputs, tau)
     return doc
+
+
+def notice_benefit(inputs: Inputs, tau: float) -> dict[str, Any] | None:
+    """How much longer the interval is because notices cover a share a of the interruptions, and the periodic
+    checkpoints that saves: only uncovered interruptions count in M, so M grows by 1/(1-a) and T* ~ sqrt(2δM)
+    by 1/sqrt(1-a) (``interval_factor``); ``exact_factor`` compares the advised interval with the one a
+    notice-blind advisor would give (every interruption a loss). None without announced interruptions."""
+    if inputs.mtbp_announced_s is None:
+        return None
+    lost, announced = 1.0 / inputs.mtbp_lost_s, 1.0 / inputs.mtbp_announced_s
+    share = announced / (lost + announced)
+    blind = cm.exact_interval(inputs.save_s, 1.0 / (lost + announced))
+    per_day = 86400.0 / (blind + inputs.save_s) - 86400.0 / (tau + inputs.save_s)
+    return {
+        "covered_share": round(share, 4),
+        "interval_factor": round(1.0 / math.sqrt(1.0 - share), 4),
+        "exact_factor": round(tau / blind, 4),
+        "checkpoints_saved_per_day": round(per_day, 3),
+        "checkpoint_time_saved_per_day_s": round(per_day * inputs.save_s, 1),
+    }
 
 
 def _confidence(obs: Observations) -> str:

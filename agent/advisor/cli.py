@@ -341,6 +341,16 @@ def _print_human(doc: dict[str, Any], inputs: Inputs, out: TextIO) -> None:
             f"and {100 * naive['waste']:.1f}% waste.",
             file=out,
         )
+    benefit = doc.get("notice_benefit")
+    if benefit:
+        print(
+            f"Notices make the interval x{benefit['interval_factor']:.2f} longer "
+            f"(1/sqrt(1-a), a = {100 * benefit['covered_share']:.0f}% of interruptions covered; "
+            f"x{benefit['exact_factor']:.2f} by the exact model): "
+            f"{benefit['checkpoints_saved_per_day']:.1f} fewer checkpoints a day, "
+            f"{format_duration(benefit['checkpoint_time_saved_per_day_s'])} of saving time saved.",
+            file=out,
+        )
     for sim in doc.get("simulation") or []:
         low, high = sim["ci"]
         print(
