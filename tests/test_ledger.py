@@ -9,16 +9,20 @@ import asyncio
 import io
 import json
 import math
+import re
 import sqlite3
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import structlog
 
 from agent.cli.report import register, run
+from agent.client.reporting import Reporter, client_info
 from agent.core.errors import ConfigError
+from agent.ledger.component import LedgerComponent
 from agent.service.daemon import Agent
 from tests.support import agent_config, http_json, short_tmp
 
@@ -488,3 +492,51 @@ async def test_a_bad_prices_file_is_a_usage_error_naming_the_key(base: Path, tmp
     finally:
         await week.stop()
     assert (2, True) == (code, f"{prices}: unknown key(s) spot_per_gpu_hr" in err.getvalue())
+
+
+async def test_the_counters_give_the_same_totals(base: Path) -> None:
+    """The scripted week (its drills counted apart): /metrics shows the report's totals since the start."""
+    week = Week(base)
+    await week.start()
+    try:
+        await script_week(week)
+        assert week.agent is not None
+        ledger = next(c for c in week.agent.components if isinstance(c, LedgerComponent))
+        await ledger.refresh()
+        doc = await report(week.socket, "--since", "30d")
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(week.socket))) as session,
+            session.get("http://agent/metrics") as response,
+        ):
+            text = await response.text()
+    finally:
+        await week.stop()
+    samples = dict(re.findall(r"^(preemptd_ledger_\S+) (\S+)$", text, flags=re.M))
+    total = doc["total"]
+    assert (
+        float(total["interruptions"]["unannounced"]),
+        round(3600 * total["redone_gpu_hours"], 0),
+        round(3600 * total["gpu_hours"], 0),
+        float(total["checkpoint_bytes"]),
+    ) == (
+        float(samples['preemptd_ledger_interruptions_total{announced="false"}']),
+        round(float(samples['preemptd_ledger_gpu_seconds_total{category="redone"}']), 0),
+        round(float(samples['preemptd_ledger_gpu_seconds_total{category="total"}']), 0),
+        float(samples["preemptd_ledger_checkpoint_bytes_total"]),
+    )
+
+
+async def test_a_job_reporting_through_the_client_library_is_in_the_ledger(base: Path) -> None:
+    """The client library's Reporter (what the stores use) with the optional `gpus`: the report counts its
+    GPUs and its checkpoint."""
+    week = Week(base)
+    await week.start()
+    try:
+        reporter = Reporter(week.socket, client={**client_info(name="train.py"), "job": "lib", "gpus": 2})
+        reporter.checkpoint("finished", 7, duration_s=3.0, size=4096)
+        await asyncio.to_thread(reporter.close)
+        doc = await report(week.socket, "--job", "lib")
+    finally:
+        await week.stop()
+    lib = doc["jobs"]["lib"]
+    assert (0, 2, 1, 4096) == (reporter.failed, lib["gpus"], lib["checkpoints"], lib["checkpoint_bytes"])
