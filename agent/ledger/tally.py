@@ -207,19 +207,29 @@ def tally_job(
         )
         interruptions.append(event)
 
+    # A resume explains an interruption dated between the job's last report before it and the resume itself.
+    resumes = _resumes(reports)
+    last_before = {start: max((t for t in times if t < start), default=first) for start in resumes}
+
+    def explains(start: float, at: float) -> bool:
+        return last_before[start] - DEADLINE_SLACK_S <= at <= start
+
     # A resume that no announced interruption explains was an unannounced one (the job's processes died and
     # came back on this host); it is dated by the resume, so its redone time includes the restart.
-    resumes = _resumes(reports)
     for start in resumes:
-        previous = max((t for t in times if t < start), default=first)
-        if not any(previous - DEADLINE_SLACK_S <= i.time <= start for i in interruptions if i.announced):
+        if not any(explains(start, i.time) for i in interruptions if i.announced):
             interruptions.append(_Interruption(start, False))
     interruptions.sort(key=lambda i: i.time)
 
     for event in interruptions:
         base = [c for c in checkpoints if c.end <= event.time + DEADLINE_SLACK_S]
         reached = [r.step for r in reports if r.time <= event.time + DEADLINE_SLACK_S and r.step is not None]
-        if event.outcome in ("in_time", "late"):
+        back = next((start for start in resumes if explains(start, event.time)), None)
+        if event.announced and back is None and last > event.time + DEADLINE_SLACK_S:
+            # The job's processes kept reporting after the deadline (a drill, a notice the host outlived):
+            # nothing was lost or restarted, whatever the flush did.
+            event.from_step, event.steps_redone = None, 0
+        elif event.outcome in ("in_time", "late"):
             event.from_step = event.flush["step"] if event.flush else None
             event.steps_redone = 0
         else:
@@ -232,9 +242,8 @@ def tally_job(
                 event.from_step = fallback
             if reached and event.from_step is not None:
                 event.steps_redone = max(0, max(reached) - event.from_step)
-        later = [s for s in resumes if s >= event.time - DEADLINE_SLACK_S]
-        if event.announced and later:
-            event.restart_s = later[0] - event.time
+        if event.announced and back is not None:
+            event.restart_s = back - event.time
 
     # Resumes: each return of the job, with the interruption it came back from.
     for start in resumes:
