@@ -25,9 +25,11 @@ from agent.ledger.facts import Facts, notice_fact, report_fact
 from agent.ledger.report import Prices, build_report, prices_of, prices_to_json
 from agent.ledger.tally import Rules
 
-# How often old facts are pruned and the counters recomputed.
+# How often old facts are pruned; how often the counters are recomputed when facts were written, and at the
+# latest when none were (a deadline passing turns a notice into an interruption without a new fact).
 PRUNE_S = 3600.0
-REFRESH_S = 30.0
+REFRESH_S = 60.0
+MAX_REFRESH_S = 600.0
 # How long a request waits for the facts queued before it to be written.
 SYNC_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -219,12 +221,16 @@ class LedgerComponent:
 
     async def _loop(self) -> None:
         host = self._require()
-        pruned_at = host.now()
+        pruned_at = refreshed_at = host.now()
+        counted = -1
         while True:
-            try:
-                await self.refresh()
-            except Exception as exc:  # the counters wait for the next round; the ledger keeps writing
-                host.log.warning("ledger_refresh_failed", error=repr(exc))
+            written = self._writer.written if self._writer is not None else 0
+            if written != counted or (host.now() - refreshed_at).total_seconds() >= MAX_REFRESH_S:
+                try:
+                    await self.refresh()
+                    counted, refreshed_at = written, host.now()
+                except Exception as exc:  # the counters wait for the next round; the ledger keeps writing
+                    host.log.warning("ledger_refresh_failed", error=repr(exc))
             if (host.now() - pruned_at).total_seconds() >= PRUNE_S and self._writer is not None:
                 self._writer.prune_now()
                 pruned_at = host.now()

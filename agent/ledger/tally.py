@@ -5,6 +5,7 @@ and standard library only; docs/ledger.md says how each figure is counted.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -165,8 +166,19 @@ def tally_job(
         return out
     times = [r.time for r in reports]
     first, last = times[0], times[-1]
+    # The highest step reported by each report's time (what the job had reached), for bisecting by time.
+    reached: list[int | None] = []
+    for report in reports:
+        best = reached[-1] if reached else None
+        if report.step is not None and (best is None or report.step > best):
+            best = report.step
+        reached.append(best)
     checkpoints = _checkpoints(reports)
+    ends = [c.end for c in checkpoints]
     periodic = [c for c in checkpoints if not c.emergency]
+    emergency_reports = [
+        r for r in reports if r.kind == "checkpoint" and r.emergency and r.phase in ("finished", "failed")
+    ]
     interruptions: list[_Interruption] = []
 
     # Announced: an interrupting notice reached its deadline while the job was here.
@@ -177,16 +189,13 @@ def tally_job(
             continue
         if notice.cleared_at is not None and notice.cleared_at < notice.deadline - DEADLINE_SLACK_S:
             continue  # withdrawn before it took the host
-        before = [t for t in times if t <= notice.deadline]
-        if not before or notice.deadline - before[-1] > rules.active_s:
+        seen = bisect.bisect_right(times, notice.deadline)
+        if not seen or notice.deadline - times[seen - 1] > rules.active_s:
             continue
         flush = [
             r
-            for r in reports
-            if r.kind == "checkpoint"
-            and r.emergency
-            and r.phase in ("finished", "failed")
-            and (
+            for r in emergency_reports
+            if (
                 r.notice_id == notice.id
                 or (r.notice_id is None and notice.detected_at <= r.time <= notice.deadline + LATE_LIMIT_S)
             )
@@ -209,7 +218,7 @@ def tally_job(
 
     # A resume explains an interruption dated between the job's last report before it and the resume itself.
     resumes = _resumes(reports)
-    last_before = {start: max((t for t in times if t < start), default=first) for start in resumes}
+    last_before = {start: times[max(0, bisect.bisect_left(times, start) - 1)] for start in resumes}
 
     def explains(start: float, at: float) -> bool:
         return last_before[start] - DEADLINE_SLACK_S <= at <= start
@@ -222,8 +231,10 @@ def tally_job(
     interruptions.sort(key=lambda i: i.time)
 
     for event in interruptions:
-        base = [c for c in checkpoints if c.end <= event.time + DEADLINE_SLACK_S]
-        reached = [r.step for r in reports if r.time <= event.time + DEADLINE_SLACK_S and r.step is not None]
+        index = bisect.bisect_right(ends, event.time + DEADLINE_SLACK_S)
+        base = checkpoints[index - 1] if index else None
+        upto = bisect.bisect_right(times, event.time + DEADLINE_SLACK_S)
+        highest = reached[upto - 1] if upto else None
         back = next((start for start in resumes if explains(start, event.time)), None)
         if event.announced and back is None and last > event.time + DEADLINE_SLACK_S:
             # The job's processes kept reporting after the deadline (a drill, a notice the host outlived):
@@ -234,14 +245,14 @@ def tally_job(
             event.steps_redone = 0
         else:
             # An unannounced one is dated by the resume: its redone time includes the restart.
-            start = base[-1].end if base else first
+            start = base.end if base is not None else first
             event.redone_s = max(0.0, event.time - start)
-            event.from_step = base[-1].step if base else None
+            event.from_step = base.step if base is not None else None
             fallback = event.flush.get("fallback_step") if event.flush else None
             if fallback is not None:
                 event.from_step = fallback
-            if reached and event.from_step is not None:
-                event.steps_redone = max(0, max(reached) - event.from_step)
+            if highest is not None and event.from_step is not None:
+                event.steps_redone = max(0, highest - event.from_step)
         if event.announced and back is not None:
             event.restart_s = back - event.time
 
