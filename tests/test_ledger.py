@@ -540,3 +540,25 @@ async def test_a_job_reporting_through_the_client_library_is_in_the_ledger(base:
         await week.stop()
     lib = doc["jobs"]["lib"]
     assert (0, 2, 1, 4096) == (reporter.failed, lib["gpus"], lib["checkpoints"], lib["checkpoint_bytes"])
+
+
+async def test_a_held_database_delays_the_writer_not_the_agent(base: Path) -> None:
+    """Another program holds the ledger's write lock: reports are still accepted and the status answered at
+    once; once the lock is let go the facts are written and reported."""
+    week = Week(base)
+    await week.start()
+    try:
+        await week.checkpoint("A", 100, 1, 10.0, 1000, 0)
+        await report(week.socket)  # the file exists, with its schema
+        holder = sqlite3.connect(base / "state" / "ledger.sqlite", isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            await week.checkpoint("A", 100, 2, 10.0, 1000, 0)
+            status, doc = await http_json(week.socket, "GET", "/v1/status")
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        after = await report(week.socket)
+    finally:
+        await week.stop()
+    assert (200, "ok", 2) == (status, doc["ledger"]["state"], after["total"]["checkpoints"])

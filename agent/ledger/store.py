@@ -18,6 +18,7 @@ from typing import Any
 from agent.ledger.facts import Facts, NoticeFact, ReportFact
 
 SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 30.0
 _NOTICE_COLUMNS = tuple(f.name for f in fields(NoticeFact))
 _REPORT_COLUMNS = tuple(f.name for f in fields(ReportFact))
 SCHEMA = """
@@ -66,7 +67,8 @@ def connect(path: Path) -> sqlite3.Connection:
             head = handle.read(len(_MAGIC))
         if head and head != _MAGIC[: len(head)]:
             raise LedgerCorrupt("not an SQLite database")
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    # Another program holding the file (a backup, sqlite3 in a shell) delays the writer thread, not the agent.
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
     try:
         conn.execute("PRAGMA journal_mode=WAL")
         # WAL with synchronous=NORMAL: a power cut may lose the last transactions, never the file.
