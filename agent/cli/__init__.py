@@ -75,11 +75,13 @@ def _add_run(subparsers: Any) -> None:
 
 def _cloud_arg(text: str) -> str:
     # Checked here rather than with argparse's choices, which would load the configuration module (and
-    # msgspec) for every verb's parser; a test keeps the help's list equal to agent.config.CLOUDS.
-    from agent.config import CLOUDS
+    # msgspec) for every verb's parser; a test keeps the help's list equal to agent.config.CLOUDS. A cloud
+    # added as a plug-in (agent/sources/clouds.py) is accepted too.
+    from agent.sources.clouds import clouds
 
-    if text not in CLOUDS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CLOUDS)}, got {text!r}")
+    names = ("auto", "none", *clouds())
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)}, got {text!r}")
     return text
 
 

@@ -34,10 +34,10 @@ class Declared:
 @dataclass(frozen=True)
 class Discovered:
     """What one registry found: the family of tables it knows completely (``"actions"``: a table
-    ``[actions.x]`` that is not declared is an error), and the names of tables whose owner reads them
+    ``[actions.x]`` that is not declared is an error; None: no family), and the names of tables whose owner reads them
     unchecked (a third-party reactor that declares no schema; it checks its table when it is built)."""
 
-    family: str
+    family: str | None
     unchecked: Collection[str] = ()
 
 
@@ -85,7 +85,8 @@ def known() -> Known:
     unchecked: set[str] = set()
     for discover in list(_discoveries):
         found = discover()
-        closed.add(found.family)
+        if found.family is not None:
+            closed.add(found.family)
         unchecked.update(found.unchecked)
     return Known(dict(_declared), frozenset(closed), frozenset(unchecked))
 

@@ -11,4 +11,5 @@ from __future__ import annotations
 
 # Imported for what they do when imported: each registry joins the loader (agent.config.add_discovery).
 import agent.actions.registry  # noqa: F401
+import agent.sources.clouds  # noqa: F401
 from agent.ledger import config as ledger_tables  # noqa: F401

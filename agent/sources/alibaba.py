@@ -11,7 +11,8 @@ from agent.config import AlibabaConfig
 from agent.core.errors import NoticeError
 from agent.core.notice import parse_time
 from agent.sources.cloud_http import CloudError, ParseError, status_error
-from agent.sources.cloud_spot import TerminationTimeSource
+from agent.sources.cloud_spot import TerminationTimeSource, probe_instance_id
+from agent.sources.clouds import CloudSpec
 
 TERMINATION_PATH = "/latest/meta-data/instance/spot/termination-time"
 TOKEN_PATH = "/latest/api/token"
@@ -69,3 +70,26 @@ class AlibabaSource(TerminationTimeSource):
                 # A rejected token (expired early, metadata service restarted) is fetched again next time.
                 self._token = None
             raise
+
+
+def names_alibaba(dmi: Mapping[str, str]) -> bool:
+    """Pure: whether the DMI strings name Alibaba Cloud ECS."""
+    return (
+        "alibaba cloud" in dmi.get("product_name", "").lower()
+        or "alibaba cloud" in dmi.get("sys_vendor", "").lower()
+    )
+
+
+async def probe(config: AlibabaConfig, timeout_s: float) -> bool:
+    return await probe_instance_id(config.endpoint, timeout_s)
+
+
+CLOUD = CloudSpec(
+    "alibaba",
+    AlibabaConfig,
+    names_alibaba,
+    probe,
+    AlibabaSource,
+    simulator="agent.simulate.spot:AlibabaSimulator",
+    rank=40,
+)

@@ -27,6 +27,7 @@ from agent.sources.cloud_http import (
     Reply,
     status_error,
 )
+from agent.sources.clouds import CloudSpec
 
 log = structlog.get_logger("preemptd.sources.aws")
 
@@ -383,3 +384,28 @@ class AwsSource(Source):
         finally:
             bound.debug("source_stopping")
             await self._client.close()
+
+
+def names_aws(dmi: Mapping[str, str]) -> bool:
+    """Pure: whether the DMI strings name EC2 (Nitro and Xen instances say it in different fields)."""
+    bios = (dmi.get("bios_vendor", "") + " " + dmi.get("bios_version", "")).lower()
+    return (
+        dmi.get("sys_vendor", "").lower() == "amazon ec2"
+        or "amazon" in bios
+        or dmi.get("product_version", "").lower().endswith("amazon")
+    )
+
+
+async def probe(config: AwsConfig, timeout_s: float) -> bool:
+    """An IMDSv2 token; IMDSv1-only instances answer the PUT with 403/405 but serve the instance id."""
+    async with MetadataClient(config.endpoint, timeout_s) as client:
+        reply = await client.request("PUT", TOKEN_PATH, headers={TOKEN_TTL_HEADER: "60"})
+        if reply.status == 200 and reply.body.strip():
+            return True
+        reply = await client.request("GET", "/latest/meta-data/instance-id")
+        return reply.status == 200 and reply.body.strip().startswith(b"i-")
+
+
+CLOUD = CloudSpec(
+    "aws", AwsConfig, names_aws, probe, AwsSource, simulator="agent.simulate.aws:AwsSimulator", rank=10
+)

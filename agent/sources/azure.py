@@ -22,6 +22,7 @@ from agent.core.notice import Kind, Observation, Severity, parse_time, utcnow
 from agent.core.ports import AZURE_ACK
 from agent.sources.base import Sink, Source
 from agent.sources.cloud_http import Backoff, CloudError, MetadataClient, ParseError, status_error
+from agent.sources.clouds import CloudSpec
 
 log = structlog.get_logger("preemptd.sources.azure")
 
@@ -353,3 +354,41 @@ class AzureSource(Source):
                 await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
         finally:
             await self._client.close()
+
+
+# Every Azure VM's chassis asset tag (Microsoft's documented way to tell Azure from other Hyper-V hosts).
+AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
+
+
+def names_azure(dmi: Mapping[str, str]) -> bool:
+    """Pure: whether the DMI strings name Azure."""
+    return dmi.get("chassis_asset_tag", "") == AZURE_ASSET_TAG
+
+
+async def probe(config: AzureConfig, timeout_s: float) -> bool:
+    """The instance document, a JSON object with a ``compute`` object."""
+    async with MetadataClient(config.endpoint, timeout_s) as client:
+        reply = await client.request(
+            "GET",
+            "/metadata/instance",
+            headers={"Metadata": "true"},
+            params={"api-version": config.instance_api_version},
+        )
+        if reply.status != 200:
+            return False
+        try:
+            doc = json.loads(reply.body)
+        except ValueError:
+            return False
+        return isinstance(doc, dict) and isinstance(doc.get("compute"), dict)
+
+
+CLOUD = CloudSpec(
+    "azure",
+    AzureConfig,
+    names_azure,
+    probe,
+    AzureSource,
+    simulator="agent.simulate.azure:AzureSimulator",
+    rank=30,
+)

@@ -93,3 +93,10 @@ class TerminationTimeSource(Source):
                 await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
         finally:
             await self._client.close()
+
+
+async def probe_instance_id(endpoint: str, timeout_s: float) -> bool:
+    """Detection's probe for these clouds: an instance id at the EC2-style path, short and non-empty."""
+    async with MetadataClient(endpoint, timeout_s) as client:
+        reply = await client.request("GET", "/latest/meta-data/instance-id")
+        return reply.status == 200 and 0 < len(reply.body.strip()) < 128

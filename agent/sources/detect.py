@@ -1,5 +1,7 @@
 """Which cloud this host runs on: DMI strings first (instant, no network), then one short metadata probe of
-every configured endpoint when DMI does not say. ``cloud = "<name>"`` skips detection altogether.
+every configured endpoint when DMI does not say. ``cloud = "<name>"`` skips detection altogether. Each cloud's
+DMI match, probe and source come from its spec in the cloud registry (agent/sources/clouds.py), in its
+detection order.
 
 With ``cloud = "auto"``, :func:`cloud_sources` reads DMI (a few small sysfs files) and returns that cloud's
 source directly; when DMI is inconclusive (containers often hide ``/sys/class/dmi``) it returns a
@@ -10,7 +12,6 @@ waits on the network.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,13 +21,10 @@ import structlog
 
 from agent.config import Config
 from agent.core.ports import AZURE_ACK
-from agent.sources.alibaba import AlibabaSource
-from agent.sources.aws import TOKEN_PATH, TOKEN_TTL_HEADER, AwsSource
-from agent.sources.azure import AzureSource
+from agent.sources import clouds
+from agent.sources.azure import AZURE_ASSET_TAG
 from agent.sources.base import Sink, Source
-from agent.sources.cloud_http import Backoff, CloudError, MetadataClient
-from agent.sources.gcp import GcpSource, gcp_endpoint
-from agent.sources.tencent import TencentSource
+from agent.sources.cloud_http import Backoff, CloudError
 
 log = structlog.get_logger("preemptd.sources.detect")
 
@@ -38,8 +36,7 @@ DMI_FIELDS = (
     "bios_version",
     "chassis_asset_tag",
 )
-AZURE_ASSET_TAG = "7783-7084-3265-9085-8269-3286-77"
-CLOUD_ORDER = ("aws", "gcp", "azure", "alibaba", "tencent")
+__all__ = ["AZURE_ASSET_TAG", "DetectingSource", "cloud_from_dmi", "cloud_sources", "probe", "probe_all"]
 
 
 def read_dmi(dmi_dir: Path) -> dict[str, str]:
@@ -54,39 +51,12 @@ def read_dmi(dmi_dir: Path) -> dict[str, str]:
 
 
 def cloud_from_dmi(dmi: Mapping[str, str]) -> str | None:
-    """Pure: the cloud the DMI strings name, or None."""
-    vendor = dmi.get("sys_vendor", "").lower()
-    product = dmi.get("product_name", "").lower()
-    bios = (dmi.get("bios_vendor", "") + " " + dmi.get("bios_version", "")).lower()
-    if (
-        vendor == "amazon ec2"
-        or "amazon" in bios
-        or dmi.get("product_version", "").lower().endswith("amazon")
-    ):
-        return "aws"
-    if product == "google compute engine" or vendor == "google":
-        return "gcp"
-    if dmi.get("chassis_asset_tag", "") == AZURE_ASSET_TAG:
-        return "azure"
-    if "alibaba cloud" in product or "alibaba cloud" in vendor:
-        return "alibaba"
-    if "tencent" in vendor or "tencent" in product:
-        return "tencent"
-    return None
+    """The first cloud (in detection order) whose spec says the DMI strings name it, or None."""
+    return next((name for name, spec in clouds.clouds().items() if spec.dmi(dmi)), None)
 
 
 def make_source(cloud: str, config: Config) -> Source:
-    if cloud == "aws":
-        return AwsSource(config.aws)
-    if cloud == "gcp":
-        return GcpSource(config.gcp)
-    if cloud == "azure":
-        return AzureSource(config.azure)
-    if cloud == "alibaba":
-        return AlibabaSource(config.alibaba)
-    if cloud == "tencent":
-        return TencentSource(config.tencent)
-    raise ValueError(f"unknown cloud {cloud!r}")
+    return clouds.get(cloud).source(config)
 
 
 def cloud_sources(config: Config) -> list[Source]:
@@ -103,70 +73,21 @@ def cloud_sources(config: Config) -> list[Source]:
     return [DetectingSource(config, dmi)]
 
 
-# --- probes --------------------------------------------------------------------------------------------
-
-
-async def _probe_aws(config: Config, timeout_s: float) -> bool:
-    async with MetadataClient(config.aws.endpoint, timeout_s) as client:
-        reply = await client.request("PUT", TOKEN_PATH, headers={TOKEN_TTL_HEADER: "60"})
-        if reply.status == 200 and reply.body.strip():
-            return True
-        # IMDSv1-only instances answer the PUT with 403/405 but serve the instance id.
-        reply = await client.request("GET", "/latest/meta-data/instance-id")
-        return reply.status == 200 and reply.body.strip().startswith(b"i-")
-
-
-async def _probe_gcp(config: Config, timeout_s: float) -> bool:
-    async with MetadataClient(gcp_endpoint(config.gcp.endpoint), timeout_s) as client:
-        reply = await client.request(
-            "GET", "/computeMetadata/v1/instance/id", headers={"Metadata-Flavor": "Google"}
-        )
-        return reply.status == 200 and reply.headers.get("Metadata-Flavor", "").lower() == "google"
-
-
-async def _probe_azure(config: Config, timeout_s: float) -> bool:
-    async with MetadataClient(config.azure.endpoint, timeout_s) as client:
-        reply = await client.request(
-            "GET",
-            "/metadata/instance",
-            headers={"Metadata": "true"},
-            params={"api-version": config.azure.instance_api_version},
-        )
-        if reply.status != 200:
-            return False
-        try:
-            doc = json.loads(reply.body)
-        except ValueError:
-            return False
-        return isinstance(doc, dict) and isinstance(doc.get("compute"), dict)
-
-
-async def _probe_instance_id(endpoint: str, timeout_s: float) -> bool:
-    async with MetadataClient(endpoint, timeout_s) as client:
-        reply = await client.request("GET", "/latest/meta-data/instance-id")
-        return reply.status == 200 and 0 < len(reply.body.strip()) < 128
-
-
 async def probe(cloud: str, config: Config, timeout_s: float) -> bool:
     """One cheap request (two for AWS without IMDSv2) that only ``cloud``'s metadata service answers so."""
-    probes: Mapping[str, Callable[[], Any]] = {
-        "aws": lambda: _probe_aws(config, timeout_s),
-        "gcp": lambda: _probe_gcp(config, timeout_s),
-        "azure": lambda: _probe_azure(config, timeout_s),
-        "alibaba": lambda: _probe_instance_id(config.alibaba.endpoint, timeout_s),
-        "tencent": lambda: _probe_instance_id(config.tencent.endpoint, timeout_s),
-    }
+    spec = clouds.get(cloud)
     try:
-        result: bool = await asyncio.wait_for(probes[cloud](), timeout_s * 2)
+        result: bool = await asyncio.wait_for(spec.probe(spec.table(config), timeout_s), timeout_s * 2)
     except (CloudError, asyncio.TimeoutError):
         return False
     return result
 
 
 async def probe_all(config: Config, timeout_s: float) -> str | None:
-    """Probe every cloud's configured endpoint at once; the first in :data:`CLOUD_ORDER` that answers wins."""
-    results = await asyncio.gather(*(probe(cloud, config, timeout_s) for cloud in CLOUD_ORDER))
-    for cloud, found in zip(CLOUD_ORDER, results, strict=True):
+    """Probe every cloud's configured endpoint at once; the first in detection order that answers wins."""
+    names = list(clouds.clouds())
+    results = await asyncio.gather(*(probe(cloud, config, timeout_s) for cloud in names))
+    for cloud, found in zip(names, results, strict=True):
         if found:
             return cloud
     return None
@@ -185,8 +106,9 @@ class DetectingSource(Source):
         self.inner: Source | None = None
 
     def capabilities(self) -> Mapping[str, Callable[..., Any]]:
-        # Only once probing found Azure: before that, or on another cloud, nothing can be acknowledged.
-        return {AZURE_ACK: self.acknowledge} if isinstance(self.inner, AzureSource) else {}
+        # Only once probing found a cloud that offers it (Azure): before that, nothing can be acknowledged.
+        offered = self.inner.capabilities() if self.inner is not None else {}
+        return {AZURE_ACK: self.acknowledge} if AZURE_ACK in offered else {}
 
     def status(self) -> Mapping[str, Any]:
         doc: dict[str, Any] = {"detected": self.detected, "method": "probe", "dmi": self.dmi}
@@ -196,11 +118,12 @@ class DetectingSource(Source):
 
     async def acknowledge(self, event_id: str) -> None:
         """Azure's ``StartRequests`` through the detected source (see :meth:`AzureSource.acknowledge`)."""
-        if not isinstance(self.inner, AzureSource):
+        acknowledge = self.inner.capabilities().get(AZURE_ACK) if self.inner is not None else None
+        if acknowledge is None:
             raise CloudError(
                 f"cannot acknowledge {event_id!r}: the detected cloud is {self.detected!r}, not Azure"
             )
-        await self.inner.acknowledge(event_id)
+        await acknowledge(event_id)
 
     async def run(self, sink: Sink) -> None:
         timeout_s = self.config.detect.probe_timeout_s
@@ -212,10 +135,11 @@ class DetectingSource(Source):
             self.detected = await probe_all(self.config, timeout_s)
         if self.detected is None:
             vendor = self.dmi.get("sys_vendor") or "unreadable"
+            first, *rest = clouds.clouds()
             sink.disable(
                 f"no cloud detected: DMI sys_vendor is {vendor!r} and no metadata service answered "
                 f"(probed for {self.config.detect.probe_retry_s:g} s, {timeout_s:g} s per try); "
-                'set cloud = "aws" (or gcp, azure, alibaba, tencent) to choose one, or cloud = "none"'
+                f'set cloud = "{first}" (or {", ".join(rest)}) to choose one, or cloud = "none"'
             )
             return
         log.info("cloud_detected", cloud=self.detected, method="probe")

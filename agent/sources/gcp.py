@@ -27,6 +27,7 @@ from agent.sources.cloud_http import (
     run_all,
     status_error,
 )
+from agent.sources.clouds import CloudSpec
 
 log = structlog.get_logger("preemptd.sources.gcp")
 
@@ -321,3 +322,21 @@ class GcpSource(Source):
             )
         finally:
             await self._client.close()
+
+
+def names_gcp(dmi: Mapping[str, str]) -> bool:
+    """Pure: whether the DMI strings name Compute Engine."""
+    product = dmi.get("product_name", "").lower()
+    return product == "google compute engine" or dmi.get("sys_vendor", "").lower() == "google"
+
+
+async def probe(config: GcpConfig, timeout_s: float) -> bool:
+    """The instance id, answered with the ``Metadata-Flavor: Google`` header only Google's server sends."""
+    async with MetadataClient(gcp_endpoint(config.endpoint), timeout_s) as client:
+        reply = await client.request("GET", BASE + "instance/id", headers=FLAVOR)
+        return reply.status == 200 and reply.headers.get("Metadata-Flavor", "").lower() == "google"
+
+
+CLOUD = CloudSpec(
+    "gcp", GcpConfig, names_gcp, probe, GcpSource, simulator="agent.simulate.gcp:GcpSimulator", rank=20
+)

@@ -3,13 +3,15 @@ zone marker."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 
 from agent.config import TencentConfig
 from agent.core.errors import NoticeError
 from agent.core.notice import parse_time
 from agent.sources.cloud_http import ParseError
-from agent.sources.cloud_spot import TerminationTimeSource
+from agent.sources.cloud_spot import TerminationTimeSource, probe_instance_id
+from agent.sources.clouds import CloudSpec
 
 TERMINATION_PATH = "/latest/meta-data/spot/termination-time"
 CHINA_STANDARD_TIME = timezone(timedelta(hours=8), "CST")
@@ -50,3 +52,23 @@ class TencentSource(TerminationTimeSource):
 
     def parse_time(self, body: bytes) -> datetime:
         return parse_tencent_time(body)
+
+
+def names_tencent(dmi: Mapping[str, str]) -> bool:
+    """Pure: whether the DMI strings name Tencent Cloud CVM."""
+    return "tencent" in dmi.get("sys_vendor", "").lower() or "tencent" in dmi.get("product_name", "").lower()
+
+
+async def probe(config: TencentConfig, timeout_s: float) -> bool:
+    return await probe_instance_id(config.endpoint, timeout_s)
+
+
+CLOUD = CloudSpec(
+    "tencent",
+    TencentConfig,
+    names_tencent,
+    probe,
+    TencentSource,
+    simulator="agent.simulate.spot:TencentSimulator",
+    rank=50,
+)
