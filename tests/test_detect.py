@@ -99,8 +99,8 @@ async def test_detected_cloud_runs_and_identifies(base: Path) -> None:
             assert isinstance(source, DetectingSource)
             assert (
                 event["notice"]["source"],
-                agent.cloud,
-                agent.instance["instance_id"],
+                agent.identity.cloud,
+                agent.identity.instance["instance_id"],
                 source.status()["detected"],
             ) == (
                 "cloud",

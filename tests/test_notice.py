@@ -130,6 +130,43 @@ def test_restored_notice_keeps_identity_and_deadline_when_the_source_reports_it_
     assert (saved.id, saved.deadline) == (notice.id, notice.deadline)
 
 
+def test_a_source_replacement_reaches_the_listeners_once_after_the_board_holds_all_of_it() -> None:
+    """Listeners hear a replace_source as one list, with the caller's now, and see the board already changed
+    (a listener that reads the board finds every change applied)."""
+    b = board()
+    b.observe("aws", obs("old"), T0)
+    heard: list[tuple[list[tuple[EventType, str]], datetime, list[str]]] = []
+    b.on_change(
+        lambda changes, now: heard.append(
+            ([(c.type, c.notice.key) for c in changes], now, [n.key for n in b.active()])
+        )
+    )
+    later = T0 + timedelta(seconds=5)
+    b.replace_source("aws", [obs("new")], later)
+    assert [([(EventType.NOTICE, "new"), (EventType.CLEARED, "old")], later, ["new"])] == heard
+
+
+def test_the_listeners_hear_nothing_when_an_observation_changes_nothing() -> None:
+    b = board()
+    b.observe("aws", obs(), T0)
+    heard: list[object] = []
+    b.on_change(lambda changes, now: heard.append(changes))
+    b.observe("aws", obs(), T0 + timedelta(seconds=1))
+    b.clear("aws", "nothing", T0)
+    b.replace_source("aws", [obs()], T0)
+    assert [] == heard
+
+
+def test_the_listeners_are_called_in_the_order_they_were_added() -> None:
+    b = board()
+    order: list[str] = []
+    b.on_change(lambda changes, now: order.append("fan-out"))
+    b.on_change(lambda changes, now: order.append("state"))
+    b.observe("aws", obs(), T0)
+    b.clear("aws", "spot", T0)
+    assert ["fan-out", "state", "fan-out", "state"] == order
+
+
 @pytest.mark.parametrize(
     ("grace", "now_s", "expected_cleared"),
     [

@@ -1,5 +1,6 @@
 """The notice board: the active notices, keyed by (source, key), and what each observation does to them
-(raised, updated, cleared, expired), with identities that survive restarts. Pure: callers pass ``now``.
+(raised, updated, cleared, expired), with identities that survive restarts. Pure: callers pass ``now``; what
+changed goes to the board's listeners (the agent wires the fan-out there), and back to the caller.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def derive_notice_id(source: str, key: str, identity: str) -> str:
 # How many (source, key) occurrence counts a board keeps: enough for every GPU and condition of a host.
 MAX_OCCURRENCES = 4096
 
+# Told of every change, with the ``now`` the caller passed; the board's own wiring (the fan-out, the state
+# keeper, the expiry), called in registration order.
+ChangeListener = Callable[[list["Change"], datetime], None]
+
 
 @dataclass(frozen=True)
 class Change:
@@ -45,6 +50,9 @@ class NoticeBoard:
     ``scope`` (the host's boot) and how many times that key was cleared before, so that an agent that
     crashed before saving its state gives the same event the same id again, and a condition that ends and
     comes back is a new notice.
+
+    Every method that changes notices returns the changes and hands them, once the board holds them all, to
+    the listeners added with :meth:`on_change` (none: the board is a plain value, as in unit tests).
     """
 
     def __init__(self, id_factory: Callable[[str], str] | None = None, scope: str = "") -> None:
@@ -52,6 +60,16 @@ class NoticeBoard:
         self._scope = scope
         self._by_key: dict[tuple[str, str], Notice] = {}
         self._occurrences: dict[tuple[str, str], int] = {}
+        self._listeners: list[ChangeListener] = []
+
+    def on_change(self, listener: ChangeListener) -> None:
+        self._listeners.append(listener)
+
+    def _tell(self, changes: list[Change], now: datetime) -> list[Change]:
+        if changes:
+            for listener in self._listeners:
+                listener(changes, now)
+        return changes
 
     def active(self) -> tuple[Notice, ...]:
         """Active notices, most urgent first (severity, then earliest deadline, then detection)."""
@@ -107,6 +125,11 @@ class NoticeBoard:
 
     def observe(self, source: str, obs: Observation, now: datetime) -> Change | None:
         """Record that ``source`` sees ``obs`` now; returns the change, or None if clients need not hear."""
+        change = self._observe(source, obs, now)
+        self._tell([change] if change else [], now)
+        return change
+
+    def _observe(self, source: str, obs: Observation, now: datetime) -> Change | None:
         slot = (source, obs.key)
         current = self._by_key.get(slot)
         severity = obs.effective_severity
@@ -148,6 +171,11 @@ class NoticeBoard:
 
     def clear(self, source: str, key: str, now: datetime, reason: str | None = None) -> Change | None:
         """The source no longer sees ``key``; returns the cleared notice, or None if it was not active."""
+        change = self._clear(source, key, now, reason)
+        self._tell([change] if change else [], now)
+        return change
+
+    def _clear(self, source: str, key: str, now: datetime, reason: str | None) -> Change | None:
         notice = self._by_key.pop((source, key), None)
         if notice is None:
             return None
@@ -175,14 +203,14 @@ class NoticeBoard:
             if obs.key in seen:
                 continue
             seen.add(obs.key)
-            change = self.observe(source, obs, now)
+            change = self._observe(source, obs, now)
             if change is not None:
                 changes.append(change)
         for key in sorted(self.keys_of(source) - seen):
-            change = self.clear(source, key, now, "no longer reported")
+            change = self._clear(source, key, now, "no longer reported")
             if change is not None:
                 changes.append(change)
-        return changes
+        return self._tell(changes, now)
 
     def expire(self, now: datetime, grace_for: Callable[[Notice], timedelta | None]) -> list[Change]:
         """Clear notices whose deadline passed more than ``grace_for(notice)`` ago; ``None`` keeps a notice
@@ -193,10 +221,10 @@ class NoticeBoard:
             if grace is None or notice.deadline is None:
                 continue
             if now - notice.deadline >= grace:
-                change = self.clear(notice.source, notice.key, now, "deadline passed")
+                change = self._clear(notice.source, notice.key, now, "deadline passed")
                 if change is not None:
                     changes.append(change)
-        return changes
+        return self._tell(changes, now)
 
     def next_expiry(self, grace_for: Callable[[Notice], timedelta | None]) -> datetime | None:
         """When :meth:`expire` will next have something to do, or None."""

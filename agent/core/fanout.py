@@ -1,18 +1,32 @@
 """The one fan-out: every event the agent emits (a notice raised, updated or cleared; a notice ready) goes
 out here, in a fixed order: to the SSE subscribers first (the hub: encode once, never wait on a client),
-then to the listeners (the actions component's reactors, the advisor), then to the history record. So no
-action can delay a client, and the history holds what the listeners saw.
+then to the listeners in registration order (the state keeper's sequence lease, the actions component's
+reactors, the advisor, the metrics), then to the history record. So no action can delay a client, and the
+history holds what the listeners saw. The fan-out listens to the notice board: a change reaches it with no
+detour through the agent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from agent.core.board import Change
 from agent.core.notice import Event, EventType, Notice, Severity, format_time
 from agent.core.subscribers import Hub
+
+T = TypeVar("T")
+
+
+def call_each(listeners: Iterable[Callable[[T], None]], arg: T, log: Any, failed: str) -> None:
+    """Call every listener with ``arg``; one that raises is logged as ``failed`` and the rest still run (a
+    listener's bug must not keep the event from the others)."""
+    for listener in listeners:
+        try:
+            listener(arg)
+        except Exception as exc:
+            log.error(failed, listener=repr(listener), error=repr(exc))
 
 
 def history_record(event: Event) -> dict[str, Any]:
@@ -25,43 +39,33 @@ def history_record(event: Event) -> dict[str, Any]:
 
 
 class Fanout:
-    def __init__(
-        self,
-        hub: Hub,
-        record: Callable[[dict[str, Any]], None],
-        on_error: Callable[[Callable[[Event], None], Exception], None],
-        log: Any,
-    ) -> None:
+    def __init__(self, hub: Hub, record: Callable[[dict[str, Any]], None], log: Any) -> None:
         self.hub = hub
         self._log = log
         self._record = record
-        self._on_error = on_error
         self._listeners: list[Callable[[Event], None]] = []
 
     def add(self, listener: Callable[[Event], None]) -> None:
         self._listeners.append(listener)
 
-    def emit(
-        self,
-        event_type: EventType,
-        now: datetime,
-        notice: Notice | None = None,
-        data: Mapping[str, Any] | None = None,
-    ) -> Event:
-        event = self.hub.publish(event_type, now, notice=notice, data=data)
-        for listener in self._listeners:
-            try:
-                listener(event)
-            except Exception as exc:  # a listener's bug must not stop the event reaching the others
-                self._on_error(listener, exc)
+    def _send(self, event: Event) -> Event:
+        """After the hub published ``event``: the listeners, then the history."""
+        call_each(self._listeners, event, self._log, "event_listener_failed")
         self._record(history_record(event))
         return event
 
-    def apply(self, changes: list[Change], now: datetime) -> None:
-        """Board changes become events here: each is emitted (as above) and logged once."""
+    def ready(self, notice_id: str, notice: Notice | None, data: Mapping[str, Any], now: datetime) -> Event:
+        """A ``ready`` event for a notice (the ready step), through the same path as the board's changes."""
+        event = self.hub.publish(EventType.READY, now, notice=notice, data={"notice_id": notice_id, **data})
+        self._send(event)
+        self._log.info("notice_ready", notice_id=notice_id, **data)
+        return event
+
+    def changed(self, changes: list[Change], now: datetime) -> None:
+        """The board's listener: each change becomes one event, emitted (as above) and logged once."""
         for change in changes:
-            event = self.emit(change.type, now, notice=change.notice)
             notice = change.notice
+            event = self._send(self.hub.publish(change.type, now, notice=notice))
             name = {EventType.NOTICE: "notice_raised", EventType.UPDATE: "notice_updated"}.get(
                 change.type, "notice_cleared"
             )

@@ -75,7 +75,7 @@ class Hub:
         ring_size: int = 1024,
         max_subscribers: int = 4096,
         start_seq: int = 0,
-        on_overflow: Callable[[Subscriber], None] | None = None,
+        log: Any = None,
     ) -> None:
         self.queue_size = queue_size
         self.max_subscribers = max_subscribers
@@ -83,7 +83,7 @@ class Hub:
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)
         self._subs: dict[int, Subscriber] = {}
         self._ids = itertools.count(1)
-        self._on_overflow = on_overflow
+        self._log = log  # told of every subscriber dropped (the agent's logger)
         self.kicked_total = 0
         self.published_total: dict[str, int] = {}
 
@@ -155,6 +155,12 @@ class Hub:
             if sub.queue.empty():
                 sub.queue.put_nowait(HEARTBEAT)
 
+    async def heartbeats(self, interval_s: Callable[[], float]) -> None:
+        """Send :meth:`heartbeat` every ``interval_s()`` seconds (read each time: a reload may change it)."""
+        while True:
+            await asyncio.sleep(interval_s())
+            self.heartbeat()
+
     def close_all(self) -> None:
         """Ask every stream to finish (shutdown); one that cannot take the request is kicked."""
         for sub in list(self._subs.values()):
@@ -166,6 +172,11 @@ class Hub:
     def _drop(self, sub: Subscriber, reason: str) -> None:
         self._subs.pop(sub.id, None)
         self.kicked_total += 1
-        if self._on_overflow is not None:
-            self._on_overflow(sub)
+        if self._log is not None:
+            self._log.warning(
+                "subscriber_disconnected_slow",
+                subscriber=sub.id,
+                peer=dict(sub.peer),
+                queued=sub.queue.qsize(),
+            )
         sub.kick(reason)

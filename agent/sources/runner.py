@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from agent.core.board import Change, NoticeBoard
+from agent.core.board import NoticeBoard
 from agent.core.notice import Observation
 from agent.core.ports import Tasks
 from agent.core.reports import Report
@@ -36,19 +36,15 @@ class SourceSink:
         self._last_logged = 0.0
         self._suppressed = 0
 
+    # The board hands what changed to its listeners (the fan-out first): nothing to pass on here.
     def replace(self, observations: Iterable[Observation]) -> None:
-        r = self._runner
-        r.apply(r.board.replace_source(self._name, observations, r.now()))
+        self._runner.board.replace_source(self._name, observations, self._runner.now())
 
     def observe(self, obs: Observation) -> None:
-        r = self._runner
-        change = r.board.observe(self._name, obs, r.now())
-        r.apply([change] if change else [])
+        self._runner.board.observe(self._name, obs, self._runner.now())
 
     def clear(self, key: str, reason: str | None = None) -> None:
-        r = self._runner
-        change = r.board.clear(self._name, key, r.now(), reason)
-        r.apply([change] if change else [])
+        self._runner.board.clear(self._name, key, self._runner.now(), reason)
 
     def ok(self, **detail: Any) -> None:
         self._last_error = None
@@ -78,7 +74,6 @@ class SourceRunner:
     def __init__(
         self,
         board: NoticeBoard,
-        apply: Callable[[list[Change]], None],
         now: Callable[[], datetime],
         health: HealthBook,
         tasks: Tasks,
@@ -86,7 +81,6 @@ class SourceRunner:
         identify: Callable[[str, Mapping[str, Any]], None],
     ) -> None:
         self.board = board
-        self.apply = apply
         self.now = now
         self.health = health
         self.tasks = tasks
