@@ -30,8 +30,12 @@ def drain_reason(notice: Notice) -> str:
 class Bridge(Protocol):
     """What the collector reads of a bridge: its outcome counts and why it is degraded (None: it is not)."""
 
-    counts: Counter[tuple[str, str]]
-    degraded: str | None
+    # Read-only: the collector only reads them (an attribute or a property will do).
+    @property
+    def counts(self) -> Counter[tuple[str, str]]: ...
+
+    @property
+    def degraded(self) -> str | None: ...
 
 
 class BridgeCollector:
