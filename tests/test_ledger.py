@@ -562,3 +562,23 @@ async def test_a_held_database_delays_the_writer_not_the_agent(base: Path) -> No
     finally:
         await week.stop()
     assert (200, "ok", 2) == (status, doc["ledger"]["state"], after["total"]["checkpoints"])
+
+
+async def test_a_flush_says_its_tier_and_the_notices_their_source_and_lead(base: Path) -> None:
+    """A flush reported with `flush.tier` keeps it; the notices are counted by source with their lead time."""
+    week = Week(base)
+    await week.start()
+    try:
+        week.at(0)
+        await week.register("A", 100, 0)
+        nid = await week.drill(90)
+        await week.checkpoint("A", 100, 5, 2.0, 10, 0, emergency=True, notice_id=nid, flush={"tier": "peer"})
+        week.at(1)
+        doc = await report(week.socket, "--drills")
+    finally:
+        await week.stop()
+    assert (["peer"], {"drill": 1}, 90.0) == (
+        [f["tier"] for f in doc["flushes"]],
+        doc["notices"]["by_source"],
+        doc["notices"]["lead_s"]["max"],
+    )

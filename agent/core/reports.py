@@ -161,6 +161,8 @@ _FLUSH_KEYS: dict[str, type] = {
     "async": str,
     # A failed emergency save: the earlier committed step the notice was handled with instead.
     "fallback_step": int,
+    # Where the flush went ("durable", "peer": the RAM tiers of other hosts); the ledger reports it.
+    "tier": str,
 }
 
 

@@ -104,6 +104,7 @@ class LedgerComponent:
     async def start(self) -> None:
         host = self._require()
         assert self._writer is not None
+        await asyncio.to_thread(self._writer.open)
         self._writer.start()
         self._task = host.tasks.spawn(self._loop(), "ledger")
 

@@ -163,8 +163,10 @@ def build_report(
     flushes, resumes = total.flushes, total.resumes
     leads = [n.lead_s for n in notices if n.lead_s is not None and (rules.drills or not n.drill)]
     kinds: dict[str, int] = {}
+    sources: dict[str, int] = {}
     for notice in notices:
         kinds[notice.kind] = kinds.get(notice.kind, 0) + 1
+        sources[notice.source] = sources.get(notice.source, 0) + 1
     return {
         "schema": REPORT_SCHEMA,
         "source": source,
@@ -176,6 +178,7 @@ def build_report(
             "total": len(notices),
             "drills": sum(1 for n in notices if n.drill),
             "by_kind": kinds,
+            "by_source": sources,
             "lead_s": {
                 "min": rounded(min(leads)) if leads else None,
                 "median": rounded(statistics.median(leads)) if leads else None,

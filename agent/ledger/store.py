@@ -154,11 +154,11 @@ def _report(row: dict[str, Any]) -> ReportFact:
 
 class Writer:
     """The one thread that writes the ledger: the agent's loop only queues facts (never blocks on the
-    disk). The file is opened on this thread too, so a damaged one is moved aside without holding the loop.
+    disk). :meth:`open` runs on a worker thread too, so a damaged file is moved aside without holding the loop.
 
-    ``on_open(moved_to, error)`` is called on this thread once the file is open (``moved_to``: where a damaged
-    file went, or None); ``on_error(error)`` when a write fails (the facts of that batch are lost, the
-    ledger keeps going)."""
+    ``on_open(moved_to, error)`` is called once the file is open (``moved_to``: where a damaged file went, or
+    None); ``on_error(error)`` when opening or a write fails (the facts of that batch are lost, the ledger
+    keeps going)."""
 
     def __init__(
         self,
@@ -175,10 +175,23 @@ class Writer:
         self._on_error = on_error
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="preemptd-ledger", daemon=True)
+        self._conn: sqlite3.Connection | None = None
         self.written = 0
         self.failures = 0
 
+    def open(self) -> None:
+        """Open the file (moving a damaged one aside) and prune it. Blocking: the agent calls it on a worker
+        thread while it starts, so what it logs comes before the agent serves. A failure is reported to
+        ``on_error`` and leaves the writer without a database (facts are dropped, barriers answered)."""
+        try:
+            self._conn = self._open()
+        except (OSError, sqlite3.Error, LedgerCorrupt) as exc:
+            self._on_error(f"cannot open {self.path}: {exc}")
+            return
+        self._prune(self._conn)
+
     def start(self) -> None:
+        """Write on the writer thread from now on (after :meth:`open`)."""
         self._thread.start()
 
     def put(self, fact: NoticeFact | ReportFact) -> None:
@@ -210,14 +223,11 @@ class Writer:
         return conn
 
     def _run(self) -> None:
-        try:
-            conn = self._open()
-        except (OSError, sqlite3.Error, LedgerCorrupt) as exc:
-            self._on_error(f"cannot open {self.path}: {exc}")
+        conn = self._conn
+        if conn is None:
             self._drain_without_db()
             return
         try:
-            self._prune(conn)
             stop = False
             while not stop:
                 batch = [self._queue.get()]
