@@ -93,3 +93,9 @@ def test_drills_count_only_when_asked() -> None:
 def test_a_notice_whose_deadline_is_still_ahead_is_not_counted_yet() -> None:
     t = tally([rep(0, step=1)], [notice(1.0, 5.0)], now_h=2.0)
     assert 0 == t.announced
+
+
+def test_a_job_begins_when_its_first_checkpoint_began() -> None:
+    """The first report is a checkpoint finished at 1 h that took 30 minutes: the job was there from 0.5 h."""
+    t = tally([rep(1, step=1, duration_s=1800.0), rep(2, step=2, duration_s=1800.0)], [])
+    assert (1.5, 1.0) == (t.job_hours, t.checkpoint_gpu_hours)

@@ -126,7 +126,9 @@ def figures(t: Tally, prices: Prices | None) -> dict[str, Any]:
         "redone_gpu_hours": rounded(t.redone_gpu_hours, 4),
         "restart_gpu_hours": rounded(t.restart_gpu_hours, 4),
         "steps_redone": t.steps_redone,
-        "goodput": rounded(1.0 - lost_hours / t.gpu_hours, 4) if t.gpu_hours > 0 else None,
+        # Clients whose reported durations overlap (longer than the time between their reports) would
+        # make it negative: 0 then.
+        "goodput": rounded(max(0.0, 1.0 - lost_hours / t.gpu_hours), 4) if t.gpu_hours > 0 else None,
         "notice_benefit": notice_benefit(t),
         "cost": cost(t, prices) if prices is not None else {"missing": ["cost"]},
     }

@@ -174,6 +174,8 @@ def tally_job(
             best = report.step
         reached.append(best)
     checkpoints = _checkpoints(reports)
+    # A checkpoint is reported when it finished: the job was there since it began.
+    first = min([first] + [c.end - c.duration_s for c in checkpoints])
     ends = [c.end for c in checkpoints]
     periodic = [c for c in checkpoints if not c.emergency]
     emergency_reports = [
