@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.metadata
 import pkgutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any
 import structlog
 
 from agent.config.tables import Discovered, add_discovery
+from agent.core.entry_points import entry_points
 from agent.core.errors import ConfigError
 from agent.core.notice import Event
 from agent.core.ports import Host, Reactor, ReactorFactory
@@ -91,7 +91,7 @@ def _bridge_modules() -> list[Found]:
 
 def _entry_points() -> list[Found]:
     found: list[Found] = []
-    for point in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name):
+    for point in entry_points(ENTRY_POINT_GROUP):
         origin = f"entry point {point.value}"
         try:
             factory = point.load()
@@ -196,24 +196,22 @@ class ReactorSet:
                 )
 
     def on_report(self, report: Report) -> None:
-        for reactor in self._active:
-            on_report = getattr(reactor, "on_report", None)
-            if on_report is None:
-                continue
-            try:
-                on_report(report)
-            except Exception as exc:
-                log.error("reactor_failed", reactor=reactor.name, report=report.phase, error=repr(exc))
+        self._each_optional("on_report", report, report=report.phase)
 
     def on_subscriber(self, peer: Mapping[str, Any]) -> None:
+        self._each_optional("on_subscriber", peer, subscriber=dict(peer))
+
+    def _each_optional(self, hook: str, arg: Any, **context: Any) -> None:
+        """Call the optional ``hook(arg)`` of every reactor that has one; a failure is logged with
+        ``context`` and the others are still called."""
         for reactor in self._active:
-            on_subscriber = getattr(reactor, "on_subscriber", None)
-            if on_subscriber is None:
+            method = getattr(reactor, hook, None)
+            if method is None:
                 continue
             try:
-                on_subscriber(peer)
+                method(arg)
             except Exception as exc:
-                log.error("reactor_failed", reactor=reactor.name, subscriber=dict(peer), error=repr(exc))
+                log.error("reactor_failed", reactor=reactor.name, **context, error=repr(exc))
 
     def refusal(self, report: Report, privileged: bool) -> tuple[int, str] | None:
         """The first reactor's reason to refuse ``report`` (its optional ``refusal(report, privileged)``),
