@@ -10,6 +10,7 @@ import io
 import json
 import math
 import re
+import signal
 import sqlite3
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -24,7 +25,7 @@ from agent.client.reporting import Reporter, client_info
 from agent.core.errors import ConfigError
 from agent.ledger.component import LedgerComponent
 from agent.service.daemon import Agent
-from tests.support import agent_config, http_json, short_tmp
+from tests.support import AgentProcess, agent_config, http_json, short_tmp
 
 H = 3600.0
 T0 = datetime(2026, 11, 2, tzinfo=timezone.utc)
@@ -582,3 +583,25 @@ async def test_a_flush_says_its_tier_and_the_notices_their_source_and_lead(base:
         doc["notices"]["by_source"],
         doc["notices"]["lead_s"]["max"],
     )
+
+
+async def test_a_killed_agent_keeps_what_it_had_written(base: Path) -> None:
+    """The agent process is killed (SIGKILL) after a report was written: the next agent reports it."""
+    proc = AgentProcess(base)
+    await proc.start()
+    try:
+        status, _ = await http_json(
+            proc.socket_path,
+            "POST",
+            "/v1/reports",
+            {"kind": "checkpoint", "phase": "finished", "step": 3, "duration_s": 1.0, "client": {"job": "K"}},
+        )
+        await report(proc.socket_path)  # answered once the report is in the database
+        await proc.stop(signal.SIGKILL)
+        seen = len(proc.notifications)
+        await proc.start(wait_ready=False)
+        await proc.wait_notification("READY=1", after=seen)
+        doc = await report(proc.socket_path, "--job", "K")
+    finally:
+        await proc.stop()
+    assert (202, 1) == (status, doc["jobs"]["K"]["checkpoints"])
