@@ -605,3 +605,15 @@ async def test_a_killed_agent_keeps_what_it_had_written(base: Path) -> None:
     finally:
         await proc.stop()
     assert (202, 1) == (status, doc["jobs"]["K"]["checkpoints"])
+
+
+def test_a_writer_stopped_before_it_started_stops_at_once(tmp_path: Path) -> None:
+    """The agent may stop during its start, before the ledger's thread runs: closing returns at once."""
+    from agent.ledger import store
+
+    errors: list[str] = []
+    writer = store.Writer(
+        tmp_path / "l.sqlite", 86400.0, lambda: T0, lambda moved, error: None, errors.append
+    )
+    writer.open()
+    assert (True, []) == (writer.close(1.0), errors)

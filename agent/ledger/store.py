@@ -206,6 +206,11 @@ class Writer:
 
     def close(self, timeout: float) -> bool:
         """Write what is queued and stop, waiting up to ``timeout``; False if the thread is still busy."""
+        if self._thread.ident is None:  # never started (the agent stopped during its start): nothing queued
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            return True
         self._queue.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
