@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime, timezone
 
+import structlog
+from structlog.testing import capture_logs
+
 from agent.core.notice import EventType
 from agent.core.subscribers import CLOSE, HEARTBEAT, Hub
 
@@ -83,6 +86,38 @@ async def test_heartbeat_goes_only_to_idle_subscribers() -> None:
     busy.queue.put_nowait(b"x")
     hub.heartbeat()
     assert (1, 1, HEARTBEAT) == (idle.queue.qsize(), busy.queue.qsize(), idle.queue.get_nowait())
+
+
+async def test_the_heartbeat_loop_reads_its_interval_each_time() -> None:
+    """A reload that changes api.heartbeat_s applies from the next beat: the loop asks for the interval
+    before each wait."""
+    hub = Hub()
+    sub = hub.subscribe()
+    asked: list[int] = []
+
+    def interval() -> float:
+        asked.append(1)
+        return 0.0
+
+    beats = asyncio.create_task(hub.heartbeats(interval))
+    try:
+        first = await asyncio.wait_for(sub.queue.get(), 10)
+        second = await asyncio.wait_for(sub.queue.get(), 10)
+    finally:
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+    assert ((HEARTBEAT, HEARTBEAT), True) == ((first, second), len(asked) >= 2)
+
+
+async def test_a_dropped_subscriber_is_logged_with_its_peer() -> None:
+    with capture_logs() as logs:
+        hub = Hub(queue_size=1, log=structlog.get_logger())
+        slow = hub.subscribe({"pid": 42})
+        hub.publish(EventType.READY, T0)
+        hub.publish(EventType.READY, T0)
+    assert [("subscriber_disconnected_slow", slow.id, {"pid": 42}, 1)] == [
+        (e["event"], e["subscriber"], e["peer"], e["queued"]) for e in logs
+    ]
 
 
 async def test_close_all_asks_every_stream_to_finish() -> None:
