@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from agent.config.loader import (
     merge,
     parse_value,
     read_toml,
+    type_hints,
     where,
 )
 from agent.config.tables import (
@@ -302,7 +302,7 @@ def load_config(
     merge(merged, env_table(environ, ENV_PREFIX, Config), origin, "environment")
     merge(merged, dotted_to_nested(overrides or {}), origin, "command line")
     merged.pop("config_file", None)
-    hints = typing.get_type_hints(Config)
+    hints = type_hints(Config)
     core = {name: dataclasses.is_dataclass(hints[name]) for name in field_names(Config)}
     found = known()
     plugins = {name: item for name, item in found.declared.items() if name not in core}
@@ -314,13 +314,21 @@ def load_config(
         merged, dataclasses.replace(found, declared=plugins), core, extensible, lambda n: where(origin, n)
     )
     config: Config = build(Config, merged, "", origin)
-    built = {
-        name: build(item.schema, tables.get(name, {}), name + ".", origin) for name, item in plugins.items()
-    }
+    built = {name: _table(item.schema, name, tables, origin) for name, item in plugins.items()}
     loaded_from = file_path if file_path.exists() else None
     return dataclasses.replace(
         config, config_file=loaded_from, tables=tables, built=built, origins=dict(origin)
     )
+
+
+def _table(schema: type[Any], name: str, tables: Mapping[str, Any], origin: Mapping[str, str]) -> Any:
+    """A declared table as loaded; its defaults (as cheap as a constructor call) when it was not set."""
+    if name not in tables:
+        try:
+            return schema()
+        except TypeError:  # a key without a default: the loader says which
+            pass
+    return build(schema, tables.get(name, {}), name + ".", origin)
 
 
 def parse_setting(text: str) -> tuple[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import stat
@@ -198,6 +199,13 @@ def merge(
             origin[dotted] = where
 
 
+@functools.lru_cache(maxsize=256)
+def type_hints(cls: type) -> dict[str, Any]:
+    """``cls``'s annotations, evaluated (with ``Annotated`` kept): once per class, as a file is loaded often
+    (each reload, and many times in tests) and evaluating string annotations dominates its cost."""
+    return typing.get_type_hints(cls, include_extras=True)
+
+
 def field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
 
@@ -268,7 +276,7 @@ def _prepare(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> A
 def _prepare_table(cls: Any, table: Any, dotted: str, origin: Mapping[str, str]) -> dict[str, Any]:
     if not isinstance(table, Mapping):
         raise fail(origin, dotted, "a table", table)
-    hints = typing.get_type_hints(cls, include_extras=True)
+    hints = type_hints(cls)
     names = field_names(cls)
     prefix = f"{dotted}." if dotted else ""
     for key in table:
@@ -293,7 +301,7 @@ def _translate(message: str, cls: Any, table: Any, dotted: str, origin: Mapping[
     for name, index in re.findall(r"\.(\w+)|\[(\d+|\.\.\.)\]", at["path"]):
         hint = _unwrap(hint)
         if name:
-            hint, value = typing.get_type_hints(hint, include_extras=True)[name], value[name]
+            hint, value = type_hints(hint)[name], value[name]
             dotted = f"{dotted}.{name}" if dotted else name
         elif index == "...":  # a dict's value; msgspec does not say which: the first that fails
             item = typing.get_args(hint)[1]

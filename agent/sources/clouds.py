@@ -16,7 +16,6 @@ is found, so ``cloud = "<name>"`` is accepted and its table checked when the fil
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import pkgutil
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import structlog
 
 from agent.config import Config, Discovered, add_discovery, register_table, unregister_table
 from agent.config.loader import field_names
+from agent.core.entry_points import entry_points
 from agent.sources.base import Source
 
 ENTRY_POINT_GROUP = "preemptd.clouds"
@@ -91,7 +91,7 @@ def _in_tree() -> list[tuple[str, CloudSpec | None, str]]:
 
 def _entry_points() -> list[tuple[str, CloudSpec | None, str]]:
     found: list[tuple[str, CloudSpec | None, str]] = []
-    for point in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name):
+    for point in entry_points(ENTRY_POINT_GROUP):
         origin = f"entry point {point.value}"
         try:
             spec = point.load()
