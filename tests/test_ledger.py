@@ -617,3 +617,17 @@ def test_a_writer_stopped_before_it_started_stops_at_once(tmp_path: Path) -> Non
     )
     writer.open()
     assert (True, []) == (writer.close(1.0), errors)
+
+
+async def test_a_reload_applies_new_prices(base: Path) -> None:
+    """SIGHUP (Agent.reload) with new [cost] prices: the next report uses them."""
+    settings: dict[str, Any] = {"log_level": "error"}
+    agent = Agent(agent_config(base, settings), reload_config=lambda: agent_config(base, settings))
+    await agent.start()
+    try:
+        settings.update({"cost.spot_per_gpu_hour": 1.0, "cost.on_demand_per_gpu_hour": 2.0})
+        await agent.reload()
+        doc = await report(agent.config.socket)
+    finally:
+        await agent.stop()
+    assert 0.5 == doc["total"]["cost"]["list_discount"]

@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from agent.core.errors import ConfigError
 from agent.core.notice import Event, format_time
 from agent.core.ports import ConfigView, Handler, Tasks
 from agent.core.reports import Report
@@ -115,6 +116,19 @@ class LedgerComponent:
             self._task = None
         if self._writer is not None and not await asyncio.to_thread(self._writer.close, STOP_TIMEOUT_S):
             host.log.warning("ledger_stop_slow", path=str(self._path), waited_s=STOP_TIMEOUT_S)
+
+    async def reload(self, config: ConfigView) -> None:
+        """SIGHUP: new prices and counting rules (the file stays where it is until a restart); a prices file
+        that cannot be read keeps the old ones."""
+        host = self._require()
+        try:
+            ledger = config.table("ledger", LedgerConfig)
+            cost = await asyncio.to_thread(lambda: config.table("cost", CostConfig).merged())
+        except ConfigError as exc:
+            host.log.error("ledger_reload_failed", error=str(exc), effect="keeping the prices and rules")
+            return
+        self._prices = prices_of(cost)
+        self._rules = Rules(interrupting_kinds=ledger.interrupting_kinds, active_s=ledger.active_s)
 
     def _require(self) -> LedgerHost:
         if self._host is None:
