@@ -55,3 +55,14 @@ async def test_ledger_rules_and_the_cost_row_read_only_what_the_agent_exports() 
     wanted = {name for expr in exprs for name in metric_names(expr)}
     used_records = {name for expr in cost_row_exprs() for name in re.findall(r"\bpreemptd:[a-z0-9_:]+", expr)}
     assert (set(), set(), True) == (wanted - names, used_records - recorded, len(wanted) >= 5)
+
+
+def test_the_ledger_prometheusrule_says_what_the_rules_file_says() -> None:
+    yaml = pytest.importorskip("yaml")
+    rule = yaml.safe_load((MONITORING / "kubernetes" / "prometheusrule-ledger.yaml").read_text())
+    kustomization = yaml.safe_load((MONITORING / "kubernetes" / "kustomization.yaml").read_text())
+    assert ("PrometheusRule", yaml.safe_load(LEDGER_RULES.read_text())["groups"], True) == (
+        rule["kind"],
+        rule["spec"]["groups"],
+        "prometheusrule-ledger.yaml" in kustomization["resources"],
+    )
