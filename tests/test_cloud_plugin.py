@@ -16,6 +16,7 @@ import pytest
 
 from agent.config import load_config
 from agent.core.errors import ConfigError
+from agent.simulate import SIMULATORS
 from agent.sources import clouds
 from tests.cloud_harness import QUIET, closed_port_url, status_until
 from tests.support import REPO, AgentProcess, SSEClient, running_agent
@@ -131,6 +132,13 @@ def test_a_registered_cloud_is_a_value_of_cloud_and_its_table_is_checked_at_load
     )
 
 
+def test_every_built_in_cloud_names_the_simulator_that_simulate_finds_for_it() -> None:
+    specs = clouds.clouds()
+    assert {name: SIMULATORS[name] for name in BUILTIN} == {
+        name: specs[name].simulator_class() for name in BUILTIN
+    }
+
+
 def test_the_registered_cloud_comes_after_the_built_in_ones_in_detection_order(acme: Any) -> None:
     assert [*BUILTIN, "acme"] == list(clouds.clouds())
 
@@ -182,10 +190,11 @@ async def test_an_installed_entry_point_cloud_is_found_by_its_probe(base: Path, 
     module = write_plugin(plugin_dir, entry_point=True)
     sys.path.insert(0, str(plugin_dir))
     try:
-        simulator = importlib.import_module(module).AcmeSimulator
+        simulator = importlib.import_module(module).SPEC.simulator_class()
     finally:
         sys.path.remove(str(plugin_dir))
         sys.modules.pop(module, None)
+    assert simulator is not None
     async with simulator() as sim:
         args = ["--cloud", "auto", "--set", f"detect.dmi_dir={str(base / 'absent')!r}"]
         for cloud in BUILTIN:

@@ -19,7 +19,7 @@ import importlib
 import pkgutil
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -31,6 +31,9 @@ from agent.sources.base import Source
 ENTRY_POINT_GROUP = "preemptd.clouds"
 SOURCES_PACKAGE = "agent.sources"
 SPEC_NAME = "CLOUD"
+
+if TYPE_CHECKING:
+    from agent.simulate.base import Simulator
 
 log = structlog.get_logger("preemptd.sources.clouds")
 
@@ -57,6 +60,14 @@ class CloudSpec:
 
     def source(self, config: Config) -> Source:
         return self.factory(self.table(config))
+
+    def simulator_class(self) -> type[Simulator] | None:
+        """The simulator named by ``simulator`` (imported now: simulators are for tests and rehearsals)."""
+        if not self.simulator:
+            return None
+        module, _, name = self.simulator.partition(":")
+        found: type[Simulator] = getattr(importlib.import_module(module), name)
+        return found
 
 
 _registered: dict[str, CloudSpec] = {}
