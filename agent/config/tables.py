@@ -100,9 +100,8 @@ def take_tables(
 ) -> dict[str, dict[str, Any]]:
     """Take the declared tables, and every other table under an ``extensible`` section (mapped to the keys
     of its own), out of ``merged`` (by dotted name). ``core`` maps the top-level keys to whether each is a
-    table. A top-level table that is neither ``core`` nor declared,
-    and a table under a closed family that is neither declared nor read unchecked, is a ConfigError with a
-    "did you mean"."""
+    table. A top-level table that is neither ``core`` nor declared, and a table under a closed family that is
+    neither declared nor read unchecked, is a ConfigError with a "did you mean"."""
     tables: dict[str, dict[str, Any]] = {}
     for name in sorted(known.declared, key=lambda n: -n.count(".")):  # the deepest first
         *path, last = name.split(".")
