@@ -43,7 +43,7 @@ class Week:
         self.clock[0] = T0 + timedelta(hours=hours)
 
     async def start(self) -> None:
-        self.agent = Agent(agent_config(self.base, {"log_level": "error"}), clock=lambda: self.clock[0])
+        self.agent = Agent(agent_config(self.base), clock=lambda: self.clock[0])
         await self.agent.start()
 
     async def stop(self) -> None:
@@ -456,7 +456,7 @@ def test_old_facts_are_pruned_past_the_retention(tmp_path: Path) -> None:
 
 async def test_the_agents_cost_table_prices_the_report(base: Path) -> None:
     """Prices set in the agent's [cost] table reach `preemptd report` through the socket."""
-    settings = {"log_level": "error", "cost.spot_per_gpu_hour": 1.0, "cost.on_demand_per_gpu_hour": 4.0}
+    settings = {"cost.spot_per_gpu_hour": 1.0, "cost.on_demand_per_gpu_hour": 4.0}
     agent = Agent(agent_config(base, settings))
     await agent.start()
     try:
@@ -621,7 +621,7 @@ def test_a_writer_stopped_before_it_started_stops_at_once(tmp_path: Path) -> Non
 
 async def test_a_reload_applies_new_prices(base: Path) -> None:
     """SIGHUP (Agent.reload) with new [cost] prices: the next report uses them."""
-    settings: dict[str, Any] = {"log_level": "error"}
+    settings: dict[str, Any] = {}
     agent = Agent(agent_config(base, settings), reload_config=lambda: agent_config(base, settings))
     await agent.start()
     try:

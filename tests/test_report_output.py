@@ -16,7 +16,7 @@ from tests.support import http_json, running_agent, short_tmp
 
 async def report_with(tmp_path: Path, *flags: str) -> tuple[int, str, str]:
     """Run the verb against a real agent holding one job's checkpoints."""
-    async with running_agent(short_tmp("pd-report-"), settings={"log_level": "error"}) as agent:
+    async with running_agent(short_tmp("pd-report-")) as agent:
         for step in (1, 2):
             body = {
                 "kind": "checkpoint",
@@ -85,7 +85,7 @@ async def test_text_names_the_job_its_gpus_and_its_checkpoints(tmp_path: Path) -
 
 async def test_a_bad_window_is_refused_by_the_agent_with_the_reason() -> None:
     """GET /v1/ledger?since_s=abc answers 400 naming the parameter; the agent keeps running."""
-    async with running_agent(short_tmp("pd-report-"), settings={"log_level": "error"}) as agent:
+    async with running_agent(short_tmp("pd-report-")) as agent:
         status, body = await http_json(agent.config.socket, "GET", "/v1/ledger?since_s=abc")
         again, _ = await http_json(agent.config.socket, "GET", "/v1/ledger?since_s=60")
     assert (400, True, 200) == (status, "since_s" in body["error"], again)
