@@ -106,9 +106,8 @@ class DetectingSource(Source):
         self.inner: Source | None = None
 
     def capabilities(self) -> Mapping[str, Callable[..., Any]]:
-        # Only once probing found a cloud that offers it (Azure): before that, nothing can be acknowledged.
-        offered = self.inner.capabilities() if self.inner is not None else {}
-        return {AZURE_ACK: self.acknowledge} if AZURE_ACK in offered else {}
+        # What the detected cloud's source offers (Azure: AZURE_ACK); nothing while probing.
+        return self.inner.capabilities() if self.inner is not None else {}
 
     def status(self) -> Mapping[str, Any]:
         doc: dict[str, Any] = {"detected": self.detected, "method": "probe", "dmi": self.dmi}
