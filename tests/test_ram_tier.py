@@ -19,6 +19,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from agent.cli.render import format_status
+from agent.core.errors import ConfigError
 from agent.ramtier import RamTierComponent, RamTierConfig
 from agent.service.daemon import Agent
 from tests.support import agent_config, http_json, running_agent
@@ -34,12 +35,12 @@ async def tier_agent(
     **settings: Any,
 ) -> AsyncIterator[tuple[Agent, RamTierComponent]]:
     """A real agent whose RAM tier lives in ``base/ram`` (not /dev/shm), read back before it is used."""
-    settings = {"enabled": True, "path": base / "ram", "cap_bytes": 1 << 20, **settings}
-    tier = RamTierComponent(RamTierConfig(**settings))
-    config = agent_config(base, agent_settings)
-    agent = Agent(config, components=[tier], **({"clock": clock} if clock else {}))
+    table = {"enabled": True, "path": str(base / "ram"), "cap_bytes": 1 << 20, **settings}
+    config = agent_config(base, {**{f"ram_tier.{k}": v for k, v in table.items()}, **(agent_settings or {})})
+    agent = Agent(config, **({"clock": clock} if clock else {}))
     await agent.start()
     try:
+        tier = next(c for c in agent.components if isinstance(c, RamTierComponent))
         await asyncio.wait_for(tier.loaded.wait(), 30)
         yield agent, tier
     finally:
@@ -52,18 +53,21 @@ def write_step(
     files: Mapping[str, bytes],
     job: str = JOB,
     sizes: Mapping[str, int] | None = None,
+    world_size: int = 1,
 ) -> None:
-    """What a client writes: the files, then ``tier.json`` last (``sizes`` overrides what it says)."""
+    """What a client writes: the files, then ``tier.json`` last (``sizes`` overrides what it says). A file's
+    rank is the one DCP names it after (``__<rank>_0.distcp``; 0 for ``.metadata``)."""
     listed = {}
-    for rank, (name, data) in enumerate(files.items()):
+    for name, data in files.items():
         (path / name).write_bytes(data)
         size = (sizes or {}).get(name, len(data))
+        rank = int(name[2:].split("_")[0]) if name.startswith("__") else 0
         listed[name] = {"size": size, "crc32": zlib.crc32(data), "rank": rank}
     doc = {
         "job": job,
         "step": step,
         "run": 1,
-        "world_size": max(1, len(files)),
+        "world_size": world_size,
         "files": listed,
         "complete": True,
         "time": "2026-12-03T21:00:00Z",
@@ -86,6 +90,22 @@ async def put_step(agent: Agent, step: int, files: Mapping[str, bytes], job: str
     return await http_json(
         sock, "POST", f"/v1/ram-tier/jobs/{job}/steps/{step}/commit", {"reservation": body["reservation"]}
     )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("cap_fraction", 2, "key 'ram_tier.cap_fraction': expected a fraction above 0 and at most 1, got 2"),
+        ("path", "shm/tier", "ram_tier.path must be an absolute path"),
+        ("cap_bytes", -1, "key 'ram_tier.cap_bytes': expected a number of bytes, 0 or more, got -1"),
+    ],
+)
+def test_a_bad_ram_tier_value_is_refused_when_the_configuration_loads(
+    base: Path, key: str, value: Any, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        agent_config(base, {f"ram_tier.{key}": value}).table("ram_tier", RamTierConfig)
+    assert expected in str(caught.value)
 
 
 async def test_a_disabled_tier_answers_404_saying_how_to_turn_it_on(base: Path) -> None:
@@ -336,7 +356,7 @@ async def test_a_path_that_is_not_tmpfs_is_used_with_a_not_ram_warning(base: Pat
 async def test_a_path_that_cannot_be_written_leaves_the_agent_serving_and_says_why(base: Path) -> None:
     (base / "file").write_text("not a directory")
     with capture_logs() as logs:
-        async with tier_agent(base, path=base / "file" / "ram") as (agent, _):
+        async with tier_agent(base, path=str(base / "file" / "ram")) as (agent, _):
             status, body = await http_json(agent.config.socket, "GET", "/v1/ram-tier")
             alive, doc = await http_json(agent.config.socket, "GET", "/v1/status")
     assert (503, 200, "unavailable") == (status, alive, doc["ram_tier"]["state"])

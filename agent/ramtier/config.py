@@ -9,6 +9,7 @@ from typing import Annotated
 from msgspec import Meta
 
 from agent.config import NonNegative
+from agent.config.tables import register_table
 from agent.core.errors import ConfigError
 
 Fraction = Annotated[float, Meta(gt=0, le=1, description="a fraction above 0 and at most 1")]
@@ -36,3 +37,6 @@ class RamTierConfig:
                 f"ram_tier.path must be an absolute path (a directory on tmpfs such as /dev/shm/preemptd), "
                 f"got {str(self.path)!r}"
             )
+
+
+register_table("ram_tier", RamTierConfig)

@@ -13,3 +13,4 @@ from __future__ import annotations
 import agent.actions.registry  # noqa: F401
 import agent.sources.clouds  # noqa: F401
 from agent.ledger import config as ledger_tables  # noqa: F401
+from agent.ramtier import config as ram_tier_tables  # noqa: F401
