@@ -6,6 +6,9 @@ them (issue 24), its inventory rebuilt from the directory at start, its cap, its
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from agent.ramtier.config import RamTierConfig
+from agent.ramtier.drains import Drains
 from agent.ramtier.holdings import Holdings
 from agent.ramtier.inventory import Root, Scan, TierError, prepare_root, remove_tree, scan, step_dir
 from agent.ramtier.ports import RamTierHost
@@ -37,6 +41,8 @@ class RamTierComponent:
         # Set once the inventory is read back (or the tier found unusable): tests and tools wait on it.
         self.loaded = asyncio.Event()
         self._load: asyncio.Task[Any] | None = None
+        self.drains: Drains | None = None
+        self._drain: asyncio.Task[Any] | None = None
 
     @property
     def config(self) -> RamTierConfig:
@@ -57,6 +63,14 @@ class RamTierComponent:
         if self._config is None:
             self._config = host.config.table("ram_tier", RamTierConfig)
         self.holdings = Holdings(0, self.config.reservation_ttl_s)
+        self.drains = Drains(
+            self.holdings,
+            lambda: self.root.path if self.root else None,
+            self.host_id,
+            self.config.drain_rate_mb_s,
+            host.log,
+            self._superseded,
+        )
         self.state = "loading" if self.config.enabled else "off"
         for method, path, handler in routes(self):
             host.add_route(method, path, handler)
@@ -68,11 +82,14 @@ class RamTierComponent:
             self.loaded.set()
             return
         self._load = self.host.tasks.spawn(self._read_back(), "ram-tier-load")
+        if self.drains is not None:
+            self._drain = self.host.tasks.spawn(self.drains.run(), "ram-tier-drain")
 
     async def stop(self) -> None:
-        if self._load is not None:
-            await self.host.tasks.cancel(self._load, timeout=1.0)
-            self._load = None
+        for task in (self._drain, self._load):
+            if task is not None:
+                await self.host.tasks.cancel(task, timeout=1.0)
+        self._load = self._drain = None
 
     async def _read_back(self) -> None:
         log = self.host.log
@@ -152,6 +169,31 @@ class RamTierComponent:
                 await asyncio.to_thread(remove_tree, step_dir(self.root.path, *key))
         return self.root
 
+    def host_id(self) -> str:
+        """This host's name among the hosts that drain one step: its host name and where its tier lives (the
+        tests run several simulated hosts on one machine)."""
+        where = hashlib.sha256(str(self.config.path).encode()).hexdigest()[:8]
+        return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] + "-" + where
+
+    def drain(self, job: str, step: int, durable_root: str) -> None:
+        if self.drains is not None:
+            self.drains.request(job, step, durable_root)
+
+    def forget_drains(self, job: str, step: int | None) -> None:
+        if self.drains is not None:
+            self.drains.forget(job, step)
+
+    async def _superseded(self, job: str, step: int) -> None:
+        """A durable step ``step`` of ``job`` exists now: the RAM copies of its older steps are of no use."""
+        if self.root is None:
+            return
+        for record in [r for r in self.holdings.steps_of(job) if r.step < step]:
+            self.holdings.forget(job, record.step)
+            await asyncio.to_thread(remove_tree, step_dir(self.root.path, job, record.step))
+            self.host.log.info(
+                "ram_tier_freed", job=job, step=record.step, bytes=record.bytes, why=f"step {step} is durable"
+            )
+
     # ----- status and metrics -----
 
     def summary(self) -> dict[str, Any]:
@@ -180,6 +222,9 @@ class RamTierComponent:
             refusals=self.holdings.refusals,
             removed_steps=self.removed,
         )
+        if self.drains is not None:
+            doc["drains"] = {f"{j}/{s}": d.to_json() for (j, s), d in sorted(self.drains.records.items())}
+            doc["drained_bytes"] = self.drains.drained_bytes
         return doc
 
 
@@ -225,6 +270,19 @@ class RamTierCollector:
             "Reservations and commits refused because the tier was full",
             value=holdings.refusals,
         )
+        if tier.drains is not None:
+            yield CounterMetricFamily(
+                "preemptd_ram_tier_drained_bytes",
+                "Bytes copied from the RAM tier into durable roots",
+                value=tier.drains.drained_bytes,
+            )
+            drains = GaugeMetricFamily(
+                "preemptd_ram_tier_drains", "Drains of RAM-tier steps by state", labels=["state"]
+            )
+            for state in ("queued", "copying", "waiting", "committed", "failed"):
+                count = sum(1 for d in tier.drains.records.values() if d.state == state)
+                drains.add_metric([state], float(count))
+            yield drains
         yield CounterMetricFamily(
             "preemptd_ram_tier_removed_steps",
             "Incomplete or damaged steps removed when the tier was read back",

@@ -19,6 +19,7 @@ class Reservation:
     bytes: int
     uid: int
     expires: datetime
+    durable_root: str | None = None
 
 
 class Holdings:
@@ -60,10 +61,12 @@ class Holdings:
             cap_bytes=self.cap_bytes,
         )
 
-    def reserve(self, job: str, step: int, nbytes: int, uid: int, now: datetime) -> Reservation:
+    def reserve(
+        self, job: str, step: int, nbytes: int, uid: int, now: datetime, durable_root: str | None = None
+    ) -> Reservation:
         if nbytes > self.free_bytes:
             raise self._full(nbytes)
-        reservation = Reservation(secrets.token_hex(8), job, step, nbytes, uid, now + self._ttl)
+        reservation = Reservation(secrets.token_hex(8), job, step, nbytes, uid, now + self._ttl, durable_root)
         self.reservations[reservation.id] = reservation
         return reservation
 

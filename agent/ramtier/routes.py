@@ -78,6 +78,19 @@ async def _body(request: web.Request, fields: tuple[str, ...]) -> Mapping[str, A
     return doc
 
 
+def _durable_root(body: Mapping[str, Any]) -> str | None:
+    """Where a step is drained to after the window: an absolute directory the job's user may write."""
+    value = body.get("durable_root")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value or len(value) > 4096:
+        raise TierError(
+            400,
+            "field 'durable_root' must be the absolute path of the job's checkpoint root (ShardedStore's)",
+        )
+    return value
+
+
 def _peer(tier: TierView, request: web.Request) -> tuple[int, int, bool]:
     """The client's uid and gid (from the kernel), and whether it may act on any job."""
     creds = peer_credentials(request)
@@ -108,13 +121,14 @@ async def job(tier: TierView, request: web.Request) -> web.StreamResponse:
 async def reserve(tier: TierView, request: web.Request) -> web.StreamResponse:
     root = await tier.ready_root()
     name = check_job(request.match_info["job"])
-    body = await _body(request, ("step", "bytes"))
+    body = await _body(request, ("step", "bytes", "durable_root"))
     number = check_step(body.get("step"))
     nbytes = body.get("bytes")
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_RESERVE_BYTES:
         raise TierError(400, f"field 'bytes' must be a whole number of bytes from 0 to {MAX_RESERVE_BYTES}")
+    durable_root = _durable_root(body)
     uid, gid, privileged = _peer(tier, request)
-    reservation = tier.holdings.reserve(name, number, nbytes, uid, tier.host.now())
+    reservation = tier.holdings.reserve(name, number, nbytes, uid, tier.host.now(), durable_root)
     try:
         path = await asyncio.to_thread(make_step_dir, root.path, name, number, uid, gid, privileged)
     except BaseException:
@@ -134,16 +148,23 @@ async def commit(tier: TierView, request: web.Request) -> web.StreamResponse:
     root = await tier.ready_root()
     name = check_job(request.match_info["job"])
     number = check_step(request.match_info["step"], in_url=True)
-    body = await _body(request, ("reservation",))
+    body = await _body(request, ("reservation", "durable_root"))
     if not isinstance(body.get("reservation"), str):
         raise TierError(400, "field 'reservation' must be the id that reserve answered")
+    durable_root = _durable_root(body)
     await _owner_only(tier, request, root, name)
     known = tier.holdings.reservations.get(body["reservation"])
     if known is None or (known.job, known.step) != (name, number):
         # The bytes are there either way; without the reservation they must fit what the tier has free.
         tier.host.log.warning("ram_tier_commit_unreserved", job=name, step=number)
     record = await asyncio.to_thread(read_step, step_dir(root.path, name, number), name, number, False)
+    reserved = [
+        r.durable_root for r in tier.holdings.reservations.values() if (r.job, r.step) == (name, number)
+    ]
+    durable_root = durable_root or next((r for r in reserved if r), None)
     tier.holdings.commit(record)
+    if durable_root is not None:
+        tier.drain(name, number, durable_root)
     tier.host.log.info(
         "ram_tier_committed", job=name, step=number, bytes=record.bytes, files=len(record.files)
     )
@@ -163,6 +184,7 @@ async def free(tier: TierView, request: web.Request) -> web.StreamResponse:
         raise TierError(404, f"the RAM tier holds nothing for {what}")
     gone = tier.holdings.forget(name, number)
     tier.holdings.release(name, number)
+    tier.forget_drains(name, number)
     await asyncio.to_thread(remove_tree, target)
     freed = sum(record.bytes for record in gone)
     tier.host.log.info("ram_tier_freed", job=name, step=number, bytes=freed)
