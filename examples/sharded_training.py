@@ -60,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--async-saves", action="store_true", help="periodic saves in the background (dcp.async_save)"
     )
+    parser.add_argument(
+        "--tier", choices=("durable", "peer"), default="durable",
+        help="peer: evacuate an emergency save into the RAM of the hosts without a notice (PREEMPTD_JOB_ID)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--width", type=int, default=32, help="model width (a multiple of --heads)")
     parser.add_argument("--heads", type=int, default=4)
@@ -177,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
     model, optimizer = build(args, device)
-    store = ShardedStore(args.checkpoint_dir, keep=args.keep, socket_path=args.socket)  # checks it is shared
+    # Construction checks that the root is shared by every rank.
+    store = ShardedStore(args.checkpoint_dir, keep=args.keep, socket_path=args.socket, tier=args.tier)
     signals = None if args.no_signals else (signal.SIGTERM, signal.SIGUSR1)
     watcher = Watcher(args.socket, signals=signals).start()
     schedule = CheckpointSchedule(args.interval_s, args.socket)
@@ -245,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                     notice_id=decision.notice_id,
                     metadata={"loss": loss.detach().item()},
                     deadline=decision.deadline,
+                    noticed=decision.noticed,
                 )
             except CheckpointError as exc:
                 # A failed emergency save (a full disk) hands the notice to the newest earlier step, which the

@@ -14,7 +14,7 @@ DCP's resharding.
 
 This module is the public face; the parts live next to it: the commit protocol and manifest
 (``dcp_commit``), background saves and the deadline budget (``dcp_async``), the state helpers
-(``dcp_state``).
+(``dcp_state``), the peer tier (``dcp_peer``: ``tier="peer"``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -42,15 +42,18 @@ from agent.client.dcp_commit import (
     ShardedCheckpoint,
     add_own_checksums,
     commit,
+    latest_committed,
     load_failure,
     load_sharded,
     owner,
     verify_share,
     zip_crc_off,
 )
+from agent.client.dcp_peer import PeerTier
 from agent.client.dcp_state import Progress, TrainState, layout
 from agent.client.durable import ChecksumThreads
 from agent.client.preempted import record_emergency
+from agent.client.ramtier import RamTier, job_id
 from agent.client.reporting import Reporter
 from agent.client.store import (
     Checkpoint,
@@ -87,6 +90,9 @@ class ShardedStore:
     for its collectives, so saves never mix with the training's own (NCCL or gloo) traffic, and it checks
     at once that the root is shared — a root each rank sees on its own disk raises :class:`CheckpointError`
     before training starts, not at the emergency. ``keep`` newest steps are kept (0: all).
+
+    ``tier="peer"``: emergency saves go into the RAM of the hosts without a notice, resumes look there first
+    (:mod:`agent.client.dcp_peer`; ``job`` or :func:`~agent.client.ramtier.job_id` names the job).
     """
 
     def __init__(
@@ -102,7 +108,13 @@ class ShardedStore:
         thread_count: int = 1,
         group: Any = None,
         recent_s: float = 30.0,
+        tier: str = "durable",
+        job: str | None = None,
+        ram_tier: RamTier | None = None,
     ) -> None:
+        if tier not in ("durable", "peer"):
+            raise ValueError(f"tier must be 'durable' or 'peer', got {tier!r}")
+        self.tier, job = tier, job_id(job) if tier == "peer" else job  # no id: an error before training
         # The step directories, their listing, replacing and pruning are the plain store's; so are the
         # checks of the arguments they share and the reporter.
         self._local = CheckpointStore(
@@ -143,6 +155,9 @@ class ShardedStore:
         )
         self._checksummers = ChecksumThreads()
         self.last_save: ShardedCheckpoint | None = None
+        tiers = ram_tier or RamTier(socket_path)
+        peer = PeerTier(self.ranks, self._local, tiers, str(job), thread_count, self._report)
+        self.peer = peer if tier == "peer" else None
         self.root.mkdir(parents=True, exist_ok=True)
         self.ranks.check_shared(self.root)
 
@@ -171,6 +186,7 @@ class ShardedStore:
         notice_id: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         deadline: datetime | None = None,
+        noticed: Collection[int] | None = None,
     ) -> ShardedCheckpoint:
         """Save ``state`` (DTensors, tensors, ``Stateful`` objects) as step ``step`` on every rank; returns
         on every rank once the step is committed. On failure nothing is committed and every rank raises the
@@ -182,7 +198,15 @@ class ShardedStore:
         ``deadline`` (the notice's): the save is reported with the duration predicted from earlier saves
         and whether that misses the deadline (:attr:`last_budget`); it runs all the same. An emergency save
         while a background save is in flight follows the rule of :meth:`save_async`: it may return that
-        save's (earlier) step instead."""
+        save's (earlier) step instead.
+
+        ``tier="peer"``: an emergency save is evacuated (``noticed``: :attr:`~agent.client.torch.Decision.noticed`)
+        into a RAM tier's step directory (``metadata["tier"] == "peer"``), else saved here with a warning."""
+        if emergency and self.peer is not None:
+            evacuated = self.peer.save(step, state, notice_id, metadata, noticed)
+            if evacuated is not None:
+                self.last_save = evacuated
+                return evacuated
 
         def write(directory: Path) -> None:
             writer = FileSystemWriter(directory, sync_files=True, thread_count=self.thread_count)
@@ -409,7 +433,12 @@ class ShardedStore:
         step, or None when there is none (``state`` untouched). A step that verifies but fails to load
         (an emergency step whose deferred CRCs were never written is checked by size alone) is skipped with
         a CheckpointWarning and the previous one is loaded, on every rank alike since DCP gathers every
-        rank's failure; a ``mismatch`` is raised at once."""
+        rank's failure; a ``mismatch`` is raised at once.
+
+        ``tier="peer"``: a newer step complete across the hosts' RAM tiers comes first (``dcp_peer``)."""
+        resumed = self.peer.load(state) if self.peer is not None else None
+        if resumed is not None:
+            return resumed
         found = next(loaded_only(self.checkpoints(verify), lambda c: self.load(c, state)), None)
         return None if found is None else found[0]
 
@@ -419,19 +448,3 @@ class ShardedStore:
         if self.rank != 0:
             return []
         return self._local.prune(protect)
-
-
-def latest_committed(
-    root: str | Path, verify: Verify = "checksum", *, require_dcp: bool = True
-) -> ShardedCheckpoint | None:
-    """The newest committed sharded step under ``root`` that verifies, read by this process alone (every
-    file's size and CRC): for choosing a resume path before the process group exists (Lightning's
-    ``ckpt_path``). Skipped steps raise a CheckpointWarning naming the file."""
-    local = CheckpointStore(root, keep=0, report=False)
-
-    def get(step: int) -> ShardedCheckpoint:
-        checkpoint = load_sharded(local.path_of(step), require_dcp=require_dcp)
-        checkpoint.verify(verify)
-        return ShardedCheckpoint(checkpoint, int(checkpoint.metadata.get("world_size", 0) or 0))
-
-    return next(valid_only(local.steps(), get), None)

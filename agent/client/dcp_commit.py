@@ -1,6 +1,7 @@
 """The commit protocol of a sharded checkpoint and its manifest: which rank owns which file, how every rank
 makes its files durable and describes them, how rank 0 commits the step once for all, and how a committed
-step is read back and verified (split between the ranks, or by one process before the group exists).
+step is read back and verified (split between the ranks, or by one process before the group exists:
+:func:`latest_committed`).
 Part of :mod:`agent.client.dcp`; import from there.
 """
 
@@ -34,7 +35,7 @@ from agent.client.manifest import (
     file_crc,
     reason_of,
 )
-from agent.client.store import _TMP_PREFIX, CheckpointStore
+from agent.client.store import _TMP_PREFIX, CheckpointStore, valid_only
 from agent.client.store_failure import os_error, summary
 
 DCP_METADATA = ".metadata"
@@ -326,3 +327,19 @@ def load_failure(path: Path, exc: BaseException) -> CheckpointError:
         )
     reason = reason_of(found) if found is not None else "unreadable"
     return CheckpointError(f"{path} cannot be loaded: {summary(exc)}", reason=reason)
+
+
+def latest_committed(
+    root: str | Path, verify: Verify = "checksum", *, require_dcp: bool = True
+) -> ShardedCheckpoint | None:
+    """The newest committed sharded step under ``root`` that verifies, read by this process alone (every
+    file's size and CRC): for choosing a resume path before the process group exists (Lightning's
+    ``ckpt_path``). Skipped steps raise a CheckpointWarning naming the file."""
+    local = CheckpointStore(root, keep=0, report=False)
+
+    def get(step: int) -> ShardedCheckpoint:
+        checkpoint = load_sharded(local.path_of(step), require_dcp=require_dcp)
+        checkpoint.verify(verify)
+        return ShardedCheckpoint(checkpoint, int(checkpoint.metadata.get("world_size", 0) or 0))
+
+    return next(valid_only(local.steps(), get), None)

@@ -96,7 +96,9 @@ class Decision:
 
     ``emergency``: some rank has an unacknowledged trigger (a notice or a signal) — save now and, usually,
     stop. ``periodic``: some rank's schedule says a periodic checkpoint is due. ``deadline`` is the earliest
-    deadline any rank knows of. ``notice_id`` is this rank's own trigger's notice, if it has one.
+    deadline any rank knows of. ``notice_id`` is this rank's own trigger's notice, if it has one. ``noticed``:
+    the ranks (of the group) that have a trigger themselves, so that an evacuation knows which hosts are
+    going away (see :class:`agent.client.dcp.ShardedStore`'s ``tier="peer"``).
     """
 
     checkpoint: bool = False
@@ -104,6 +106,7 @@ class Decision:
     periodic: bool = False
     deadline: datetime | None = None
     notice_id: str | None = None
+    noticed: tuple[int, ...] = ()
 
     def time_left(self, now: datetime | None = None) -> float | None:
         if self.deadline is None:
@@ -119,8 +122,8 @@ class Coordinator:
 
     Call :meth:`check` after every step on every rank (it is a collective on the steps where
     ``step % every == 0``, a no-op otherwise), then :meth:`done` once the checkpoint it asked for is durable.
-    One ``all_reduce`` (MAX) of three numbers carries the notice flag, the periodic flag and the earliest
-    deadline, on the job's own process group (``group``; the default group when None). Without an initialised
+    One ``all_reduce`` (MAX) carries the notice flag, the periodic flag, the earliest deadline and each
+    rank's own notice flag (one slot per rank), on the job's own process group (``group``; the default group when None). Without an initialised
     process group the decision is the local one. Keep ``every`` times the step time well inside a notice window.
     """
 
@@ -165,15 +168,20 @@ class Coordinator:
             deadlines.append(self.watcher.deadline)
         local_deadline = min(d.timestamp() for d in deadlines) if deadlines else math.inf
         emergency, periodic, deadline_ts = local_emergency, local_periodic, local_deadline
+        noticed: tuple[int, ...] = (0,) if local_emergency else ()
         if self.distributed:
+            rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+            slots = [0.0] * world
+            slots[rank] = float(local_emergency)
             flags = torch.tensor(
-                [float(local_emergency), float(local_periodic), -local_deadline],
+                [float(local_emergency), float(local_periodic), -local_deadline, *slots],
                 dtype=torch.float64,
                 device=self._reduce_device(),
             )
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             values = flags.tolist()
             emergency, periodic, deadline_ts = values[0] > 0, values[1] > 0, -values[2]
+            noticed = tuple(r for r, flag in enumerate(values[3:]) if flag > 0)
         if not (emergency or periodic):
             return NOTHING
         deadline = datetime.fromtimestamp(deadline_ts, timezone.utc) if math.isfinite(deadline_ts) else None
@@ -183,6 +191,7 @@ class Coordinator:
             periodic=periodic and not emergency,
             deadline=deadline,
             notice_id=trigger.notice_id if trigger is not None else None,
+            noticed=noticed,
         )
 
     def done(self, decision: Decision) -> None:

@@ -1,0 +1,439 @@
+"""Evacuate, don't flush: an emergency sharded save into the RAM tiers of the hosts that stay.
+
+Every rank writes its DCP shard into its own host's RAM tier (tmpfs, reserved from the agent first); each rank
+of a host with a notice then sends its files through the store's process group (gloo: no new listener) to a
+buddy rank on the next host in the ring that has none, which writes them into its own RAM tier; one gather
+confirms that every file of the step is in some surviving host's RAM with its CRC32; each surviving host
+writes ``tier.json`` and commits the step to its agent; the notified hosts free their copy. Nothing is written
+under the durable root. When the peer tier cannot be used (every host has a notice, an agent is unreachable or
+its tier disabled or full, a transfer fails) every rank raises the same :class:`PeerTierUnusable` and the
+store saves to the durable root instead.
+
+A "host" is the RAM tier a rank's agent serves (the host name and the tier's path): one agent per host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import zlib
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
+
+from agent.client.dcp_commit import Ranks, owner, zip_crc_off
+from agent.client.manifest import Checkpoint, FileEntry
+from agent.client.ramtier import TIER_FILE, RamTier, RamTierError, write_tier_file
+from agent.client.store_failure import convertible, summary
+
+# Bytes per send: a bounded buffer on both sides, whatever the size of a shard file.
+CHUNK = 64 << 20
+# Room reserved beyond the tensors' bytes: DCP's framing per rank, and rank 0's .metadata.
+_SLACK = 1.05
+_SLACK_BYTES = 4 << 20
+
+
+class PeerTierUnusable(Exception):
+    """The step cannot be evacuated into the peers' RAM tiers (why: the message); raised on every rank
+    alike, before anything is committed, so the store can save to the durable root instead."""
+
+
+@dataclass(frozen=True)
+class Place:
+    """What one rank tells the others before an evacuation."""
+
+    rank: int
+    host: str  # the RAM tier it writes into: host name and tier path
+    noticed: bool
+    estimate: int  # bytes its shard should take
+    problem: str | None = None  # why its host's RAM tier cannot be used
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who holds what: the hosts in ring order (by lowest rank), those with a notice, and each sending
+    rank's buddy."""
+
+    hosts: tuple[tuple[str, tuple[int, ...]], ...]
+    notified: frozenset[str]
+    buddy: Mapping[int, int] = field(default_factory=dict)
+
+    def host_of(self, rank: int) -> str:
+        return next(host for host, ranks in self.hosts if rank in ranks)
+
+    def leader(self, host: str) -> int:
+        """The rank that reserves, commits and frees for its host: the lowest one."""
+        return dict(self.hosts)[host][0]
+
+    def senders_to(self, rank: int) -> list[int]:
+        return sorted(sender for sender, receiver in self.buddy.items() if receiver == rank)
+
+
+def plan(places: Sequence[Place]) -> Plan:
+    """The evacuation plan every rank computes alike from the gathered places; PeerTierUnusable when a rank
+    cannot use its host's tier or when every host has a notice. The k-th rank of a notified host sends to the
+    (k mod n)-th rank of the next host in the ring without a notice."""
+    problems = [f"rank {p.rank}: {p.problem}" for p in places if p.problem]
+    if problems:
+        raise PeerTierUnusable("; ".join(problems))
+    grouped: dict[str, list[int]] = {}
+    for place in sorted(places, key=lambda p: p.rank):
+        grouped.setdefault(place.host, []).append(place.rank)
+    hosts = tuple((host, tuple(ranks)) for host, ranks in grouped.items())
+    notified = frozenset(p.host for p in places if p.noticed)
+    if len(notified) == len(hosts):
+        raise PeerTierUnusable(f"every host of the job has a notice ({len(hosts)} of {len(hosts)})")
+    buddy: dict[int, int] = {}
+    for index, (host, ranks) in enumerate(hosts):
+        if host not in notified:
+            continue
+        after = [hosts[(index + step) % len(hosts)] for step in range(1, len(hosts))]
+        _, survivors = next(h for h in after if h[0] not in notified)
+        for k, rank in enumerate(ranks):
+            buddy[rank] = survivors[k % len(survivors)]
+    return Plan(hosts, notified, buddy)
+
+
+@dataclass(frozen=True)
+class Evacuated:
+    """A step held in the surviving hosts' RAM tiers: ``path`` is this rank's files' holder's step
+    directory; ``files`` every file of the step (name → size, CRC32, owning rank); ``holders`` the host of
+    each file."""
+
+    step: int
+    job: str
+    path: Path
+    files: Mapping[str, Mapping[str, int]]
+    holders: Mapping[str, str]
+    sent_bytes: int  # what this rank sent to its buddy (its own shard's bytes when it saved them itself)
+
+    def checkpoint(
+        self, notice_id: str | None, metadata: Mapping[str, Any], run: int, duration_s: float
+    ) -> Checkpoint:
+        """The step as the stores describe one (its path a RAM tier's step directory)."""
+        entries = tuple(FileEntry(n, int(e["size"]), int(e["crc32"])) for n, e in sorted(self.files.items()))
+        return Checkpoint(
+            step=self.step,
+            path=self.path,
+            time=datetime.now(timezone.utc),
+            bytes=sum(e.bytes for e in entries),
+            files=entries,
+            emergency=True,
+            notice_id=notice_id,
+            duration_s=duration_s,
+            metadata=dict(metadata),
+            run=run,
+        )
+
+
+def host_key(info: Mapping[str, Any]) -> str:
+    """This host as the evacuation knows it: its name and the RAM tier's path (tests run one agent per
+    simulated host on one machine, each with its own tier)."""
+    return f"{socket.gethostname()}:{os.path.realpath(str(info.get('path', '')))}"
+
+
+def estimate(state: Any) -> int:
+    """Bytes the tensors of a (nested) state dict take on this rank, DTensors by their local shard."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return int(local.numel() * local.element_size())
+    if isinstance(state, Mapping):
+        return sum(estimate(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(estimate(v) for v in state)
+    return 0
+
+
+def resolve(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The state dict DCP would save: each ``Stateful`` replaced by its ``state_dict()`` (once)."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+class Evacuation:
+    """One emergency step evacuated by every rank of the store's group (a collective throughout)."""
+
+    def __init__(self, ranks: Ranks, group: Any, tier: RamTier, job: str, thread_count: int = 1) -> None:
+        self.ranks = ranks
+        self.group = group
+        self.tier = tier
+        self.job = job
+        self.thread_count = thread_count
+
+    def run(
+        self,
+        step: int,
+        run: int,
+        state: Mapping[str, Any],
+        noticed: Collection[int],
+        notice_id: str | None = None,
+    ) -> Evacuated:
+        """Evacuate ``state`` as ``step`` (of ``run``); ``noticed``: the ranks whose host has a notice.
+        PeerTierUnusable on every rank when it cannot be done (nothing is committed then)."""
+        resolved = resolve(state)
+        places = self.ranks.gather(self._place(noticed, estimate(resolved)), self.group)
+        the_plan = plan(places)
+        host = the_plan.host_of(self.ranks.rank)
+        directory, reservation = self._reserve(the_plan, step, places, host)
+        try:
+            try:
+                with zip_crc_off():
+                    writer = FileSystemWriter(directory, sync_files=False, thread_count=self.thread_count)
+                    dcp_save(resolved, storage_writer=writer, process_group=self.group)
+            except BaseException as exc:
+                if not convertible(exc):
+                    raise
+                raise PeerTierUnusable(
+                    f"writing step {step} into the RAM tier failed: {summary(exc)}"
+                ) from exc
+            described = self._agree(self._own_files(directory), "listing the shard files")
+            received = self._transfer(the_plan, directory, described)
+            held = self._agree(self._held(the_plan, directory, described, received), "confirming the copies")
+            files, holders = self._confirm(the_plan, held, described)
+            extra = {"step_files": {n: int(e["size"]) for n, e in files.items()}, "notice_id": notice_id}
+            self._commit(the_plan, step, run, host, directory, reservation, files, holders, extra)
+        except PeerTierUnusable:
+            if self.ranks.rank == the_plan.leader(host):
+                self._free(step)
+            raise
+        if host in the_plan.notified and self.ranks.rank == the_plan.leader(host):
+            self._free(step)  # every file of the step is in a survivor's RAM now
+        directories = self.ranks.gather(str(directory), self.group)
+        holder = the_plan.host_of(the_plan.buddy.get(self.ranks.rank, self.ranks.rank))
+        sent = sum(described[self.ranks.rank].values())
+        return Evacuated(step, self.job, Path(directories[the_plan.leader(holder)]), files, holders, sent)
+
+    # -- the phases, each ending in one collective every rank takes part in -------------------------------
+
+    def _place(self, noticed: Collection[int], nbytes: int) -> Place:
+        rank = self.ranks.rank
+        try:
+            info = self.tier.info()
+        except RamTierError as exc:
+            return Place(rank, f"{socket.gethostname()}:?", rank in noticed, nbytes, str(exc))
+        return Place(rank, host_key(info), rank in noticed, nbytes)
+
+    def _reserve(self, the_plan: Plan, step: int, places: Sequence[Place], host: str) -> tuple[Path, str]:
+        """The host's leader reserves room for its ranks' shards and for those its ranks receive; every
+        rank learns its host's step directory."""
+        answer: tuple[str, str] | str = ("", "")
+        if self.ranks.rank == the_plan.leader(host):
+            ranks = set(dict(the_plan.hosts)[host])
+            ranks |= {s for s, r in the_plan.buddy.items() if r in ranks}
+            need = sum(int(places[r].estimate * _SLACK) for r in ranks) + _SLACK_BYTES
+            try:
+                reservation = self.tier.reserve(self.job, step, need)
+                answer = (str(reservation.path), reservation.id)
+            except RamTierError as exc:
+                answer = f"host {host}: {exc}"
+        everyone = self.ranks.gather(answer, self.group)
+        refused = sorted({a for a in everyone if isinstance(a, str)})
+        if refused:
+            if isinstance(answer, tuple) and answer[1]:
+                self._free(step)
+            raise PeerTierUnusable("; ".join(refused))
+        mine = everyone[the_plan.leader(host)]
+        return Path(mine[0]), str(mine[1])
+
+    def _own_files(self, directory: Path) -> dict[str, int] | str:
+        world = self.ranks.world_size
+        try:
+            return {
+                p.name: p.stat().st_size
+                for p in sorted(directory.iterdir())
+                if p.is_file()
+                and p.name != TIER_FILE
+                and owner(p.name, world) == self.ranks.rank
+                and not p.name.endswith(".tmp")
+            }
+        except OSError as exc:
+            return f"rank {self.ranks.rank}: cannot list {directory}: {exc}"
+
+    def _agree(self, mine: Any, what: str) -> list[Any]:
+        """Gather every rank's value; PeerTierUnusable on every rank when one of them is a problem."""
+        everyone = self.ranks.gather(mine, self.group)
+        problems = [v for v in everyone if isinstance(v, str)]
+        if problems:
+            raise PeerTierUnusable(f"{what}: {'; '.join(problems)}")
+        return everyone
+
+    def _transfer(
+        self, the_plan: Plan, directory: Path, described: list[dict[str, int]]
+    ) -> dict[str, int] | str:
+        """Senders send their files, chunk by chunk, then each file's CRC32; receivers write them into
+        their RAM tier and check the CRC. Returns the files received (name → CRC32), or a problem."""
+        rank = self.ranks.rank
+        if rank in the_plan.buddy:
+            for name, size in sorted(described[rank].items()):
+                send_file(self.group, the_plan.buddy[rank], directory / name, size)
+            return {}
+        received: dict[str, int] = {}
+        problems: list[str] = []
+        for sender in the_plan.senders_to(rank):
+            for name, size in sorted(described[sender].items()):
+                crc, problem = receive_file(self.group, sender, directory / name, size)
+                if problem:
+                    problems.append(f"rank {rank}: {problem}")
+                else:
+                    received[name] = crc
+        return "; ".join(problems) if problems else received
+
+    def _held(
+        self, the_plan: Plan, directory: Path, described: list[dict[str, int]], received: dict[str, int] | str
+    ) -> dict[str, dict[str, int]] | str:
+        """What this rank holds in a surviving host's RAM, with CRC32s (a notified rank holds nothing)."""
+        rank = self.ranks.rank
+        if isinstance(received, str):
+            return received
+        if rank in the_plan.buddy:
+            return {}
+        held: dict[str, dict[str, int]] = {}
+        world = self.ranks.world_size
+        for name, size in described[rank].items():
+            try:
+                held[name] = {"size": size, "crc32": _crc(directory / name), "rank": owner(name, world)}
+            except OSError as exc:
+                return f"rank {rank}: cannot read back {directory / name}: {exc}"
+        for name, crc in received.items():
+            size = next(own[name] for own in described if name in own)
+            held[name] = {"size": size, "crc32": crc, "rank": owner(name, world)}
+        return held
+
+    def _confirm(
+        self, the_plan: Plan, held: list[dict[str, dict[str, int]]], described: list[dict[str, int]]
+    ) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+        """Every file of the step is held by some survivor, with its size: the files and their hosts."""
+        files: dict[str, dict[str, int]] = {}
+        holders: dict[str, str] = {}
+        for rank, entries in enumerate(held):
+            for name, entry in entries.items():
+                files[name] = dict(entry)
+                holders[name] = the_plan.host_of(rank)
+        sizes = {name: size for own in described for name, size in own.items()}
+        missing = sorted(n for n, size in sizes.items() if n not in files or files[n]["size"] != size)
+        if missing:
+            raise PeerTierUnusable(f"not in any surviving host's RAM: {', '.join(missing)}")
+        return files, holders
+
+    def _commit(
+        self,
+        the_plan: Plan,
+        step: int,
+        run: int,
+        host: str,
+        directory: Path,
+        reservation: str,
+        files: Mapping[str, Mapping[str, int]],
+        holders: Mapping[str, str],
+        extra: Mapping[str, Any],
+    ) -> None:
+        """Each surviving host's leader writes tier.json (the files its host holds; ``extra``'s ``step_files``
+        names every file of the step, so a resume can tell whether the union of the hosts is complete) and commits
+        the step to its agent; one gather says whether every commit took."""
+        outcome: str | None = None
+        if host not in the_plan.notified and self.ranks.rank == the_plan.leader(host):
+            mine = {name: entry for name, entry in files.items() if holders[name] == host}
+            try:
+                write_tier_file(
+                    directory,
+                    job=self.job,
+                    step=step,
+                    run=run,
+                    world_size=self.ranks.world_size,
+                    files=mine,
+                    complete=True,
+                    extra=extra,
+                )
+                self.tier.commit(self.job, step, reservation)
+            except (OSError, RamTierError) as exc:
+                outcome = f"host {host}: cannot commit step {step}: {exc}"
+        self._agree(outcome or {}, "committing the step")
+
+    def _free(self, step: int) -> None:
+        # Failing that, the agent removes a step without tier.json when its reservation expires.
+        with contextlib.suppress(RamTierError):
+            self.tier.free(self.job, step)
+
+
+def _global(group: Any, rank: int) -> int:
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def send_file(group: Any, to: int, path: Path, size: int) -> None:
+    """Send ``size`` bytes of ``path`` to rank ``to`` of ``group`` in chunks, then their CRC32 (-1 when
+    the file could not be read whole: zeros were sent in its place, and the receiver refuses it)."""
+    buffer = bytearray(min(CHUNK, max(size, 1)))
+    dst = _global(group, to)
+    crc, sent, bad = 0, 0, False
+    try:
+        handle = open(path, "rb")  # noqa: SIM115  # closed below, read in chunks
+    except OSError:
+        handle, bad = None, True
+    try:
+        while sent < size:
+            count = min(len(buffer), size - sent)
+            view = memoryview(buffer)[:count]
+            got = handle.readinto(view) if handle is not None else 0
+            if got != count:  # the file shrank: zeros, and a CRC that cannot match
+                view[got:] = bytes(count - got)
+                bad = True
+            crc = zlib.crc32(view, crc)
+            dist.send(torch.frombuffer(view, dtype=torch.uint8), dst, group=group)
+            sent += count
+    finally:
+        if handle is not None:
+            handle.close()
+    dist.send(torch.tensor([-1 if bad else crc], dtype=torch.int64), dst, group=group)
+
+
+def receive_file(group: Any, sender: int, path: Path, size: int) -> tuple[int, str | None]:
+    """Receive what :func:`send_file` sends into ``path``: (its CRC32, None) or (…, the problem: a write
+    that failed, a CRC32 that does not match). Receives every byte whatever happens, since the sender is
+    blocked until they are read."""
+    src = _global(group, sender)
+    buffer = torch.empty(min(CHUNK, max(size, 1)), dtype=torch.uint8)
+    crc, done = 0, 0
+    problem: str | None = None
+    try:
+        handle = open(path, "wb")  # noqa: SIM115  # closed below; written in chunks
+    except OSError as exc:
+        handle, problem = None, f"cannot write {path}: {exc}"
+    try:
+        while done < size:
+            count = min(len(buffer), size - done)
+            part = buffer[:count]
+            dist.recv(part, src, group=group)
+            view = part.numpy().data
+            crc = zlib.crc32(view, crc)
+            if handle is not None and problem is None:
+                try:
+                    handle.write(view)
+                except OSError as exc:
+                    problem = f"cannot write {path}: {exc}"
+            done += count
+    finally:
+        if handle is not None:
+            handle.close()
+    told = torch.empty(1, dtype=torch.int64)
+    dist.recv(told, src, group=group)
+    if problem is None and int(told.item()) != crc:
+        problem = (
+            f"{path.name} from rank {sender} arrived damaged (CRC32 {crc:#010x}, sent {int(told.item())})"
+        )
+    return crc, problem
+
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc

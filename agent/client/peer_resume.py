@@ -1,0 +1,254 @@
+"""Resume from the RAM tiers (issue 24 item 4): the inventories of every rank's host, gathered over the store's
+process group; the newest step complete across their union (newer than the newest durable step); each host
+receives, through the group, the files its ranks need that it does not hold (CRC-checked), then DCP loads from
+each host's own step directory, resharding to this world size. An incomplete newer step is named in a
+:class:`CheckpointWarning` (which file is missing, which host holds what) and the store loads from its root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from agent.client.dcp_commit import DCP_METADATA, Ranks, ShardedCheckpoint, load_failure
+from agent.client.evacuate import host_key, receive_file, resolve, send_file
+from agent.client.manifest import Checkpoint, CheckpointWarning, FileEntry
+from agent.client.ramtier import RamTier, RamTierError, read_tier_file
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank's host holds of the job: its committed steps (step → its tier.json)."""
+
+    rank: int
+    host: str
+    steps: Mapping[int, Mapping[str, Any]]
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The step to resume from: its files (name → size, CRC32), the hosts holding each, and its tier.json."""
+
+    step: int
+    run: int
+    files: Mapping[str, tuple[int, int]]
+    holders: Mapping[str, tuple[str, ...]]
+    doc: Mapping[str, Any]
+
+
+def choose(holdings: Sequence[Holding], durable: tuple[int, int] | None) -> tuple[Choice | None, list[str]]:
+    """The newest step (by run, then step) complete across the hosts' union and newer than ``durable`` (the
+    newest durable step's (run, step)); and a sentence for each newer step that is not complete. Pure."""
+    by_step: dict[int, list[tuple[str, Mapping[str, Any]]]] = {}
+    seen: set[tuple[str, int]] = set()
+    for holding in holdings:
+        for step, doc in holding.steps.items():
+            if (holding.host, step) not in seen:  # one host's ranks all see the same directory
+                seen.add((holding.host, step))
+                by_step.setdefault(step, []).append((holding.host, doc))
+    notes: list[str] = []
+    ordered = sorted(by_step.items(), key=lambda item: (_run(item[1]), item[0]), reverse=True)
+    for step, parts in ordered:
+        run = _run(parts)
+        if durable is not None and (run, step) <= durable:
+            break
+        wanted: dict[str, int] = {}
+        for _host, doc in parts:
+            wanted.update({str(k): int(v) for k, v in dict(doc.get("step_files") or {}).items()})
+        files: dict[str, tuple[int, int]] = {}
+        holders: dict[str, list[str]] = {}
+        for host, doc in parts:
+            for name, entry in dict(doc.get("files") or {}).items():
+                if wanted.get(name) == int(entry["size"]):
+                    files[name] = (int(entry["size"]), int(entry["crc32"]))
+                    holders.setdefault(name, []).append(host)
+        missing = sorted(set(wanted) - set(files)) if wanted else ["(no list of the step's files)"]
+        if not missing:
+            return Choice(step, run, files, {k: tuple(v) for k, v in holders.items()}, parts[0][1]), notes
+        held = "; ".join(
+            f"{host} holds {', '.join(sorted(dict(doc.get('files') or {})))}" for host, doc in parts
+        )
+        notes.append(f"RAM step {step} is incomplete: {', '.join(missing)} on no host ({held})")
+    return None, notes
+
+
+def _run(parts: Sequence[tuple[str, Mapping[str, Any]]]) -> int:
+    run = parts[0][1].get("run")
+    return run if isinstance(run, int) and not isinstance(run, bool) else 0
+
+
+class PeerResume:
+    """Loads the newest complete RAM step into a state (a collective of the store's group)."""
+
+    def __init__(self, ranks: Ranks, group: Any, tier: RamTier, job: str) -> None:
+        self.ranks = ranks
+        self.group = group
+        self.tier = tier
+        self.job = job
+
+    def load(self, state: Mapping[str, Any], durable: tuple[int, int] | None) -> ShardedCheckpoint | None:
+        """Load the newest complete RAM step newer than ``durable`` into ``state``; None (state untouched)
+        when there is none or it cannot be gathered, with a CheckpointWarning saying why where it matters."""
+        holdings = self.ranks.gather(self._holding(), self.group)
+        choice, notes = choose([h for h in holdings if h.problem is None], durable)
+        if self.ranks.rank == 0:
+            for note in notes:
+                warnings.warn(f"{note}; resuming from the durable root", CheckpointWarning, stacklevel=3)
+        if choice is None:
+            return None
+        unusable = [f"rank {h.rank}: {h.problem}" for h in holdings if h.problem]
+        if unusable:
+            self._warn(f"RAM step {choice.step} cannot be gathered: {'; '.join(unusable)}")
+            return None
+        hosts = _hosts(holdings)
+        directory = self._directories(choice, hosts)
+        if directory is None:
+            return None
+        metadata_moves = _moves(choice, hosts, {h: {DCP_METADATA} for h in hosts})
+        if not self._move(metadata_moves, choice, directory):
+            return None
+        needed = self.ranks.gather(self._needed(state, directory, choice), self.group)
+        wanted: dict[str, set[str]] = {}
+        for rank, names in enumerate(needed):
+            wanted.setdefault(holdings[rank].host, set()).update(names)
+        if not self._move(_moves(choice, hosts, wanted, metadata_moves), choice, directory):
+            return None
+        try:
+            dcp_load(dict(state), storage_reader=FileSystemReader(directory), process_group=self.group)
+        except (CheckpointException, OSError) as exc:
+            raise load_failure(directory, exc) from exc
+        return _checkpoint(choice, directory)
+
+    def _holding(self) -> Holding:
+        rank = self.ranks.rank
+        try:
+            info = self.tier.info()
+            listed = self.tier.job(self.job)
+        except RamTierError as exc:
+            return Holding(rank, f"{socket.gethostname()}:?", {}, str(exc))
+        steps: dict[int, Mapping[str, Any]] = {}
+        for entry in listed.get("steps", []):
+            doc = read_tier_file(Path(str(listed["path"])) / str(entry["step"]))
+            if entry.get("complete") and doc is not None:
+                steps[int(entry["step"])] = doc
+        return Holding(rank, host_key(info), steps)
+
+    def _directories(self, choice: Choice, hosts: Mapping[str, tuple[int, ...]]) -> Path | None:
+        """Each host's leader reserves the step's directory on its host (where it is already, or where the
+        files it lacks will go); every rank learns its own."""
+        answer: str | None = None
+        host = _host_of(hosts, self.ranks.rank)
+        if hosts[host][0] == self.ranks.rank:
+            lacking = sum(
+                size for name, (size, _) in choice.files.items() if host not in choice.holders[name]
+            )
+            try:
+                answer = str(self.tier.reserve(self.job, choice.step, lacking).path)
+            except RamTierError as exc:
+                answer = f"!{host}: {exc}"
+        answers = self.ranks.gather(answer, self.group)
+        refused = [a[1:] for a in answers if isinstance(a, str) and a.startswith("!")]
+        if refused:
+            self._warn(f"RAM step {choice.step} cannot be gathered: {'; '.join(refused)}")
+            return None
+        return Path(str(answers[hosts[host][0]]))
+
+    def _needed(self, state: Mapping[str, Any], directory: Path, choice: Choice) -> list[str]:
+        """The files this rank's DCP load reads (from the plan DCP makes of ``state``); every file when the
+        plan cannot be made here (DCP then says why)."""
+        try:
+            metadata = FileSystemReader(directory).read_metadata()
+            planner = DefaultLoadPlanner()
+            planner.set_up_planner(resolve(state), metadata, self.ranks.rank == 0)
+            items = planner.create_local_plan().items
+            names = {metadata.storage_data[item.storage_index].relative_path for item in items}
+        except Exception:  # a mismatch or a bad file: the load itself raises it with DCP's words
+            names = set(choice.files)
+        return sorted(names | {DCP_METADATA})
+
+    def _move(self, moves: Sequence[tuple[int, int, str]], choice: Choice, directory: Path) -> bool:
+        """Run every (sender, receiver, file) in the same order on every rank (so no two wait on each other);
+        False on every rank, with a warning, when a file did not arrive whole."""
+        problems: list[str] = []
+        for sender, receiver, name in moves:
+            size = choice.files[name][0]
+            if sender == self.ranks.rank:
+                send_file(self.group, receiver, directory / name, size)
+            elif receiver == self.ranks.rank:
+                crc, problem = receive_file(self.group, sender, directory / name, size)
+                if problem is None and crc != choice.files[name][1]:
+                    problem = f"{name} does not match its CRC32 in tier.json"
+                if problem is not None:
+                    problems.append(f"rank {self.ranks.rank}: {problem}")
+        everyone = self.ranks.gather(problems, self.group)
+        found = [p for mine in everyone for p in mine]
+        if found:
+            self._warn(f"RAM step {choice.step} could not be gathered: {'; '.join(found)}")
+        return not found
+
+    def _warn(self, message: str) -> None:
+        if self.ranks.rank == 0:
+            warnings.warn(f"{message}; resuming from the durable root", CheckpointWarning, stacklevel=4)
+
+
+def _hosts(holdings: Sequence[Holding]) -> dict[str, tuple[int, ...]]:
+    grouped: dict[str, list[int]] = {}
+    for holding in sorted(holdings, key=lambda h: h.rank):
+        grouped.setdefault(holding.host, []).append(holding.rank)
+    return {host: tuple(ranks) for host, ranks in grouped.items()}
+
+
+def _host_of(hosts: Mapping[str, tuple[int, ...]], rank: int) -> str:
+    return next(host for host, ranks in hosts.items() if rank in ranks)
+
+
+def _moves(
+    choice: Choice,
+    hosts: Mapping[str, tuple[int, ...]],
+    wanted: Mapping[str, set[str]],
+    done: Sequence[tuple[int, int, str]] = (),
+) -> list[tuple[int, int, str]]:
+    """(sender, receiver, file) for each file a host wants and does not hold: from the leader of its first
+    holder to the host's leader, in one order every rank computes alike. Pure."""
+    moved = {(receiver, name) for _, receiver, name in done}
+    moves = []
+    for host, ranks in hosts.items():
+        for name in sorted(wanted.get(host, ())):
+            holders = choice.holders.get(name, ())
+            if not holders or host in holders or (ranks[0], name) in moved:
+                continue
+            moves.append((hosts[holders[0]][0], ranks[0], name))
+    return moves
+
+
+def _checkpoint(choice: Choice, directory: Path) -> ShardedCheckpoint:
+    entries = tuple(FileEntry(name, size, crc) for name, (size, crc) in sorted(choice.files.items()))
+    world_size = int(choice.doc.get("world_size", 0) or 0)
+    notice = choice.doc.get("notice_id")
+    moment = datetime.now(timezone.utc)
+    with contextlib.suppress(TypeError, ValueError):
+        moment = datetime.fromisoformat(str(choice.doc.get("time")).replace("Z", "+00:00"))
+    checkpoint = Checkpoint(
+        step=choice.step,
+        path=directory,
+        time=moment,
+        bytes=sum(e.bytes for e in entries),
+        files=entries,
+        emergency=True,
+        notice_id=notice if isinstance(notice, str) else None,
+        metadata={"tier": "peer", "world_size": world_size},
+        run=choice.run,
+    )
+    return ShardedCheckpoint(checkpoint, world_size)

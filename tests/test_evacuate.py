@@ -1,0 +1,261 @@
+"""The evacuation's parts (issue 24 item 2): the plan every rank computes alike (the ring of hosts, the buddy
+of each rank of a notified host), the job id, the RAM-tier client against a real agent, and the sharded
+store's ``tier="peer"`` on a process group of one: into the host's RAM tier when another host survives, else
+to the durable root with a warning saying why."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.client.ramtier import RamTier, RamTierError, job_id, read_tier_file, write_tier_file
+from agent.ramtier import RamTierComponent, RamTierConfig
+from agent.service.daemon import Agent
+from tests.support import agent_config, short_tmp
+
+torch = pytest.importorskip("torch")
+
+from agent.client.evacuate import PeerTierUnusable, Place, plan  # noqa: E402
+from agent.client.peer_resume import Holding, choose  # noqa: E402
+
+JOB = "job-1"
+
+
+def _places(*hosts: tuple[str, int, bool]) -> list[Place]:
+    """Places from (host, number of ranks, noticed), ranks numbered in order."""
+    places: list[Place] = []
+    for host, count, noticed in hosts:
+        places += [Place(len(places), host, noticed, 100) for _ in range(count)]
+    return [Place(rank, p.host, p.noticed, p.estimate) for rank, p in enumerate(places)]
+
+
+@pytest.mark.parametrize(
+    ("hosts", "buddies"),
+    [
+        ((("a", 1, False), ("b", 1, True), ("c", 1, False)), {1: 2}),
+        ((("a", 1, False), ("b", 1, False), ("c", 1, True)), {2: 0}),  # the ring wraps
+        ((("a", 1, False), ("b", 1, True), ("c", 1, True)), {1: 0, 2: 0}),  # the buddy host has a notice too
+        ((("a", 2, True), ("b", 2, False)), {0: 2, 1: 3}),  # the k-th rank to the k-th rank
+        ((("a", 2, True), ("b", 1, False)), {0: 2, 1: 2}),
+        ((("a", 1, False), ("b", 1, False)), {}),  # no host with a notice: every shard stays where it is
+    ],
+)
+def test_each_rank_of_a_notified_host_sends_to_the_next_host_in_the_ring_without_a_notice(
+    hosts: tuple[tuple[str, int, bool], ...], buddies: dict[int, int]
+) -> None:
+    assert buddies == dict(plan(_places(*hosts)).buddy)
+
+
+def test_ranks_are_grouped_by_host_and_the_lowest_rank_leads_its_host() -> None:
+    """Ranks of one host need not be consecutive; the ring follows each host's lowest rank."""
+    places = [
+        Place(0, "a", False, 1),
+        Place(1, "b", True, 1),
+        Place(2, "a", False, 1),
+        Place(3, "b", True, 1),
+    ]
+    found = plan(places)
+    assert ((("a", (0, 2)), ("b", (1, 3))), 0, 1) == (found.hosts, found.leader("a"), found.leader("b"))
+    assert {1: 0, 3: 2} == dict(found.buddy)
+
+
+def test_no_plan_when_every_host_has_a_notice() -> None:
+    with pytest.raises(PeerTierUnusable, match="every host of the job has a notice"):
+        plan(_places(("a", 1, True), ("b", 2, True)))
+
+
+def test_no_plan_when_a_rank_cannot_use_its_hosts_tier_and_the_rank_is_named() -> None:
+    places = [Place(0, "a", False, 1), Place(1, "b", True, 1, "RAM tier: no agent at /x.sock")]
+    with pytest.raises(PeerTierUnusable, match=r"rank 1: RAM tier: no agent at /x\.sock"):
+        plan(places)
+
+
+@pytest.mark.parametrize(
+    ("explicit", "env", "expected"),
+    [
+        ("mine", {"PREEMPTD_JOB_ID": "env"}, "mine"),
+        (None, {"PREEMPTD_JOB_ID": "env", "TORCHELASTIC_RUN_ID": "rdzv"}, "env"),
+        (None, {"TORCHELASTIC_RUN_ID": "rdzv", "SLURM_JOB_ID": "7"}, "rdzv"),
+        (None, {"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "7"}, "7"),  # torchrun's default id
+        (None, {"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}, "7_3"),
+    ],
+)
+def test_the_job_id_comes_from_the_argument_then_preemptd_then_torchrun_then_slurm(
+    explicit: str | None, env: dict[str, str], expected: str
+) -> None:
+    assert expected == job_id(explicit, env)
+
+
+def test_without_a_job_id_the_error_says_how_to_set_one() -> None:
+    with pytest.raises(ValueError, match="set PREEMPTD_JOB_ID"):
+        job_id(None, {"TORCHELASTIC_RUN_ID": "none"})
+
+
+def test_a_job_id_outside_the_allowed_characters_is_refused_naming_where_it_came_from() -> None:
+    with pytest.raises(ValueError, match=r"PREEMPTD_JOB_ID 'a/b' is not a valid RAM-tier job id"):
+        job_id(None, {"PREEMPTD_JOB_ID": "a/b"})
+
+
+def _doc(step: int, files: dict[str, int], every: dict[str, int], run: int = 0) -> dict[str, Any]:
+    """A tier.json: this host's files (name -> size) and every file of the step."""
+    held = {name: {"size": size, "crc32": size, "rank": 0} for name, size in files.items()}
+    return {"step": step, "run": run, "files": held, "step_files": every, "complete": True}
+
+
+STEP = {".metadata": 1, "__0_0.distcp": 10, "__1_0.distcp": 11}
+
+
+def test_the_newest_step_complete_across_the_hosts_union_is_chosen_with_its_holders() -> None:
+    holdings = [
+        Holding(0, "a", {4: _doc(4, {".metadata": 1, "__0_0.distcp": 10}, STEP)}),
+        Holding(1, "b", {4: _doc(4, {"__1_0.distcp": 11}, STEP)}),
+    ]
+    choice, notes = choose(holdings, durable=(0, 3))
+    assert choice is not None and [] == notes
+    assert (4, {"__1_0.distcp": ("b",), ".metadata": ("a",)}) == (
+        choice.step,
+        {k: v for k, v in choice.holders.items() if k != "__0_0.distcp"},
+    )
+
+
+def test_an_incomplete_newer_step_is_named_with_what_each_host_holds_and_an_older_complete_one_is_chosen() -> (
+    None
+):
+    holdings = [
+        Holding(0, "a", {5: _doc(5, {".metadata": 1, "__0_0.distcp": 10}, STEP), 4: _doc(4, STEP, STEP)}),
+    ]
+    choice, notes = choose(holdings, durable=None)
+    assert choice is not None and 4 == choice.step
+    assert ["RAM step 5 is incomplete: __1_0.distcp on no host (a holds .metadata, __0_0.distcp)"] == notes
+
+
+def test_a_ram_step_not_newer_than_the_newest_durable_step_is_not_chosen() -> None:
+    """Newer is by run, then step: a durable step of a later run outranks a higher RAM step."""
+    holdings = [Holding(0, "a", {9: _doc(9, STEP, STEP, run=0)})]
+    assert (None, []) == choose(holdings, durable=(1, 2))
+
+
+@asynccontextmanager
+async def tier_agent(enabled: bool = True, cap_bytes: int = 1 << 24) -> AsyncIterator[tuple[Path, Path]]:
+    """A real agent with its RAM tier in a temporary directory: (its socket, the tier's directory)."""
+    base = short_tmp()
+    tier = RamTierComponent(RamTierConfig(enabled=enabled, path=base / "ram", cap_bytes=cap_bytes))
+    agent = Agent(agent_config(base), components=[tier])
+    await agent.start()
+    try:
+        await asyncio.wait_for(tier.loaded.wait(), 30)
+        yield base / "a.sock", base / "ram"
+    finally:
+        await agent.stop()
+
+
+async def test_a_step_is_reserved_written_committed_listed_and_freed_through_the_client() -> None:
+    async with tier_agent() as (sock, ram):
+        client = RamTier(sock)
+
+        def work() -> tuple[Any, ...]:
+            reservation = client.reserve(JOB, 5, 1000)
+            (reservation.path / "__0_0.distcp").write_bytes(b"x" * 100)
+            entry = {"size": 100, "crc32": zlib.crc32(b"x" * 100), "rank": 0}
+            write_tier_file(
+                reservation.path, job=JOB, step=5, run=0, world_size=1, files={"__0_0.distcp": entry},
+                complete=True,
+            )  # fmt: skip
+            client.commit(JOB, 5, reservation.id)
+            listed = client.job(JOB)
+            client.free(JOB, 5)
+            return reservation.path, listed, client.job(JOB)["steps"], read_tier_file(reservation.path)
+
+        path, listed, after, tier_doc = await asyncio.to_thread(work)
+    assert ram / JOB / "5" == path
+    assert [(5, True, {"__0_0.distcp"})] == [
+        (s["step"], s["complete"], set(s["files"])) for s in listed["steps"]
+    ]
+    assert ([], None) == (after, tier_doc)
+
+
+@pytest.mark.parametrize(
+    ("enabled", "nbytes", "reason"),
+    [(True, 1 << 30, "full"), (False, 10, "disabled")],
+)
+async def test_a_full_or_disabled_tier_is_an_error_with_its_reason(
+    enabled: bool, nbytes: int, reason: str
+) -> None:
+    async with tier_agent(enabled=enabled) as (sock, _ram):
+        client = RamTier(sock)
+
+        def work() -> RamTierError:
+            with pytest.raises(RamTierError) as caught:
+                client.info() if not enabled else client.reserve(JOB, 1, nbytes)
+            return caught.value
+
+        error = await asyncio.to_thread(work)
+    assert reason == error.reason, error
+
+
+def test_no_agent_is_an_unreachable_tier(tmp_path: Path) -> None:
+    with pytest.raises(RamTierError, match="no agent at") as caught:
+        RamTier(tmp_path / "none.sock").info()
+    assert "unreachable" == caught.value.reason
+
+
+@pytest.fixture
+def group_of_one() -> Iterator[None]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _state() -> dict[str, Any]:
+    return {"weights": torch.arange(1 << 12, dtype=torch.float32)}
+
+
+@pytest.mark.timeout(120)
+async def test_a_peer_save_without_a_notice_on_its_host_stays_in_its_ram_tier_and_the_root_is_untouched(
+    group_of_one: None, tmp_path: Path
+) -> None:
+    from agent.client.dcp import ShardedStore
+
+    async with tier_agent() as (sock, ram):
+        store = await asyncio.to_thread(
+            ShardedStore, tmp_path / "ckpt", report=False, socket_path=sock, tier="peer", job=JOB
+        )
+        saved = await asyncio.to_thread(lambda: store.save(3, _state(), emergency=True, noticed=()))
+        tier_doc = json.loads((ram / JOB / "3" / "tier.json").read_text())
+    assert (ram / JOB / "3", "peer") == (saved.path, saved.checkpoint.metadata["tier"])
+    assert [] == list((tmp_path / "ckpt").iterdir())
+    assert {".metadata", "__0_0.distcp"} == set(tier_doc["files"]) == set(tier_doc["step_files"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("agent", "cap_bytes", "noticed", "why"),
+    [
+        (True, 1 << 24, (0,), "every host of the job has a notice"),
+        (False, 1 << 24, (), "no agent at"),
+        (True, 1024, (), "ram tier full: need"),
+    ],
+)
+async def test_a_peer_save_that_cannot_evacuate_goes_to_the_durable_root_with_a_warning_saying_why(
+    group_of_one: None, tmp_path: Path, agent: bool, cap_bytes: int, noticed: tuple[int, ...], why: str
+) -> None:
+    from agent.client.dcp import CheckpointWarning, ShardedStore
+
+    async with tier_agent(cap_bytes=cap_bytes) as (sock, ram):
+        socket_path = sock if agent else tmp_path / "none.sock"
+        store = await asyncio.to_thread(
+            ShardedStore, tmp_path / "ckpt", report=False, socket_path=socket_path, tier="peer", job=JOB
+        )
+        with pytest.warns(CheckpointWarning, match=why):
+            saved = await asyncio.to_thread(lambda: store.save(3, _state(), emergency=True, noticed=noticed))
+        held = list(ram.glob(f"{JOB}/*"))
+    assert (store.path_of(3), []) == (saved.path, held)

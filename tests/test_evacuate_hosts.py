@@ -1,0 +1,218 @@
+"""Evacuate, don't flush (issue 24 items 2 and 4), end to end: simulated hosts on this machine, each with its own
+agent (own socket, state directory and RAM-tier directory) and its own ``preemptd exec -- torchrun --nnodes N
+--node-rank i`` of examples/sharded_training.py with ``--tier peer`` over loopback (gloo on CPU). A drill on
+one host puts its shard into another host's RAM tier; nothing is written under the durable root; every
+``exec`` exits 75. With that host gone, the job resumes from the other hosts' RAM on 2 hosts, or on 2 and a
+new empty one, at the next step with the same full-state digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.actions import ActionsComponent
+from agent.client import EXIT_PREEMPTED
+from agent.ramtier import RamTierComponent, RamTierConfig
+from agent.service.daemon import Agent
+from tests.support import REPO, agent_config, http_json, short_tmp
+
+pytest.importorskip("torch")
+
+EXAMPLE = REPO / "examples" / "sharded_training.py"
+JOB = "evacuate-test"
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@dataclass
+class Host:
+    """One simulated host: its agent's socket and its RAM tier's directory."""
+
+    index: int
+    base: Path
+    tier: RamTierComponent
+    agent: Agent
+
+    @property
+    def socket(self) -> Path:
+        return self.base / "a.sock"
+
+    @property
+    def ram(self) -> Path:
+        return self.base / "ram"
+
+    def step_dir(self, step: int) -> Path:
+        return self.ram / JOB / str(step)
+
+
+@asynccontextmanager
+async def hosts(count: int) -> AsyncIterator[list[Host]]:
+    """``count`` agents in this event loop, each with its RAM tier in its own temporary directory."""
+    async with AsyncExitStack() as stack:
+        found = []
+        for index in range(count):
+            base = short_tmp()
+            stack.callback(shutil.rmtree, base, True)
+            tier = RamTierComponent(RamTierConfig(enabled=True, path=base / "ram", cap_bytes=1 << 30))
+            config = agent_config(base)
+            agent = Agent(config, components=[ActionsComponent(config), tier])
+            await agent.start()
+            stack.push_async_callback(agent.stop)  # a second stop (of a host gone) does nothing
+            await asyncio.wait_for(tier.loaded.wait(), 30)
+            found.append(Host(index, base, tier, agent))
+        yield found
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class HostRun:
+    """``preemptd exec -- torchrun --nnodes N --node-rank i`` of the example on one host; its JSON-lines
+    progress read as it comes."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.events: list[dict[str, Any]] = []
+        self.stderr = ""
+
+    @classmethod
+    async def start(
+        cls, host: Host, node: int, count: int, port: int, ckpt: Path, args: Sequence[str]
+    ) -> HostRun:
+        command = [
+            sys.executable, "-m", "agent", "exec", "--",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(count), "--node-rank",
+            str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+            str(EXAMPLE), "--checkpoint-dir", str(ckpt), "--socket", str(host.socket), "--tier", "peer", *args,
+        ]  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            *command, env=_env(), cwd=str(REPO),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        return cls(proc)
+
+    async def until(self, event: str, timeout: float = 180.0) -> None:
+        async def read() -> None:
+            assert self.proc.stdout is not None
+            while not self.of(event):
+                line = await self.proc.stdout.readline()
+                if not line:
+                    err = (await self.proc.stderr.read()).decode() if self.proc.stderr else ""
+                    raise AssertionError(f"ended before {event!r}: {err[-4000:]}")
+                self._add(line.decode())
+
+        await asyncio.wait_for(read(), timeout)
+
+    async def finish(self, timeout: float = 180.0) -> int:
+        out, err = await asyncio.wait_for(self.proc.communicate(), timeout)
+        for line in out.decode().splitlines():
+            self._add(line)
+        self.stderr = err.decode()
+        assert self.proc.returncode is not None
+        return self.proc.returncode
+
+    def _add(self, line: str) -> None:
+        if line.startswith("{"):
+            self.events.append(json.loads(line))
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == event]
+
+
+def _env() -> dict[str, str]:
+    """The tests' environment: this repository, loopback for gloo, and the job's id for the RAM tier."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "TORCHELASTIC_"))}
+    environ.update(
+        {"PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PREEMPTD_JOB_ID": JOB}
+    )
+    return environ
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` with its size and modification time."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file()
+    }
+
+
+async def _train(group: Sequence[Host], ckpt: Path, *args: str) -> list[HostRun]:
+    """The example on each host of ``group`` (node ranks in that order), started together."""
+    port = _free_port()
+    return [await HostRun.start(host, node, len(group), port, ckpt, args) for node, host in enumerate(group)]
+
+
+async def _evacuated(three: list[Host], ckpt: Path) -> tuple[list[HostRun], list[int], dict[str, Any]]:
+    """Train on the three hosts until a drill on host 1: the runs, their exit codes, the tree of the
+    durable root before the drill."""
+    runs = await _train(three, ckpt, "--steps", "100000", "--step-time", "0.02")
+    for run in runs:
+        await run.until("agent_connected")
+    before = _tree(ckpt)
+    status, body = await http_json(three[1].socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+    assert status == 201, body
+    return runs, [await run.finish() for run in runs], before
+
+
+async def test_a_drill_on_one_host_moves_its_shard_into_the_next_hosts_ram_and_every_exec_exits_75(
+    tmp_path: Path,
+) -> None:
+    """3 hosts of 1 rank, a drill on host 1: its shard is in host 2's RAM tier (the next host in the ring
+    without a notice), host 0 keeps its own shard and DCP's .metadata, host 1's RAM copy is freed, each
+    surviving host's tier.json is committed to its agent, the durable root is untouched, every exec exits 75."""
+    ckpt = tmp_path / "ckpt"
+    async with hosts(3) as three:
+        runs, codes, before = await _evacuated(three, ckpt)
+        held = [host.tier.holdings.steps_of(JOB) for host in three]
+        [step] = {event["step"] for run in runs for event in run.of("checkpoint")}
+        left = [host.step_dir(step).exists() for host in three]
+        tier_files = [json.loads((three[i].step_dir(step) / "tier.json").read_text()) for i in (0, 2)]
+    assert [EXIT_PREEMPTED] * 3 == codes, [run.stderr[-3000:] for run in runs]
+    assert before == _tree(ckpt)
+    assert [[step], [], [step]] == [[record.step for record in records] for records in held]
+    assert {".metadata", "__0_0.distcp"} == set(held[0][0].files)
+    assert {"__1_0.distcp", "__2_0.distcp"} == set(held[2][0].files)
+    assert [True, False, True] == left
+    assert [True, True] == [doc["complete"] for doc in tier_files]
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"} == set(tier_files[0]["step_files"])
+
+
+@pytest.mark.parametrize("new_hosts", [0, 1])
+async def test_with_the_notified_host_gone_the_job_resumes_from_the_other_hosts_ram_at_the_next_step(
+    tmp_path: Path, new_hosts: int
+) -> None:
+    """After the evacuation, host 1 is gone (its agent stopped, its RAM tier deleted): the job resumes on
+    hosts 0 and 2 (world size 2), or on them and a new empty host (world size 3), from their RAM tiers
+    (each host receives the files its ranks need) at the next step with the checkpoint's full-state digest;
+    the durable root holds no step."""
+    ckpt = tmp_path / "ckpt"
+    async with hosts(3 + new_hosts) as every:
+        runs, codes, _before = await _evacuated(every[:3], ckpt)
+        assert [EXIT_PREEMPTED] * 3 == codes, [run.stderr[-3000:] for run in runs]
+        [saved] = {(e["step"], e["digest"]) for run in runs for e in run.of("checkpoint")}
+        await every[1].agent.stop()
+        shutil.rmtree(every[1].ram)
+        group = [every[0], every[2], *every[3:]]
+        resumed = await _train(group, ckpt, "--steps", str(saved[0] + 2))
+        codes = [await run.finish() for run in resumed]
+    assert [0] * len(group) == codes, [run.stderr[-3000:] for run in resumed]
+    starts = [event for run in resumed for event in run.of("resumed")]
+    assert [(saved[0], len(group), saved[1])] * len(group) == [
+        (s["next_step"], s["world_size"], s["digest"]) for s in starts
+    ]
+    assert [] == list(ckpt.glob("step-*"))
