@@ -18,7 +18,7 @@ import pytest
 from agent.client.ramtier import RamTier, RamTierError, job_id, read_tier_file, write_tier_file
 from agent.ramtier import RamTierComponent, RamTierConfig
 from agent.service.daemon import Agent
-from tests.support import agent_config, short_tmp
+from tests.support import agent_config, http_json, short_tmp
 
 torch = pytest.importorskip("torch")
 
@@ -259,3 +259,42 @@ async def test_a_peer_save_that_cannot_evacuate_goes_to_the_durable_root_with_a_
             saved = await asyncio.to_thread(lambda: store.save(3, _state(), emergency=True, noticed=noticed))
         held = list(ram.glob(f"{JOB}/*"))
     assert (store.path_of(3), []) == (saved.path, held)
+
+
+async def _drained(sock: Path, key: str, timeout: float = 60.0) -> dict[str, Any]:
+    """The agent's drain of ``key`` ("job/step") once it has ended (committed or failed), from its status."""
+
+    async def ended() -> dict[str, Any]:
+        while True:
+            status, body = await http_json(sock, "GET", "/v1/status")
+            assert status == 200, body
+            drain = body["ram_tier"].get("drains", {}).get(key)
+            if drain is not None and drain["state"] in ("committed", "failed"):
+                return dict(drain)
+            await asyncio.sleep(0.1)  # the drain is a child process of the agent: its state is polled
+
+    return await asyncio.wait_for(ended(), timeout)
+
+
+@pytest.mark.timeout(120)
+async def test_a_step_committed_with_drain_to_becomes_a_durable_step_that_plain_dcp_loads(
+    group_of_one: None, tmp_path: Path
+) -> None:
+    """RamTier(drain_to=root): the agent copies the committed RAM step into the store's root as an ordinary
+    committed step, which the store lists and ``torch.distributed.checkpoint.load`` reads."""
+    import torch.distributed.checkpoint as dcp
+
+    from agent.client.dcp import ShardedStore
+
+    ckpt = tmp_path / "ckpt"
+    async with tier_agent() as (sock, _ram):
+        tiers = RamTier(sock, drain_to=ckpt)
+        store = await asyncio.to_thread(
+            ShardedStore, ckpt, report=False, socket_path=sock, tier="peer", job=JOB, ram_tier=tiers
+        )
+        await asyncio.to_thread(lambda: store.save(3, _state(), emergency=True, noticed=()))
+        drain = await _drained(sock, f"{JOB}/3")
+    loaded = {"weights": torch.zeros(1 << 12)}
+    dcp.load(loaded, checkpoint_id=str(store.path_of(3)))
+    assert ("committed", [3]) == (drain["state"], store.steps()), drain
+    assert torch.equal(_state()["weights"], loaded["weights"])

@@ -83,11 +83,21 @@ def job_id(explicit: str | None = None, env: Mapping[str, str] | None = None) ->
 
 class RamTier:
     """This host's RAM tier, through the agent at ``socket`` (``PREEMPTD_SOCKET`` or the default path when
-    None). Every call raises :class:`RamTierError` with a reason when the tier cannot be used."""
+    None). Every call raises :class:`RamTierError` with a reason when the tier cannot be used.
 
-    def __init__(self, socket: str | Path | None = None, timeout: float = _TIMEOUT_S) -> None:
+    ``drain_to``: the job's durable checkpoint root (the ``ShardedStore``'s, seen by every host); each step
+    committed through this client is then copied there by the agent as an ordinary committed step
+    (docs/ram-tier.md, "Drain")."""
+
+    def __init__(
+        self,
+        socket: str | Path | None = None,
+        timeout: float = _TIMEOUT_S,
+        drain_to: str | Path | None = None,
+    ) -> None:
         self.socket = socket
         self.timeout = timeout
+        self.drain_to = None if drain_to is None else os.path.abspath(drain_to)
 
     def info(self) -> dict[str, Any]:
         """The tier as the agent sees it: path, cap, used/reserved/free bytes, jobs."""
@@ -106,10 +116,12 @@ class RamTier:
         return Reservation(job, step, Path(body["path"]), str(body["reservation"]), int(nbytes))
 
     def commit(self, job: str, step: int, reservation: str) -> dict[str, Any]:
-        """Hand the step (its ``tier.json`` written, see :func:`write_tier_file`) to the agent's inventory."""
-        body = self._call(
-            "POST", f"/v1/ram-tier/jobs/{_quote(job)}/steps/{step}/commit", {"reservation": reservation}
-        )
+        """Hand the step (its ``tier.json`` written, see :func:`write_tier_file`) to the agent's inventory,
+        to be drained to ``drain_to`` when set."""
+        doc: dict[str, Any] = {"reservation": reservation}
+        if self.drain_to is not None:
+            doc["durable_root"] = self.drain_to
+        body = self._call("POST", f"/v1/ram-tier/jobs/{_quote(job)}/steps/{step}/commit", doc)
         return dict(body or {})
 
     def free(self, job: str, step: int | None = None) -> None:
