@@ -6,6 +6,7 @@ to the durable root with a warning saying why."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -298,3 +299,47 @@ async def test_a_step_committed_with_drain_to_becomes_a_durable_step_that_plain_
     dcp.load(loaded, checkpoint_id=str(store.path_of(3)))
     assert ("committed", [3]) == (drain["state"], store.steps()), drain
     assert torch.equal(_state()["weights"], loaded["weights"])
+
+
+@pytest.mark.timeout(120)
+async def test_a_ram_step_older_than_the_newest_durable_step_is_ignored_by_the_resume_and_freed(
+    group_of_one: None, tmp_path: Path
+) -> None:
+    from agent.client.dcp import ShardedStore
+
+    async with tier_agent() as (sock, _ram):
+        store = await asyncio.to_thread(
+            ShardedStore, tmp_path / "ckpt", report=False, socket_path=sock, tier="peer", job=JOB
+        )
+        await asyncio.to_thread(lambda: store.save(3, _state(), emergency=True, noticed=()))
+        await asyncio.to_thread(lambda: store.save(5, {"weights": torch.ones(1 << 12)}))
+        loaded = {"weights": torch.zeros(1 << 12)}
+        resumed = await asyncio.to_thread(store.load_latest, loaded)
+        held = await asyncio.to_thread(lambda: RamTier(sock).job(JOB)["steps"])
+    assert resumed is not None
+    assert (5, store.path_of(5), []) == (resumed.step, resumed.path, held)
+    assert torch.equal(torch.ones(1 << 12), loaded["weights"])
+
+
+@pytest.mark.timeout(120)
+async def test_two_jobs_on_the_same_hosts_each_resume_their_own_ram_step(
+    group_of_one: None, tmp_path: Path
+) -> None:
+    from agent.client.dcp import ShardedStore
+
+    async with tier_agent() as (sock, _ram):
+        stores = [
+            await asyncio.to_thread(
+                ShardedStore, tmp_path / job, report=False, socket_path=sock, tier="peer", job=job
+            )
+            for job in ("job-a", "job-b")
+        ]
+        for step, store in enumerate(stores, start=3):
+            state = {"weights": torch.full((1 << 12,), float(step))}
+            await asyncio.to_thread(functools.partial(store.save, step, state, emergency=True, noticed=()))
+        loaded = [{"weights": torch.zeros(1 << 12)} for _ in stores]
+        resumed = [
+            await asyncio.to_thread(s.load_latest, into) for s, into in zip(stores, loaded, strict=True)
+        ]
+    assert [3, 4] == [r.step for r in resumed if r is not None]
+    assert [3.0, 4.0] == [float(into["weights"][0]) for into in loaded]

@@ -102,6 +102,10 @@ class PeerResume:
         """Load the newest complete RAM step newer than ``durable`` into ``state``; None (state untouched)
         when there is none or it cannot be gathered, with a CheckpointWarning saying why where it matters."""
         holdings = self.ranks.gather(self._holding(), self.group)
+        hosts = _hosts(holdings)
+        mine = holdings[self.ranks.rank]
+        if durable is not None and hosts[mine.host][0] == self.ranks.rank:
+            self._free_stale(mine, durable)
         choice, notes = choose([h for h in holdings if h.problem is None], durable)
         if self.ranks.rank == 0:
             for note in notes:
@@ -112,7 +116,6 @@ class PeerResume:
         if unusable:
             self._warn(f"RAM step {choice.step} cannot be gathered: {'; '.join(unusable)}")
             return None
-        hosts = _hosts(holdings)
         directory = self._directories(choice, hosts)
         if directory is None:
             return None
@@ -144,6 +147,14 @@ class PeerResume:
             if entry.get("complete") and doc is not None:
                 steps[int(entry["step"])] = doc
         return Holding(rank, host_key(info), steps)
+
+    def _free_stale(self, mine: Holding, durable: tuple[int, int]) -> None:
+        """The host's leader frees the job's RAM steps that are not newer than the newest durable step:
+        a resume never chooses them."""
+        for step, doc in mine.steps.items():
+            if (_run([(mine.host, doc)]), step) <= durable:
+                with contextlib.suppress(RamTierError):  # freed by another process meanwhile
+                    self.tier.free(self.job, step)
 
     def _directories(self, choice: Choice, hosts: Mapping[str, tuple[int, ...]]) -> Path | None:
         """Each host's leader reserves the step's directory on its host (where it is already, or where the
