@@ -10,7 +10,7 @@ in the module that defines its schema, and that module is imported here.
 from __future__ import annotations
 
 # Imported for what they do when imported: each registry joins the loader (agent.config.add_discovery).
-import agent.actions.registry  # noqa: F401
+import agent.actions.registry
 import agent.sources.clouds  # noqa: F401
 from agent.ledger import config as ledger_tables  # noqa: F401
 from agent.ramtier import config as ram_tier_tables  # noqa: F401
