@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import shutil
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from agent.client.ramtier import RamTier, RamTierError, job_id, read_tier_file, write_tier_file
-from agent.ramtier import RamTierComponent, RamTierConfig
+from agent.ramtier import RamTierComponent
 from agent.service.daemon import Agent
 from tests.support import agent_config, http_json, short_tmp
 
@@ -147,14 +148,20 @@ def test_a_ram_step_not_newer_than_the_newest_durable_step_is_not_chosen() -> No
 async def tier_agent(enabled: bool = True, cap_bytes: int = 1 << 24) -> AsyncIterator[tuple[Path, Path]]:
     """A real agent with its RAM tier in a temporary directory: (its socket, the tier's directory)."""
     base = short_tmp()
-    tier = RamTierComponent(RamTierConfig(enabled=enabled, path=base / "ram", cap_bytes=cap_bytes))
-    agent = Agent(agent_config(base), components=[tier])
+    settings = {
+        "ram_tier.enabled": enabled,
+        "ram_tier.path": str(base / "ram"),
+        "ram_tier.cap_bytes": cap_bytes,
+    }
+    agent = Agent(agent_config(base, settings))
     await agent.start()
     try:
+        tier = next(c for c in agent.components if isinstance(c, RamTierComponent))
         await asyncio.wait_for(tier.loaded.wait(), 30)
         yield base / "a.sock", base / "ram"
     finally:
         await agent.stop()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 async def test_a_step_is_reserved_written_committed_listed_and_freed_through_the_client() -> None:

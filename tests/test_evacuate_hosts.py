@@ -22,9 +22,8 @@ from typing import Any
 
 import pytest
 
-from agent.actions import ActionsComponent
 from agent.client import EXIT_PREEMPTED
-from agent.ramtier import RamTierComponent, RamTierConfig
+from agent.ramtier import RamTierComponent
 from agent.service.daemon import Agent
 from tests.support import REPO, agent_config, http_json, short_tmp
 
@@ -37,12 +36,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 @dataclass
 class Host:
-    """One simulated host: its agent's socket and its RAM tier's directory."""
+    """One simulated host: its agent (``[ram_tier]`` on, its tier in its own temporary directory)."""
 
     index: int
     base: Path
-    tier: RamTierComponent
-    agent: Agent
+    agent: Agent | None = None
 
     @property
     def socket(self) -> Path:
@@ -52,25 +50,38 @@ class Host:
     def ram(self) -> Path:
         return self.base / "ram"
 
+    @property
+    def tier(self) -> RamTierComponent:
+        assert self.agent is not None
+        return next(c for c in self.agent.components if isinstance(c, RamTierComponent))
+
     def step_dir(self, step: int) -> Path:
         return self.ram / JOB / str(step)
+
+    async def stop(self) -> None:
+        if self.agent is not None:
+            await self.agent.stop()
+
+    async def start(self) -> None:
+        """Start its agent (again: the same socket, state and RAM tier); return once the tier is read back."""
+        settings = {"ram_tier.enabled": True, "ram_tier.path": str(self.ram), "ram_tier.cap_bytes": 1 << 30}
+        self.agent = Agent(agent_config(self.base, settings))
+        await self.agent.start()
+        await asyncio.wait_for(self.tier.loaded.wait(), 30)
 
 
 @asynccontextmanager
 async def hosts(count: int) -> AsyncIterator[list[Host]]:
-    """``count`` agents in this event loop, each with its RAM tier in its own temporary directory."""
+    """``count`` simulated hosts, their agents started."""
     async with AsyncExitStack() as stack:
         found = []
         for index in range(count):
-            base = short_tmp()
-            stack.callback(shutil.rmtree, base, True)
-            tier = RamTierComponent(RamTierConfig(enabled=True, path=base / "ram", cap_bytes=1 << 30))
-            config = agent_config(base)
-            agent = Agent(config, components=[ActionsComponent(config), tier])
-            await agent.start()
-            stack.push_async_callback(agent.stop)  # a second stop (of a host gone) does nothing
-            await asyncio.wait_for(tier.loaded.wait(), 30)
-            found.append(Host(index, base, tier, agent))
+            host = Host(index, short_tmp())
+            stack.callback(shutil.rmtree, host.base, True)
+            await host.start()
+            # The agent running at the end (a host may have restarted it); stopping twice does nothing.
+            stack.push_async_callback(lambda host=host: host.stop())
+            found.append(host)
         yield found
 
 
@@ -192,21 +203,25 @@ async def test_a_drill_on_one_host_moves_its_shard_into_the_next_hosts_ram_and_e
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"} == set(tier_files[0]["step_files"])
 
 
-@pytest.mark.parametrize("new_hosts", [0, 1])
+@pytest.mark.parametrize(("new_hosts", "restart"), [(0, False), (1, False), (0, True)])
 async def test_with_the_notified_host_gone_the_job_resumes_from_the_other_hosts_ram_at_the_next_step(
-    tmp_path: Path, new_hosts: int
+    tmp_path: Path, new_hosts: int, restart: bool
 ) -> None:
     """After the evacuation, host 1 is gone (its agent stopped, its RAM tier deleted): the job resumes on
     hosts 0 and 2 (world size 2), or on them and a new empty host (world size 3), from their RAM tiers
     (each host receives the files its ranks need) at the next step with the checkpoint's full-state digest;
-    the durable root holds no step."""
+    the durable root holds no step. With ``restart``, host 2's agent restarts before the resume: it reads its
+    inventory back (CRCs checked) and the resume finds the step there."""
     ckpt = tmp_path / "ckpt"
     async with hosts(3 + new_hosts) as every:
         runs, codes, _before = await _evacuated(every[:3], ckpt)
         assert [EXIT_PREEMPTED] * 3 == codes, [run.stderr[-3000:] for run in runs]
         [saved] = {(e["step"], e["digest"]) for run in runs for e in run.of("checkpoint")}
-        await every[1].agent.stop()
+        await every[1].stop()
         shutil.rmtree(every[1].ram)
+        if restart:
+            await every[2].stop()
+            await every[2].start()
         group = [every[0], every[2], *every[3:]]
         resumed = await _train(group, ckpt, "--steps", str(saved[0] + 2))
         codes = [await run.finish() for run in resumed]
