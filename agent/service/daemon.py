@@ -56,25 +56,24 @@ class Agent:
         self.config = config
         self.now = clock
         self.log = structlog.get_logger("preemptd")
-        self.identity = Identity(clock(), None if config.cloud == "auto" else config.cloud)
-        boot_id = self.identity.boot_id
+        identity = self.identity = Identity(clock(), None if config.cloud == "auto" else config.cloud)
         api = config.api
         self.hub = Hub(api.queue_size, api.ring_size, api.max_subscribers, log=self.log)
         self.tasks = TaskSet("agent", failure_event="task_failed")
         self.board = NoticeBoard(scope=host_boot_id())
-        self.keeper = StateKeeper(config.state_dir, config.history_max_bytes, boot_id, clock, self.log)
+        self.keeper = StateKeeper(
+            config.state_dir, config.history_max_bytes, identity.boot_id, clock, self.log
+        )
         self.keeper.bind(
             lambda: (self.hub.seq, self.board.active(), {"notice_occurrences": self.board.occurrences()})
         )
         self.history: History = self.keeper.history
         self.fanout = Fanout(self.hub, self.keeper.record, self.log)
         self.health = HealthBook(clock, self.log)
-        self.runner = SourceRunner(
-            self.board, clock, self.health, self.tasks, self.log, self.identity.identify
-        )
+        self.runner = SourceRunner(self.board, clock, self.health, self.tasks, self.log, identity.identify)
         self.runner.sources = {s.name: s for s in sources or []}
         self.expiry = Expiry(self.board, clock, lambda: self.config, self._speaks_for)
-        self.drills = Drills(boot_id, self.inject, clock, self.log)
+        self.drills = Drills(identity.boot_id, self.inject, clock, self.log)
         self.hooks = Hooks(self.log, self.runner.capability)
         self.reports_total = self.hooks.reports_total
         self.reports_rejected = 0  # counted by the API's handlers
