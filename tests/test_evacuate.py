@@ -8,7 +8,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -20,7 +24,7 @@ import pytest
 from agent.client.ramtier import RamTier, RamTierError, job_id, read_tier_file, write_tier_file
 from agent.ramtier import RamTierComponent
 from agent.service.daemon import Agent
-from tests.support import agent_config, http_json, short_tmp
+from tests.support import REPO, agent_config, http_json, short_tmp
 
 torch = pytest.importorskip("torch")
 
@@ -350,3 +354,51 @@ async def test_two_jobs_on_the_same_hosts_each_resume_their_own_ram_step(
         ]
     assert [3, 4] == [r.step for r in resumed if r is not None]
     assert [3.0, 4.0] == [float(into["weights"][0]) for into in loaded]
+
+
+_TRANSFER = textwrap.dedent(
+    """
+    import json, sys, zlib
+    from pathlib import Path
+    import torch.distributed as dist
+    from agent.client.evacuate import receive_file, send_file
+
+    dist.init_process_group("gloo")
+    where = Path(sys.argv[1])
+    data = bytes(range(256)) * 40 + b"x" * 123
+    if dist.get_rank() == 0:
+        (where / "src").write_bytes(data)
+        send_file(None, 1, where / "src", len(data), chunk=1000)
+        send_file(None, 1, where / "missing", 2500, chunk=1000)
+    else:
+        crc, problem = receive_file(None, 0, where / "dst", len(data), chunk=1000)
+        _, unreadable = receive_file(None, 0, where / "dst2", 2500, chunk=1000)
+        same = (where / "dst").read_bytes() == data and crc == zlib.crc32(data)
+        print(json.dumps({"same": same, "problem": problem, "unreadable": unreadable}))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_file_crosses_the_group_in_chunks_whole_and_an_unreadable_one_arrives_refused(
+    tmp_path: Path,
+) -> None:
+    """send_file/receive_file between two real gloo ranks: 11 chunks arrive byte for byte with the CRC32; a
+    file the sender cannot read is received in full (the sender is never left blocked) and refused."""
+    script = tmp_path / "transfer.py"
+    script.write_text(_TRANSFER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*command, str(script), str(tmp_path)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert 0 == done.returncode, done.stderr[-3000:]
+    report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert (True, None) == (report["same"], report["problem"])
+    assert "dst2 from rank 0 arrived damaged" in report["unreadable"]

@@ -19,6 +19,7 @@ import os
 import socket
 import zlib
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -367,68 +368,93 @@ def _global(group: Any, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not None else rank
 
 
-def send_file(group: Any, to: int, path: Path, size: int) -> None:
+def send_file(group: Any, to: int, path: Path, size: int, chunk: int = CHUNK) -> None:
     """Send ``size`` bytes of ``path`` to rank ``to`` of ``group`` in chunks, then their CRC32 (-1 when
-    the file could not be read whole: zeros were sent in its place, and the receiver refuses it)."""
-    buffer = bytearray(min(CHUNK, max(size, 1)))
+    the file could not be read whole: zeros were sent in its place, and the receiver refuses it). The next
+    chunk is read and checksummed on a thread while this one is sent; the receiver uses the same ``chunk``."""
     dst = _global(group, to)
-    crc, sent, bad = 0, 0, False
+    piece = min(chunk, max(size, 1))
+    buffers = (bytearray(piece), bytearray(piece))
+    crc, bad = [0], [False]
     try:
         handle = open(path, "rb")  # noqa: SIM115  # closed below, read in chunks
     except OSError:
-        handle, bad = None, True
-    try:
-        while sent < size:
-            count = min(len(buffer), size - sent)
-            view = memoryview(buffer)[:count]
+        handle, bad[0] = None, True
+
+    def fill(index: int, offset: int) -> memoryview:
+        view = memoryview(buffers[index % 2])[: min(piece, size - offset)]
+        try:
             got = handle.readinto(view) if handle is not None else 0
-            if got != count:  # the file shrank: zeros, and a CRC that cannot match
-                view[got:] = bytes(count - got)
-                bad = True
-            crc = zlib.crc32(view, crc)
-            dist.send(torch.frombuffer(view, dtype=torch.uint8), dst, group=group)
-            sent += count
+        except OSError:
+            got = 0
+        if got != len(view):  # the file shrank or failed: zeros, and a CRC that cannot match
+            view[got:] = bytes(len(view) - got)
+            bad[0] = True
+        crc[0] = zlib.crc32(view, crc[0])
+        return view
+
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="evacuate-read") as reader:
+            pending = reader.submit(fill, 0, 0)
+            for index, offset in enumerate(range(0, size, piece)):
+                view = pending.result()
+                if offset + piece < size:  # the other buffer: its chunk was sent before this one
+                    pending = reader.submit(fill, index + 1, offset + piece)
+                dist.send(torch.frombuffer(view, dtype=torch.uint8), dst, group=group)
     finally:
         if handle is not None:
             handle.close()
-    dist.send(torch.tensor([-1 if bad else crc], dtype=torch.int64), dst, group=group)
+    dist.send(torch.tensor([-1 if bad[0] else crc[0]], dtype=torch.int64), dst, group=group)
 
 
-def receive_file(group: Any, sender: int, path: Path, size: int) -> tuple[int, str | None]:
+def receive_file(
+    group: Any, sender: int, path: Path, size: int, chunk: int = CHUNK
+) -> tuple[int, str | None]:
     """Receive what :func:`send_file` sends into ``path``: (its CRC32, None) or (…, the problem: a write
     that failed, a CRC32 that does not match). Receives every byte whatever happens, since the sender is
-    blocked until they are read."""
+    blocked until they are read. Each chunk is checksummed and written on a thread while the next one
+    arrives."""
     src = _global(group, sender)
-    buffer = torch.empty(min(CHUNK, max(size, 1)), dtype=torch.uint8)
-    crc, done = 0, 0
-    problem: str | None = None
+    piece = min(chunk, max(size, 1))
+    buffers = (torch.empty(piece, dtype=torch.uint8), torch.empty(piece, dtype=torch.uint8))
+    crc: list[int] = [0]
+    problem: list[str] = []
     try:
         handle = open(path, "wb")  # noqa: SIM115  # closed below; written in chunks
     except OSError as exc:
-        handle, problem = None, f"cannot write {path}: {exc}"
+        handle = None
+        problem.append(f"cannot write {path}: {exc}")
+
+    def consume(part: torch.Tensor) -> None:
+        view = part.numpy().data
+        crc[0] = zlib.crc32(view, crc[0])
+        if handle is not None and not problem:
+            try:
+                handle.write(view)
+            except OSError as exc:
+                problem.append(f"cannot write {path}: {exc}")
+
     try:
-        while done < size:
-            count = min(len(buffer), size - done)
-            part = buffer[:count]
-            dist.recv(part, src, group=group)
-            view = part.numpy().data
-            crc = zlib.crc32(view, crc)
-            if handle is not None and problem is None:
-                try:
-                    handle.write(view)
-                except OSError as exc:
-                    problem = f"cannot write {path}: {exc}"
-            done += count
+        with ThreadPoolExecutor(1, thread_name_prefix="evacuate-write") as writer:
+            pending: list[Future[None] | None] = [None, None]
+            for index, offset in enumerate(range(0, size, piece)):
+                slot = index % 2
+                earlier = pending[slot]
+                if earlier is not None:  # that buffer's earlier chunk is written first
+                    earlier.result()
+                part = buffers[slot][: min(piece, size - offset)]
+                dist.recv(part, src, group=group)
+                pending[slot] = writer.submit(consume, part)
     finally:
         if handle is not None:
             handle.close()
     told = torch.empty(1, dtype=torch.int64)
     dist.recv(told, src, group=group)
-    if problem is None and int(told.item()) != crc:
-        problem = (
-            f"{path.name} from rank {sender} arrived damaged (CRC32 {crc:#010x}, sent {int(told.item())})"
+    if not problem and int(told.item()) != crc[0]:
+        problem.append(
+            f"{path.name} from rank {sender} arrived damaged (CRC32 {crc[0]:#010x}, sent {int(told.item())})"
         )
-    return crc, problem
+    return crc[0], problem[0] if problem else None
 
 
 def _crc(path: Path) -> int:
