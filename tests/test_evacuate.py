@@ -402,3 +402,46 @@ def test_a_file_crosses_the_group_in_chunks_whole_and_an_unreadable_one_arrives_
     report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
     assert (True, None) == (report["same"], report["problem"])
     assert "dst2 from rank 0 arrived damaged" in report["unreadable"]
+
+
+_REPLICAS = textwrap.dedent(
+    """
+    import json, sys
+    import torch, torch.distributed as dist
+    from agent.client.dcp import ShardedStore
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root, sockets = sys.argv[1], sys.argv[2:]
+    store = ShardedStore(root, report=False, socket_path=sockets[rank], tier="peer", job="replicas")
+    weights = torch.arange(1 << 16, dtype=torch.float32)
+    state = {"a": weights, "b": weights + 1, "note": "the same on every rank"}
+    saved = store.save(1, state, emergency=True, noticed=(1,))
+    print(json.dumps({"rank": rank, "path": str(saved.path)}))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.timeout(120)
+async def test_a_replica_held_by_a_host_without_a_notice_is_not_sent(tmp_path: Path) -> None:
+    """Two hosts whose ranks hold the same state (DDP replicas): the notified host's rank writes and sends
+    no tensor bytes (DCP alone would spread the two tensors over both ranks); the survivor's shard holds
+    both and the step is complete in its RAM."""
+    script = tmp_path / "replicas.py"
+    script.write_text(_REPLICAS)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    async with tier_agent() as (sock_a, ram_a), tier_agent() as (sock_b, ram_b):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        proc = await asyncio.create_subprocess_exec(
+            *command, str(script), str(tmp_path / "ckpt"), str(sock_a), str(sock_b), env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 100)
+        assert 0 == proc.returncode, err.decode()[-3000:]
+        doc = json.loads((ram_a / "replicas" / "1" / "tier.json").read_text())
+        left = list(ram_b.glob("replicas/*"))
+    sizes = {name: entry["size"] for name, entry in doc["files"].items()}
+    assert (set(sizes), []) == (set(doc["step_files"]), left)
+    assert sizes["__0_0.distcp"] >= 2 * (4 << 16)
+    assert sizes.get("__1_0.distcp", 0) < 1024, sizes

@@ -20,14 +20,17 @@ import socket
 import zlib
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -154,6 +157,28 @@ def estimate(state: Any) -> int:
     return 0
 
 
+class SurvivorsKeep(DefaultSavePlanner):
+    """DCP's save planner, except that an item (a tensor, a value) that a rank of a host without a notice
+    also holds — a DDP replica, a full-state copy — is never written by a rank of a notified host: those
+    ranks write (and send) only what no survivor has. DCP's own deduplication then spreads the rest."""
+
+    def __init__(self, notified: Collection[int]) -> None:
+        super().__init__()
+        self.notified = frozenset(notified)
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        kept = {
+            i.index for rank, plan in enumerate(all_plans) if rank not in self.notified for i in plan.items
+        }
+        narrowed = [
+            replace(plan, items=[i for i in plan.items if i.index not in kept])
+            if rank in self.notified
+            else plan
+            for rank, plan in enumerate(all_plans)
+        ]
+        return super().create_global_plan(narrowed)
+
+
 def resolve(state: Mapping[str, Any]) -> dict[str, Any]:
     """The state dict DCP would save: each ``Stateful`` replaced by its ``state_dict()`` (once)."""
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
@@ -188,7 +213,8 @@ class Evacuation:
             try:
                 with zip_crc_off():
                     writer = FileSystemWriter(directory, sync_files=False, thread_count=self.thread_count)
-                    dcp_save(resolved, storage_writer=writer, process_group=self.group)
+                    planner = SurvivorsKeep(the_plan.buddy)
+                    dcp_save(resolved, storage_writer=writer, planner=planner, process_group=self.group)
             except BaseException as exc:
                 if not convertible(exc):
                     raise
