@@ -14,7 +14,8 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+import textwrap
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,13 +103,20 @@ class HostRun:
 
     @classmethod
     async def start(
-        cls, host: Host, node: int, count: int, port: int, ckpt: Path, args: Sequence[str]
+        cls,
+        host: Host,
+        node: int,
+        count: int,
+        port: int,
+        ckpt: Path,
+        args: Sequence[str],
+        wrapper: Path | None = None,
     ) -> HostRun:
         command = [
             sys.executable, "-m", "agent", "exec", "--",
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(count), "--node-rank",
             str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-            str(EXAMPLE), "--checkpoint-dir", str(ckpt), "--socket", str(host.socket), "--tier", "peer", *args,
+            *([str(wrapper)] if wrapper else []), str(EXAMPLE), "--checkpoint-dir", str(ckpt), "--socket", str(host.socket), "--tier", "peer", *args,
         ]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
             *command, env=_env(), cwd=str(REPO),
@@ -162,10 +170,16 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
     }
 
 
-async def _train(group: Sequence[Host], ckpt: Path, *args: str) -> list[HostRun]:
-    """The example on each host of ``group`` (node ranks in that order), started together."""
+async def _train(
+    group: Sequence[Host], ckpt: Path, *args: str, wrappers: Mapping[int, Path] | None = None
+) -> list[HostRun]:
+    """The example on each host of ``group`` (node ranks in that order), started together; on the nodes
+    ``wrappers`` names, through that script."""
     port = _free_port()
-    return [await HostRun.start(host, node, len(group), port, ckpt, args) for node, host in enumerate(group)]
+    return [
+        await HostRun.start(host, node, len(group), port, ckpt, args, (wrappers or {}).get(node))
+        for node, host in enumerate(group)
+    ]
 
 
 async def _evacuated(three: list[Host], ckpt: Path) -> tuple[list[HostRun], list[int], dict[str, Any]]:
@@ -231,3 +245,49 @@ async def test_with_the_notified_host_gone_the_job_resumes_from_the_other_hosts_
         (s["next_step"], s["world_size"], s["digest"]) for s in starts
     ]
     assert [] == list(ckpt.glob("step-*"))
+
+
+# Run the example with the evacuation's sender replaced by a death: the rank dies as its transfer starts.
+_DIE_SENDING = textwrap.dedent(
+    """
+    import os, runpy, sys
+    import agent.client.evacuate as evacuate
+
+    def die(*args, **kwargs):
+        os._exit(9)
+
+    evacuate.send_file = die
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    """
+)
+
+
+async def test_a_notified_rank_that_dies_mid_transfer_commits_nothing_and_the_others_exit_75_with_the_earlier_step(
+    tmp_path: Path,
+) -> None:
+    """A periodic durable step first; then a drill on host 1, whose rank dies as it starts sending: no host
+    commits the step to its RAM tier, hosts 0 and 2 fall back to the durable step (their execs exit 75, the
+    ranks say which step failed), and host 1's exec fails."""
+    ckpt = tmp_path / "ckpt"
+    wrapper = tmp_path / "die_sending.py"
+    wrapper.write_text(_DIE_SENDING)
+    async with hosts(3) as three:
+        args = ("--steps", "100000", "--step-time", "0.02", "--interval-s", "0.5")
+        runs = await _train(three, ckpt, *args, wrappers={1: wrapper})
+        for run in runs:
+            await run.until("checkpoint")
+        status, body = await http_json(
+            three[1].socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60}
+        )
+        assert status == 201, body
+        codes = [await run.finish() for run in runs]
+        held = [host.tier.holdings.steps_of(JOB) for host in three]
+    assert (EXIT_PREEMPTED, EXIT_PREEMPTED) == (codes[0], codes[2]), [run.stderr[-3000:] for run in runs]
+    assert EXIT_PREEMPTED != codes[1]
+    assert [[], [], []] == held
+    durable = [c["step"] for c in runs[0].of("checkpoint") if not c["emergency"]]
+    fell = [
+        (p["step"], p["failed_step"] > p["step"]) for run in (runs[0], runs[2]) for p in run.of("preempted")
+    ]
+    assert [(durable[-1], True)] * 2 == fell

@@ -19,6 +19,7 @@ from agent.client.peer_resume import PeerResume
 from agent.client.preempted import record_emergency
 from agent.client.ramtier import RamTier
 from agent.client.store import CheckpointStore
+from agent.client.store_failure import fall_back, summary
 
 
 class PeerTier:
@@ -49,7 +50,9 @@ class PeerTier:
         noticed: Collection[int] | None,
     ) -> ShardedCheckpoint | None:
         """The emergency step into the surviving hosts' RAM tiers; None (with a CheckpointWarning saying
-        why, on every rank) when that cannot be done and the durable save follows."""
+        why, on every rank) when that cannot be done and the durable save follows. When the group itself fails
+        under it (a rank died), CheckpointError with the newest earlier committed durable step as its
+        ``fallback`` (recorded for ``preemptd exec``), as a failed durable emergency save does."""
         started = time.monotonic()
         flush = {"sharded": True, "world_size": self.ranks.world_size}
         self._report("started", step, emergency=True, notice_id=notice_id, flush=flush)
@@ -68,6 +71,15 @@ class PeerTier:
                 stacklevel=4,
             )
             return None
+        except Exception as exc:  # the group failed under it (a rank died mid-transfer): nothing committed
+            error = CheckpointError(
+                f"evacuation of step {step} failed, nothing was committed: {summary(exc)}"
+            )
+            error.fallback = fall_back(self.local.committed, step, notice_id, error, sharded=True)
+            if error.fallback is not None:
+                flush = {**flush, "fallback_step": error.fallback.step}
+            self._report("failed", step, emergency=True, notice_id=notice_id, flush=flush)
+            raise error from exc
         duration = time.monotonic() - started
         extra = {"world_size": self.ranks.world_size, "tier": "peer", "job": done.job}
         checkpoint = done.checkpoint(notice_id, {**dict(metadata or {}), **extra}, run, duration)
