@@ -24,6 +24,12 @@ def actions_of(agent: object) -> ActionsComponent:
     return component
 
 
+async def drained(agent: object, reactor: str) -> None:
+    """Wait until what ``reactor`` started so far has finished; unlike the component's drain, this leaves
+    the ready step waiting (up to the drill's deadline) for participants."""
+    await actions_of(agent).reactors.by_name()[reactor].drain()  # type: ignore[attr-defined]
+
+
 async def test_a_program_that_never_heard_of_preemptd_gets_its_signal_on_a_drill(base: Path) -> None:
     marker = f"train-{uuid.uuid4().hex}"
     child = await Child.start(HANDLER, str(base / "got"), marker)
@@ -36,7 +42,7 @@ async def test_a_program_that_never_heard_of_preemptd_gets_its_signal_on_a_drill
             assert 201 == status
             assert 0 == await child.wait()
             assert "SIGUSR1" == (base / "got").read_text()
-            await actions_of(agent).drain()
+            await drained(agent, "signals")
             _, shown = await http_json(agent.config.socket, "GET", "/v1/status")
             [sent] = shown["actions"]["signals"]
             assert ("sent", child.pid, "SIGUSR1", "train") == (
@@ -117,7 +123,7 @@ async def test_metrics_count_actions(base: Path) -> None:
     settings = {"actions.hooks": [{"argv": ["true"]}]}
     async with running_agent(base, settings) as agent:
         await http_json(agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
-        await actions_of(agent).drain()
+        await drained(agent, "hooks")
         _, text = await http_json(agent.config.socket, "GET", "/metrics")
     assert 'preemptd_actions_total{action="hook",outcome="ok"} 1.0' in text
 
@@ -136,7 +142,7 @@ async def test_dry_run_in_the_agent_signals_nobody(base: Path) -> None:
         settings = {"actions.dry_run": True, "actions.signals": [{"cmdline": [marker]}]}
         async with running_agent(base, settings) as agent:
             await http_json(agent.config.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
-            await actions_of(agent).drain()
+            await drained(agent, "signals")
             _, shown = await http_json(agent.config.socket, "GET", "/v1/status")
         assert ["dry_run"] == [s["outcome"] for s in shown["actions"]["signals"]]
         await asyncio.sleep(0)
