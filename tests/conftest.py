@@ -1,7 +1,10 @@
-"""Shared fixtures: short temporary directories for Unix sockets, cleaned up after each test."""
+"""Shared fixtures (short temporary directories for Unix sockets) and the fast lane: ``pytest --fast``
+(``scripts/test --fast``) leaves out the tests marked ``slow``, ``service`` or ``torch_mp`` and does not even
+import a module whose ``pytestmark`` carries one of those markers."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +12,71 @@ from pathlib import Path
 import pytest
 
 from tests.support import short_tmp
+
+# What the fast lane leaves out (pyproject.toml declares them): tests of 2 s or more, tests that need an
+# external service (Slurm, Ray, the Kubernetes API fake or kubectl, systemd, docker), multi-process torch.
+NOT_FAST = frozenset({"slow", "service", "torch_mp"})
+# Fixtures that start an external service: a test that takes one is marked ``service`` here, in one place.
+SERVICE_FIXTURES = frozenset({"slurm", "ray_cluster", "kube", "pair"})
+# Module-scoped fixtures that are slow to build (a Slurm, a Ray cluster, two ranks' checkpoints): the tests
+# that share one run on the same parallel worker (``--dist loadgroup``), which builds it once.
+SHARED_FIXTURES = frozenset({"slurm", "ray_cluster", "two_steps"})
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="the fast lane: leave out tests marked " + ", ".join(sorted(NOT_FAST)),
+    )
+
+
+def module_marks(path: Path) -> set[str]:
+    """The marker names in a test module's top-level ``pytestmark`` (``pytest.mark.NAME``), read from its
+    source without importing it: the fast lane skips modules whose imports alone take seconds (torch)."""
+    try:
+        tree = ast.parse(path.read_bytes(), str(path))
+    except (OSError, SyntaxError):
+        return set()  # pytest's own collection reports it
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets
+        ):
+            for sub in ast.walk(node.value):
+                if (
+                    isinstance(sub, ast.Attribute)
+                    and isinstance(sub.value, ast.Attribute)
+                    and sub.value.attr == "mark"
+                ):
+                    names.add(sub.attr)
+    return names
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if not config.getoption("fast") or collection_path.suffix != ".py":
+        return None
+    return bool(collection_path.name.startswith("test_") and module_marks(collection_path) & NOT_FAST) or None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    grouped = config.pluginmanager.hasplugin("xdist")
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & SERVICE_FIXTURES:
+            item.add_marker(pytest.mark.service)
+        if grouped:
+            for name in sorted(fixtures & SHARED_FIXTURES):
+                item.add_marker(pytest.mark.xdist_group(name))
+    if not config.getoption("fast"):
+        return
+    kept: list[pytest.Item] = []
+    left_out: list[pytest.Item] = []
+    for item in items:
+        (left_out if any(item.get_closest_marker(m) for m in NOT_FAST) else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
 
 
 @pytest.fixture

@@ -55,6 +55,7 @@ async def test_a_program_that_never_heard_of_preemptd_gets_its_signal_on_a_drill
         await child.stop()
 
 
+@pytest.mark.slow
 async def test_a_hanging_hook_does_not_delay_the_notice_to_clients(base: Path) -> None:
     pid_file = base / "hook.pid"
     hang = [

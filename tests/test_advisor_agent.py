@@ -206,6 +206,7 @@ async def test_advisor_marks_the_history_periodically(base: Path) -> None:
     assert {"interval_s", "confidence", "save_time_s", "mtbp_s"} <= set(recorded[0])
 
 
+@pytest.mark.slow
 async def test_restart_after_a_killed_agent_counts_as_an_unclean_loss(base: Path) -> None:
     """The agent process is killed (no clean stop), started again, and the advisor counts one loss."""
     proc = AgentProcess(base)

@@ -116,6 +116,7 @@ async def test_with_participants_setting_holds_every_pod_until_ready(kube: FakeK
         await bridge.stop(2)
 
 
+@pytest.mark.slow
 async def test_without_ready_a_training_pod_is_evicted_at_deadline_minus_grace_minus_margin(
     kube: FakeKube, tmp_path: Path
 ) -> None:
@@ -163,6 +164,7 @@ async def test_an_eviction_a_budget_blocks_is_retried_until_it_is_allowed(
     )
 
 
+@pytest.mark.slow
 async def test_an_eviction_still_blocked_at_the_deadline_is_reported(kube: FakeKube, tmp_path: Path) -> None:
     kube.add_pod("ml", "train-0", node=NODE, owner="Job", grace_s=1)
     kube.block_eviction("ml", "train-0")
@@ -231,6 +233,7 @@ async def test_a_403_names_the_verb_and_resource_and_the_rest_still_happens(
     )
 
 
+@pytest.mark.service
 async def test_an_unreachable_api_is_shown_and_retried_until_it_answers(tmp_path: Path) -> None:
     async with FakeKube() as gone:
         port = gone.port
@@ -312,6 +315,7 @@ def make_certificate(directory: Path) -> tuple[Path, Path]:
     return cert_file, key_file
 
 
+@pytest.mark.service
 async def test_in_cluster_the_service_account_token_is_reread_when_it_rotates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

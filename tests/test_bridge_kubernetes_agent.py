@@ -307,6 +307,7 @@ async def test_clearing_the_notice_puts_the_node_back_and_keeps_the_administrato
     assert "idle" == shown["state"]
 
 
+@pytest.mark.service
 async def test_an_unreachable_api_never_holds_up_the_notice_and_shows_in_status_and_metrics(
     base: Path,
 ) -> None:

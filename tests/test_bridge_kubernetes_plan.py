@@ -198,6 +198,7 @@ def test_json_merge_replaces_lists_and_removes_null_keys() -> None:
     assert {"b": "2"} == patched["metadata"]["annotations"]
 
 
+@pytest.mark.service
 async def test_the_fake_refuses_a_stale_resource_version_and_keeps_status_and_spec_apart() -> None:
     import aiohttp
 

@@ -175,6 +175,7 @@ async def test_without_ray_the_bridge_says_so_at_start() -> None:
 # --- against the real Ray ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_one_address_with_two_raylets_needs_node_id(ray_cluster: RayCluster) -> None:
     """Head and worker share 127.0.0.1 here: matching by address cannot choose, and says what to set."""
     bridge = RayBridge(RayConfig(enabled=True, address=ray_cluster.address), names=lambda: ["127.0.0.1"])
@@ -237,6 +238,7 @@ async def test_drills_are_off_by_default_and_leave_the_worker_alone(
     assert "actions.ray.drills" in shown["notices"][notice_id]["why"]
 
 
+@pytest.mark.slow
 async def test_drill_drains_the_worker_with_reason_and_deadline(ray_cluster: RayCluster, base: Path) -> None:
     """Through the agent: a drill → the worker is draining with the notice's deadline; once idle it dies with
     the agent's reason (Ray's DRAIN_NODE_REASON_PREEMPTION)."""
@@ -290,6 +292,7 @@ async def test_drill_drains_the_worker_with_reason_and_deadline(ray_cluster: Ray
     assert "PREEMPTED" in type(dead.death_info).Reason.Name(dead.death_info.reason)
 
 
+@pytest.mark.slow
 async def test_an_unreachable_gcs_is_one_clear_agent_line_and_nothing_of_ray_lands_raw(base: Path) -> None:
     """The agent as a process, its Ray bridge pointed at a GCS that is down (a closed port): its log (stdout
     and stderr) holds JSON lines only — Ray's own warnings come as ``ray_log`` events — and the agent says
@@ -316,6 +319,7 @@ async def test_an_unreachable_gcs_is_one_clear_agent_line_and_nothing_of_ray_lan
     assert shown["degraded_reason"] == line["error"]
 
 
+@pytest.mark.slow
 async def test_a_gcs_that_goes_down_between_notices_is_said_without_waiting_for_one(
     ray_cluster: RayCluster,
 ) -> None:

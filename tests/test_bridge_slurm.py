@@ -315,6 +315,7 @@ async def test_node_found_through_hostname(cluster: SlurmCluster) -> None:
     await bridge.stop(1)
 
 
+@pytest.mark.slow
 async def test_notice_drains_then_ready_requeues(cluster: SlurmCluster) -> None:
     """Notice: DRAIN with the agent's reason; ready: the requeueable job is requeued, the other left alone."""
     requeueable = running(cluster, "--requeue")
@@ -336,6 +337,7 @@ async def test_notice_drains_then_ready_requeues(cluster: SlurmCluster) -> None:
     await bridge.stop(1)
 
 
+@pytest.mark.slow
 async def test_deadline_minus_margin_acts_without_ready(cluster: SlurmCluster) -> None:
     job_id = running(cluster, "--requeue")
     bridge = bridge_for(cluster, margin_s=598.0, stop_wait_s=0.5)
@@ -403,6 +405,7 @@ async def test_second_notice_keeps_the_node_drained(cluster: SlurmCluster) -> No
     await bridge.stop(1)
 
 
+@pytest.mark.slow
 async def test_signal_reaches_the_job_steps_at_the_notice(cluster: SlurmCluster, tmp_path: Path) -> None:
     """``signal = "USR1"``: the steps get it at the notice, like ``sbatch --signal`` would send it."""
     out = cluster.root / f"signal-{time.monotonic_ns()}.txt"
@@ -540,6 +543,7 @@ async def test_drill_drains_flushes_requeues_and_resumes(cluster: SlurmCluster, 
     assert resumed["next_step"] == preempted["step"]
 
 
+@pytest.mark.slow
 async def test_agent_leaves_an_administrators_drain_and_a_pinned_job(
     cluster: SlurmCluster, base: Path
 ) -> None:
@@ -662,6 +666,7 @@ async def test_a_reload_keeps_the_agents_drain_its_own(cluster: SlurmCluster, ba
     assert metrics.count('preemptd_slurm_actions_total{action="resume",outcome="ok"} 1.0') == 1
 
 
+@pytest.mark.slow
 async def test_signal_at_ready_waits_for_the_flush(cluster: SlurmCluster) -> None:
     """``signal_at = "ready"``: the steps get the signal with the requeue step, not at the notice."""
     out = cluster.root / f"signal-{time.monotonic_ns()}.txt"
@@ -730,6 +735,7 @@ def job_outcome(bridge: SlurmBridge, notice: Notice, job_id: int) -> Callable[[]
     return check
 
 
+@pytest.mark.slow
 async def test_killed_controller_drain_once_it_is_back(cluster: SlurmCluster) -> None:
     """slurmctld SIGKILLed before the notice: the drain is pending (tried again, status says why and when
     next), and lands once the controller is started again on the same state directory and port."""
@@ -749,6 +755,7 @@ async def test_killed_controller_drain_once_it_is_back(cluster: SlurmCluster) ->
     await bridge.stop(1)
 
 
+@pytest.mark.slow
 async def test_dead_controller_requeue_after_its_restart(cluster: SlurmCluster) -> None:
     """slurmctld stops for good (nothing listens) after the drain; the job exits 75 while it is down; the
     requeue is pending (status says for which job, how often, why) and lands once the controller is started
@@ -774,6 +781,7 @@ async def test_dead_controller_requeue_after_its_restart(cluster: SlurmCluster) 
     await bridge.stop(1)
 
 
+@pytest.mark.slow
 async def test_hung_controller_drain_and_requeue_once_it_answers(cluster: SlurmCluster) -> None:
     """slurmctld stopped (SIGSTOP) at the notice: every call times out; the job exits 75 meanwhile; once the
     controller runs again (SIGCONT) the node is drained and the job requeued exactly once."""
@@ -797,6 +805,7 @@ async def test_hung_controller_drain_and_requeue_once_it_answers(cluster: SlurmC
     await bridge.stop(1)
 
 
+@pytest.mark.slow
 async def test_hung_controller_at_the_clear_resume_once_it_answers(cluster: SlurmCluster) -> None:
     """slurmctld hung when the notice clears: the resume is pending, and the node is resumed once the
     controller answers again."""
@@ -816,6 +825,7 @@ async def test_hung_controller_at_the_clear_resume_once_it_answers(cluster: Slur
     await bridge.stop(1)
 
 
+@pytest.mark.slow
 async def test_a_job_requeued_already_is_not_requeued_again(cluster: SlurmCluster) -> None:
     """A job the notice found, requeued meanwhile by someone else (``RequeueExit=75``, a requeue that timed
     out here but reached the controller) and running again: its restart count says so; no second requeue."""
@@ -836,6 +846,7 @@ async def test_a_job_requeued_already_is_not_requeued_again(cluster: SlurmCluste
     await bridge.stop(1)
 
 
+@pytest.mark.slow
 async def test_status_of_a_no_requeue_job_follows_its_exit(cluster: SlurmCluster) -> None:
     """A ``--no-requeue`` job left alone at ready and exiting 75 afterwards: its entry shows the end
     (FAILED, exit 75), not the RUNNING it had when the bridge acted."""
@@ -857,6 +868,7 @@ async def test_status_of_a_no_requeue_job_follows_its_exit(cluster: SlurmCluster
     await bridge.stop(1)
 
 
+@pytest.mark.slow
 async def test_a_job_that_exited_75_is_requeued_after_the_deadline(cluster: SlurmCluster) -> None:
     """The controller is away past the deadline: the drain is given up there, but the job that exited 75
     meanwhile is found and requeued once the controller is back."""

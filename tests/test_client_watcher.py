@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agent.client import Backoff, Notice, Watcher
 from agent.client.aio import AsyncWatcher
 from agent.core.notice import Kind
@@ -45,6 +47,7 @@ async def test_watcher_started_before_the_agent_delivers_the_next_notice(base: P
     assert notice_id == trigger.notice_id
 
 
+@pytest.mark.slow
 async def test_watcher_reconnects_after_an_agent_restart(base: Path) -> None:
     # A participant, as by default: its registration races the first agent's stop, which must close every
     # connection it accepted (tests/test_shutdown_connections.py).
@@ -140,6 +143,7 @@ async def test_async_watcher_turns_a_signal_into_a_trigger(base: Path) -> None:
     assert ("signal", signal.SIGUSR1) == (trigger.reason, trigger.signum)
 
 
+@pytest.mark.slow
 async def test_reconnect_with_last_event_id_replays_what_happened_while_disconnected(base: Path) -> None:
     """A notice raised and cleared while the watcher was away still reaches it, and nothing it already had is
     announced again: a plain reconnect would get a snapshot (the first drill again, not the second one)."""
@@ -168,6 +172,7 @@ async def test_reconnect_with_last_event_id_replays_what_happened_while_disconne
     assert 2 == watcher.connects
 
 
+@pytest.mark.slow
 async def test_drill_past_its_deadline_does_not_trigger_a_job_started_after_it(base: Path) -> None:
     """A drill lingers for drill_linger_s after its deadline; a job that starts then has nothing to save."""
     seen: asyncio.Queue[Notice] = asyncio.Queue()

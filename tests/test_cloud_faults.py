@@ -49,6 +49,7 @@ async def degraded_then_recovered(
     return health(doc, cloud)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 @pytest.mark.parametrize("cloud", sorted(CASES))
 async def test_fault_degrades_then_recovers_without_losing_a_notice(

@@ -63,6 +63,7 @@ async def test_gcp_simulator_serves_no_notifications(idle: str, status: int) -> 
         assert (status, NO_NOTIFICATIONS) == await served(sim)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("idle", ["no-notifications", "no-notifications-503"])
 async def test_gcp_no_notifications_raises_no_notice(idle: str, base: Path) -> None:
     async with GcpSimulator(upcoming_idle=idle) as sim, rig("gcp", base, sim=sim) as r:

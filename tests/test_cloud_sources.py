@@ -162,12 +162,14 @@ async def test_aws_token_expiry_is_handled_without_error(base: Path) -> None:
         )
 
 
+@pytest.mark.slow
 async def test_aws_token_is_refreshed_before_it_expires(base: Path) -> None:
     async with AwsSimulator() as sim, rig("aws", base, sim=sim, settings={"aws.token_ttl_s": 2}) as r:
         await r.status_until(lambda d: sim.tokens_issued >= 3, "two token refreshes")
         assert sim.unauthorized == 0
 
 
+@pytest.mark.slow
 async def test_aws_token_put_timeout_explains_the_hop_limit(base: Path) -> None:
     async with AwsSimulator() as sim, rig("aws", base, sim=sim) as r:
         await r.status_until(lambda d: d["sources"]["aws"]["state"] == "ok", "a first poll")
@@ -249,6 +251,7 @@ class NoHangingGcp(GcpSimulator):
         return None
 
 
+@pytest.mark.slow
 async def test_gcp_does_not_spin_on_a_server_that_never_hangs(base: Path) -> None:
     async with NoHangingGcp() as sim, rig("gcp", base, sim=sim) as r:
         seen = sim.requests
@@ -318,6 +321,7 @@ async def test_azure_iso_not_before(base: Path) -> None:
         assert parse_time(notice["deadline"]).strftime("%Y-%m-%dT%H:%M:%SZ") == notice["detail"]["NotBefore"]
 
 
+@pytest.mark.slow
 async def test_azure_stays_under_the_rate_limit(base: Path) -> None:
     settings = {"azure.poll_interval_s": 0.1}
     async with rig("azure", base, settings=settings) as r:

@@ -81,6 +81,7 @@ async def test_a_body_that_does_not_arrive_in_time_is_a_408(base: Path) -> None:
     assert b"the body did not arrive within 0.5s" in answer
 
 
+@pytest.mark.slow
 async def test_an_event_stream_outlives_the_idle_timeout(base: Path) -> None:
     async with running_agent(base, {**SHORT, "api.heartbeat_s": 0.2}) as agent:
         client = await SSEClient.connect(agent.config.socket)
@@ -134,6 +135,7 @@ CLIENTS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 async def test_accept_failures_out_of_descriptors_are_logged_at_a_bounded_rate(base: Path) -> None:
     """The agent runs in this process: lowering this process's descriptor limit makes its accepts fail."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -30,7 +30,7 @@ __all__ = ["small_fs"]  # the fixture, used by name
 torch = pytest.importorskip("torch")
 
 EXAMPLE = REPO / "examples" / "sharded_training.py"
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.torch_mp, pytest.mark.timeout(240)]
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -58,6 +58,7 @@ def job_script(path: Path, body: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_demo_flushes_the_job_and_resumes_it(base: Path) -> None:
     code, out, err = await cli(
@@ -80,6 +81,7 @@ async def test_demo_flushes_the_job_and_resumes_it(base: Path) -> None:
     assert text.startswith(f"0.0s demo {FIRST_LINE}"), out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_a_job_without_numpy_stops_the_demo_at_its_flush_with_its_traceback(
     base: Path, tmp_path: Path
@@ -99,6 +101,7 @@ async def test_a_job_without_numpy_stops_the_demo_at_its_flush_with_its_tracebac
     assert [] == [line for line in (out + err).splitlines() if len(line) > WIDTH]
 
 
+@pytest.mark.slow
 async def test_without_a_training_job_the_demo_shows_the_notice_alone(base: Path, tmp_path: Path) -> None:
     """No job to run (here a missing script; likewise without PyTorch): the first line says so, the notice
     and its clearing are shown, exit status 0."""
@@ -133,6 +136,7 @@ async def test_a_job_that_fails_at_start_stops_the_demo_with_its_stderr(base: Pa
     ), (out, err)
 
 
+@pytest.mark.slow
 async def test_a_job_that_ignores_the_notice_stops_the_demo_as_not_flushed(
     base: Path, tmp_path: Path
 ) -> None:
@@ -155,6 +159,7 @@ async def test_a_job_that_ignores_the_notice_stops_the_demo_as_not_flushed(
     ), (out, err)
 
 
+@pytest.mark.slow
 async def test_a_job_that_cannot_load_its_checkpoint_stops_the_demo_as_not_resumed(
     base: Path, tmp_path: Path
 ) -> None:

@@ -235,6 +235,7 @@ async def _two_ranks(ckpt: Path, sockets: list[Path], *args: str) -> list[Exampl
     return runs
 
 
+@pytest.mark.torch_mp
 @pytest.mark.timeout(180)
 async def test_notice_on_one_host_makes_both_ranks_save_the_same_step_and_resume_alike(
     base: Path, request: pytest.FixtureRequest

@@ -380,6 +380,7 @@ _TRANSFER = textwrap.dedent(
 )
 
 
+@pytest.mark.torch_mp
 @pytest.mark.timeout(120)
 def test_a_file_crosses_the_group_in_chunks_whole_and_an_unreadable_one_arrives_refused(
     tmp_path: Path,
@@ -423,6 +424,7 @@ _REPLICAS = textwrap.dedent(
 )
 
 
+@pytest.mark.torch_mp
 @pytest.mark.timeout(120)
 async def test_a_replica_held_by_a_host_without_a_notice_is_not_sent(tmp_path: Path) -> None:
     """Two hosts whose ranks hold the same state (DDP replicas): the notified host's rank writes and sends

@@ -39,6 +39,7 @@ def _lines(out: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in out.splitlines()]
 
 
+@pytest.mark.torch_mp
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_two_processes_emitting_at_once_never_share_a_line(example: str, tmp_path: Path) -> None:
     """Two processes on one stdout pipe (unbuffered, as torchrun's ranks under ``preemptd demo``), released
@@ -81,6 +82,7 @@ def test_two_processes_emitting_at_once_never_share_a_line(example: str, tmp_pat
     assert [per_process, per_process] == [sum(1 for t in ticks if t["rank"] == rank) for rank in (0, 1)]
 
 
+@pytest.mark.torch_mp
 def test_sharded_example_on_two_ranks_shows_no_fsdp_view_warning(tmp_path: Path) -> None:
     """The sharded example under torchrun with two ranks: FSDP2's "returned a view tensor" warning, which does
     not apply to its loop, is not printed (it was, once per rank)."""

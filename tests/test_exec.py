@@ -333,6 +333,7 @@ async def _lines_until(
 pytest.importorskip("torch")
 
 
+@pytest.mark.torch_mp
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("under_exec", [False, True])
@@ -351,6 +352,7 @@ async def test_torchrun_turns_75_into_1_and_exec_restores_75(base: Path, under_e
     assert (EXIT_PREEMPTED if under_exec else 1) == code, err[-3000:]
 
 
+@pytest.mark.torch_mp
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_sigterm_to_exec_reaches_the_workers_and_gives_75(base: Path) -> None:
@@ -366,6 +368,7 @@ async def test_sigterm_to_exec_reaches_the_workers_and_gives_75(base: Path) -> N
     assert EXIT_PREEMPTED == code, err[-3000:]
 
 
+@pytest.mark.torch_mp
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 async def test_sigkill_of_exec_leaves_no_torchrun_worker_behind(base: Path) -> None:

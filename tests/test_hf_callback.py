@@ -82,6 +82,7 @@ def test_checkpoint_without_manifest_is_skipped_with_a_warning(tmp_path: Path) -
         assert str(good) == last_good_checkpoint(tmp_path)
 
 
+@pytest.mark.torch_mp
 async def test_under_exec_and_torchrun_a_drill_ends_the_job_with_75(base: Path) -> None:
     """torchrun turns the worker's 75 into 1; the callback records its sealed emergency checkpoint for
     ``preemptd exec``, which exits 75."""

@@ -135,6 +135,8 @@ journalctl -D /run/log/journal -o json --no-pager SYSLOG_IDENTIFIER=preemptd >"$
 """
 
 
+@pytest.mark.slow
+@pytest.mark.service
 @pytest.mark.skipif(
     None in (JOURNALD, UNSHARE, JOURNALCTL) or load_send() is None or os.geteuid() != 0,
     reason="needs root, unshare, systemd-journald, journalctl and the systemd-python binding (journal extra)",
@@ -172,6 +174,7 @@ def test_agent_entries_in_a_real_journal_are_found_by_notice_id(tmp_path: Path) 
     assert "" == (tmp_path / "stdout").read_text()  # nothing fell back to lines
 
 
+@pytest.mark.slow
 async def test_each_fact_is_logged_once(base: Path) -> None:
     """One ready record per notice, and no "recovered" for a source whose first read simply succeeded."""
     proc = AgentProcess(base, extra_args=["--set", "actions.ready.without_participants=immediately"])

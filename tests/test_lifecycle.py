@@ -245,6 +245,7 @@ async def test_run_with_a_fifo_as_the_config_file_exits_2_with_a_clear_error(bas
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

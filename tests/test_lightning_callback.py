@@ -24,6 +24,8 @@ from agent.client.lightning import PreemptdCallback
 from tests.support import REPO, http_json, running_agent
 
 pytestmark = [
+    # importing Lightning alone takes seconds
+    pytest.mark.slow,
     pytest.mark.timeout(120),
     # Lightning's advice for real training, irrelevant to a 16-sample CPU model:
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
@@ -150,6 +152,7 @@ def _events(out: bytes, event: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["event"] == event]
 
 
+@pytest.mark.torch_mp
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("kind", ["model_parallel", "fsdp"])

@@ -122,6 +122,7 @@ def test_the_prometheusrule_says_what_the_rules_file_says() -> None:
     )
 
 
+@pytest.mark.service
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (its kustomize builds the overlay)")
 def test_the_monitoring_overlay_opens_the_port_the_podmonitor_scrapes() -> None:
     yaml = pytest.importorskip("yaml")

@@ -41,6 +41,7 @@ PROGRAM = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_the_system_library_is_found_on_ld_library_path(fake_nvml_lib: Path, scenario: Scenario) -> None:
     env = {**os.environ, "LD_LIBRARY_PATH": str(fake_nvml_lib.parent), "PYTHONWARNINGS": "error"}

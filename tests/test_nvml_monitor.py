@@ -399,6 +399,7 @@ async def test_hung_initialisation_is_a_gpu_fault(fake_nvml_lib: Path, scenario:
         await wait_polled(source, sink)
 
 
+@pytest.mark.slow
 async def test_a_start_up_error_after_the_monitor_stopped_is_dropped_not_left_unretrieved(
     fake_nvml_lib: Path, scenario: Scenario
 ) -> None:

@@ -16,6 +16,7 @@ __all__ = ["fake_nvml_lib", "scenario"]  # fixtures
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_validation_script_records_every_check_and_the_monitor_run(
     fake_nvml_lib: Path, scenario: Scenario, tmp_path: Path

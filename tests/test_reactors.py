@@ -130,6 +130,7 @@ def read_state(path: Path) -> dict[str, Any]:
     return doc
 
 
+@pytest.mark.slow
 async def test_an_installed_entry_point_reactor_sees_events_shows_status_and_stops(
     base: Path, plugin_dir: Path
 ) -> None:
@@ -164,6 +165,7 @@ async def test_an_installed_entry_point_reactor_sees_events_shows_status_and_sto
     assert final["cancelled"] >= 1  # its owned work was ended by its stop
 
 
+@pytest.mark.slow
 async def test_a_registered_reactor_gets_events_after_the_clients_and_a_hung_stop_is_cut_short(
     base: Path, registered: Any
 ) -> None:

@@ -11,6 +11,8 @@ import threading
 import warnings
 from pathlib import Path
 
+import pytest
+
 from agent.service.daemon import Agent
 from tests.support import agent_config
 
@@ -63,6 +65,7 @@ async def stop_while_connecting(base: Path, yields: int) -> None:
         await asyncio.to_thread(thread.join)
 
 
+@pytest.mark.slow
 async def test_connections_accepted_while_the_agent_stops_are_all_closed(base: Path) -> None:
     """An agent stopped while clients connect (a burst queued as the stop begins, one client connecting
     throughout) closes every connection it accepted: no unclosed transport or socket is collected later."""

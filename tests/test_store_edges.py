@@ -350,6 +350,8 @@ _AGREE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
+@pytest.mark.torch_mp
 def test_ranks_agree_on_the_previous_step_when_one_ranks_newest_does_not_load(tmp_path: Path) -> None:
     """Rank 1's step 2 does not load; rank 0's does: both resume from step 1, in two real processes."""
     for rank in (0, 1):

@@ -31,6 +31,7 @@ def socket_activated(base: Path) -> AgentProcess:
     return AgentProcess(base, wrapper=launcher)
 
 
+@pytest.mark.service
 async def test_socket_activated_agent_serves_status_on_the_inherited_socket(base: Path) -> None:
     proc = socket_activated(base)
     await proc.start(wait_ready=False)
@@ -48,6 +49,7 @@ async def test_socket_activated_agent_serves_status_on_the_inherited_socket(base
         assert 0 == await proc.stop()
 
 
+@pytest.mark.service
 async def test_socket_activated_agent_delivers_a_drill_to_a_stream_client(base: Path) -> None:
     proc = socket_activated(base)
     await proc.start(wait_ready=False)

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "systemd"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.service, pytest.mark.timeout(60)]
 
 
 def unit_values(path: Path, key: str) -> list[str]:
