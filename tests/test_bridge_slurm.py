@@ -254,8 +254,9 @@ def test_parse_signal(value: str, expected: str) -> None:
 
 
 def test_unknown_signal_names_the_key() -> None:
+    """The table itself refuses an unknown signal, so no bridge is ever built with one."""
     with pytest.raises(ConfigError, match=r"actions\.slurm\.signal: 'USR9' is not a signal"):
-        SlurmBridge(SlurmConfig(enabled=True, signal="USR9"))
+        SlurmConfig(enabled=True, signal="USR9")
 
 
 # --- degraded ------------------------------------------------------------------------------------------
@@ -597,9 +598,9 @@ def test_a_value_out_of_range_is_refused_by_key(base: Path, key: str, value: str
 
 
 def test_an_unknown_signal_in_the_table_names_the_key(base: Path) -> None:
-    config = tmp_config(base, "[actions.slurm]\nenabled = true\nsignal = 'USR9'\n")
+    """Refused when the file is loaded (so --print-config, start-up and a reload refuse it too)."""
     with pytest.raises(ConfigError, match=r"actions\.slurm\.signal: 'USR9' is not a signal"):
-        SlurmBridge(config.table("actions.slurm", SlurmConfig))
+        tmp_config(base, "[actions.slurm]\nenabled = true\nsignal = 'USR9'\n")
 
 
 def tmp_config(base: Path, text: str) -> Any:

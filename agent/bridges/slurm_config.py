@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
+from agent.bridges.slurm_commands import parse_signal
 from agent.config import NoticeKindName, SeverityName, register_table
 
 # A pause between two tries: short enough to act soon after the controller is back, never so short that a
@@ -50,6 +51,10 @@ class SlurmConfig:
     # How long beyond the deadline (or the clear) the requeue of a stopped job and the resume go on.
     persist_s: Span = 3600.0
     history_size: Annotated[int, Meta(ge=1, le=10_000, description="a whole number from 1 to 10000")] = 50
+
+    def __post_init__(self) -> None:
+        # Checked when the file is loaded, so --print-config, start-up and a reload refuse an unknown signal.
+        parse_signal(self.signal)
 
 
 register_table("actions.slurm", SlurmConfig)
