@@ -37,6 +37,7 @@ from torch.distributed.fsdp import fully_shard
 
 from agent.client import EXIT_PREEMPTED, CheckpointError, CheckpointSchedule, Watcher
 from agent.client.dcp import Progress, ShardedStore, TrainState
+from agent.client.ramtier import RamTier
 from agent.client.torch import Coordinator
 
 GLOBAL_BATCH = 16
@@ -64,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tier", choices=("durable", "peer"), default="durable",
         help="peer: evacuate an emergency save into the RAM of the hosts without a notice (PREEMPTD_JOB_ID)",
     )  # fmt: skip
+    parser.add_argument(
+        "--drain", action="store_true", help="with --tier peer: the agents copy it to the root"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--width", type=int, default=32, help="model width (a multiple of --heads)")
     parser.add_argument("--heads", type=int, default=4)
@@ -182,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model, optimizer = build(args, device)
     # Construction checks that the root is shared by every rank.
-    store = ShardedStore(args.checkpoint_dir, keep=args.keep, socket_path=args.socket, tier=args.tier)
+    tiers = RamTier(args.socket, drain_to=args.checkpoint_dir if args.drain else None)
+    store = ShardedStore(
+        args.checkpoint_dir, keep=args.keep, socket_path=args.socket, tier=args.tier, ram_tier=tiers
+    )
     signals = None if args.no_signals else (signal.SIGTERM, signal.SIGUSR1)
     watcher = Watcher(args.socket, signals=signals).start()
     schedule = CheckpointSchedule(args.interval_s, args.socket)

@@ -291,3 +291,59 @@ async def test_a_notified_rank_that_dies_mid_transfer_commits_nothing_and_the_ot
         (p["step"], p["failed_step"] > p["step"]) for run in (runs[0], runs[2]) for p in run.of("preempted")
     ]
     assert [(durable[-1], True)] * 2 == fell
+
+
+async def _drain_committed(group: Sequence[Host], key: str, timeout: float = 120.0) -> None:
+    """Until one of these hosts' agents says the drain of ``key`` ("job/step") committed the step."""
+
+    async def committed() -> None:
+        while True:
+            for host in group:
+                status, body = await http_json(host.socket, "GET", "/v1/status")
+                assert status == 200, body
+                drain = body["ram_tier"].get("drains", {}).get(key) or {}
+                assert drain.get("state") != "failed", drain
+                if drain.get("state") == "committed":
+                    return
+            await asyncio.sleep(0.1)  # the drains are child processes of the agents: their state is polled
+
+    await asyncio.wait_for(committed(), timeout)
+
+
+async def test_with_drain_the_evacuated_step_becomes_a_durable_step_that_plain_dcp_loads(
+    tmp_path: Path,
+) -> None:
+    """--drain (RamTier(drain_to=root)): after the evacuation, hosts 0 and 2 copy their parts of the step into
+    the durable root and the last one commits it; it verifies as a committed sharded step and
+    ``torch.distributed.checkpoint.load`` reads every tensor of it in one process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from agent.client.dcp import latest_committed
+
+    ckpt = tmp_path / "ckpt"
+    async with hosts(3) as three:
+        runs = await _train(three, ckpt, "--steps", "100000", "--step-time", "0.02", "--drain")
+        for run in runs:
+            await run.until("agent_connected")
+        status, body = await http_json(
+            three[1].socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60}
+        )
+        assert status == 201, body
+        codes = [await run.finish() for run in runs]
+        [step] = {event["step"] for run in runs for event in run.of("checkpoint")}
+        await _drain_committed([three[0], three[2]], f"{JOB}/{step}")
+    assert [EXIT_PREEMPTED] * 3 == codes, [run.stderr[-3000:] for run in runs]
+    drained = latest_committed(ckpt)
+    assert drained is not None and (step, 3) == (drained.step, drained.world_size)
+    metadata = FileSystemReader(drained.path).read_metadata()
+    tensors = {
+        name: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for name, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    with pytest.warns(UserWarning, match="load in a single process"):  # torch's word that it is one process
+        dcp.load(tensors, checkpoint_id=str(drained.path), no_dist=True)
+    assert tensors and all(torch.isfinite(t).all() for t in tensors.values())

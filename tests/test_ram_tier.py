@@ -19,10 +19,11 @@ import pytest
 from structlog.testing import capture_logs
 
 from agent.cli.render import format_status
+from agent.config import load_config
 from agent.core.errors import ConfigError
 from agent.ramtier import RamTierComponent, RamTierConfig
 from agent.service.daemon import Agent
-from tests.support import agent_config, http_json, running_agent
+from tests.support import REPO, agent_config, http_json, running_agent
 
 JOB = "job-1"
 
@@ -106,6 +107,17 @@ def test_a_bad_ram_tier_value_is_refused_when_the_configuration_loads(
     with pytest.raises(ConfigError) as caught:
         agent_config(base, {f"ram_tier.{key}": value}).table("ram_tier", RamTierConfig)
     assert expected in str(caught.value)
+
+
+def test_the_packaged_configuration_shows_the_table_and_keeps_the_tier_off(tmp_path: Path) -> None:
+    """Uncommented, the packaged [ram_tier] block loads, and it leaves the tier off (issue 24: off until the
+    evacuation's tests pass)."""
+    text = (REPO / "packaging" / "config.toml").read_text()
+    block = text[text.index("# [ram_tier]") :].splitlines()
+    lines = [line[2:] for line in block if line.startswith("# ") and not line.startswith("#  ")]
+    (tmp_path / "config.toml").write_text("\n".join(lines) + "\n")
+    config = load_config(tmp_path / "config.toml", env={}).table("ram_tier", RamTierConfig)
+    assert (False, Path("/dev/shm/preemptd")) == (config.enabled, config.path)
 
 
 async def test_a_disabled_tier_answers_404_saying_how_to_turn_it_on(base: Path) -> None:
