@@ -23,6 +23,7 @@ from agent.bridges.common import register_metrics
 from agent.bridges.slurm_commands import SlurmCommands, SlurmError, host_names, parse_signal
 from agent.bridges.slurm_config import SlurmConfig
 from agent.bridges.slurm_steps import SlurmSteps
+from agent.bridges.slurm_window import offer as offer_window_limit
 from agent.bridges.slurm_work import Work
 from agent.core.notice import Event, EventType, utcnow
 from agent.core.ports import Host
@@ -162,4 +163,5 @@ def build_reactor(host: Host) -> SlurmBridge | None:
         return None
     bridge = SlurmBridge(config)
     register_metrics(host, "slurm", "Slurm", bridge)
+    offer_window_limit(host, bridge.commands)  # KillWait, for the window (agent/core/window.py)
     return bridge

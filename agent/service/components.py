@@ -19,6 +19,7 @@ def build_components(config: Config) -> list[Component[Any]]:
     from agent.ledger.config import LedgerConfig
     from agent.ramtier import RamTierComponent
     from agent.service.metrics import MetricsComponent
+    from agent.service.window import WindowComponent
 
     components: list[Component[Any]] = [ActionsComponent(config)]
     if config.advisor.enabled:
@@ -28,6 +29,7 @@ def build_components(config: Config) -> list[Component[Any]]:
     if config.table("ledger", LedgerConfig).enabled:
         components.append(LedgerComponent())
     components.append(RamTierComponent())  # always: answers "off" on its routes when disabled
+    components.append(WindowComponent())
     components.append(MetricsComponent(config.metrics, config.api.idle_timeout_s))
     return components
 

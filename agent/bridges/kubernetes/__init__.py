@@ -65,4 +65,7 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
         with contextlib.suppress(TypeError):
             _collectors[host] = collector
     collector.bridge = bridge
+    from agent.bridges.kubernetes.window import offer
+
+    offer(host, bridge)  # the training pods' grace, for the window (agent/core/window.py)
     return bridge

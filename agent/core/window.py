@@ -1,0 +1,380 @@
+"""Pure: the effective notice window (docs/window.md). Per notice kind, the cloud's lead and each limit found on
+this host (a launcher that kills its workers soon after SIGTERM, a pod's grace period, Slurm's KillWait), the
+shortest of them (the one that binds) and whether the predicted emergency flush fits in it; the status
+section, its terminal lines and the metric values. The gathering is :mod:`agent.service.window`'s.
+
+A part that knows a limit (a scheduler bridge) offers it through the ``window_limits`` capability, a
+:class:`LimitRegistry` that whichever comes first (the part or the window component) provides:
+``limit_registry(host).add(name, source)``, where ``source`` is an async callable returning :class:`Limit`
+values. The window module never imports the part, and the order the parts are built in does not matter.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+from agent.core.notice import Kind, format_time
+from agent.core.reports import Report
+
+# The capability under which the LimitRegistry is shared.
+WINDOW_LIMITS = "window_limits"
+
+# torchrun (torch.distributed.elastic) SIGKILLs its workers this long after it receives SIGTERM (the
+# ``timeout=30`` of LocalElasticAgent._shutdown; not configurable).
+TORCHRUN_KILL_S = 30.0
+
+# The kinds a cloud gives notice of, in the order shown.
+KINDS = (Kind.TERMINATION.value, Kind.MAINTENANCE.value, Kind.REBALANCE.value)
+
+HINT_PEER = 'the peer tier (ShardedStore(tier="peer")) moves the emergency step into other hosts\' RAM, a shorter flush'
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One limit on the time a job gets once it is told to stop. ``seconds`` None: unknown (``detail`` says
+    why). ``kinds`` empty: every kind with a deadline. ``lengthen``: what would make it longer."""
+
+    name: str
+    seconds: float | None
+    source: str
+    lengthen: str = ""
+    detail: str = ""
+    kinds: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "name": self.name,
+            "seconds": self.seconds,
+            "state": "known" if self.seconds is not None else "unknown",
+            "source": self.source,
+        }
+        if self.detail:
+            doc["detail"] = self.detail
+        if self.lengthen:
+            doc["lengthen"] = self.lengthen
+        return doc
+
+
+LimitSource = Callable[[], Awaitable[Sequence[Limit]]]
+
+
+class LimitRegistry:
+    """The limit sources parts offer, by name; a later source of a name replaces the earlier one (a reloaded
+    bridge). ``changed`` is called on each addition (the window component reads the limits again)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, LimitSource] = {}
+        self.changed: Callable[[], None] = lambda: None
+
+    def add(self, name: str, source: LimitSource) -> None:
+        self.sources[name] = source
+        self.changed()
+
+
+class _Capabilities(Protocol):
+    def capability(self, name: str) -> Any | None: ...
+
+    def provide(self, name: str, fn: Any) -> None: ...
+
+
+def limit_registry(host: _Capabilities) -> LimitRegistry:
+    """The host's registry of limit sources, provided now if nobody did yet."""
+    found = host.capability(WINDOW_LIMITS)
+    if isinstance(found, LimitRegistry):
+        return found
+    registry = LimitRegistry()
+    host.provide(WINDOW_LIMITS, registry)
+    return registry
+
+
+@dataclass(frozen=True)
+class Lead:
+    """The cloud's notice for one kind: ``seconds`` None when the cloud gives no figure (``deadline`` False:
+    an advisory notice with no deadline, AWS's rebalance recommendation)."""
+
+    kind: str
+    seconds: float | None
+    source: str
+    deadline: bool = True
+    lengthen: str = ""
+
+
+def cloud_leads(
+    cloud: str | None, gcp_preempt_s: float = 30.0, gcp_maintenance_s: float = 60.0
+) -> list[Lead]:
+    """The notice each kind gets on ``cloud`` (shared/reference/clouds.md); GCP's from ``[gcp]``."""
+    peer = f"the cloud's notice is fixed; {HINT_PEER}"
+    t, m, r = KINDS
+    if cloud == "aws":
+        return [
+            Lead(t, 120.0, "aws: spot instance-action, about 2 minutes (best effort)", lengthen=peer),
+            Lead(m, None, "aws: scheduled event's NotBefore (usually days ahead)"),
+            Lead(r, None, "aws: rebalance recommendation, advisory (no deadline)", deadline=False),
+        ]
+    if cloud == "gcp":
+        return [
+            Lead(
+                t,
+                gcp_preempt_s,
+                f"gcp: preempted, hard off gcp.preempt_notice_s = {gcp_preempt_s:g} s after ACPI soft-off",
+                lengthen="set the instance's preemptionNoticeDuration (120 s, in preview since April 2026) and "
+                "gcp.preempt_notice_s to the same figure; " + HINT_PEER,
+            ),
+            Lead(
+                m,
+                gcp_maintenance_s,
+                f"gcp: maintenance-event, gcp.maintenance_notice_s = {gcp_maintenance_s:g} s",
+            ),
+        ]
+    if cloud == "azure":
+        return [
+            Lead(t, 30.0, "azure: Scheduled Events Preempt, at least 30 s (best effort)", lengthen=peer),
+            Lead(
+                m, 300.0, "azure: Scheduled Events Terminate at least 5 min (Redeploy 10, Reboot/Freeze 15)"
+            ),
+        ]
+    if cloud == "alibaba":
+        return [Lead(t, 300.0, "alibaba: spot termination-time, about 5 minutes", lengthen=peer)]
+    if cloud == "tencent":
+        return [Lead(t, None, "tencent: spot termination-time (its lead is not documented in our reference)")]
+    where = cloud or "unknown"
+    return [
+        Lead(t, None, f"cloud {where}: no known notice"),
+        Lead(m, None, f"cloud {where}: no known notice"),
+    ]
+
+
+# ----- the predicted flush -----------------------------------------------------------------------------------
+
+# Clients remembered for their deadline-budget predictions; durations kept per sort of save.
+MAX_CLIENTS = 256
+RECENT = 3
+
+
+@dataclass(frozen=True)
+class Flush:
+    """How long the emergency flush is predicted to take, and from what."""
+
+    seconds: float | None
+    source: str
+    tier: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "source": self.source, "tier": self.tier}
+
+
+class FlushBook:
+    """What the clients' reports say about the flush: the deadline budget's newest prediction per client
+    (``flush.predicted_s``, the slowest of its last three saves), else the slowest of the last three
+    emergency saves, else of the last three periodic ones (the same rule), else ``fallback_s``
+    (``advisor.save_time_s``)."""
+
+    def __init__(self) -> None:
+        self.predictions: dict[str, float] = {}
+        self.emergency: deque[float] = deque(maxlen=RECENT)
+        self.periodic: deque[float] = deque(maxlen=RECENT)
+        self.tier: str | None = None
+
+    def add(self, report: Report) -> bool:
+        """Take what ``report`` says; whether anything changed."""
+        if report.kind != "checkpoint":
+            return False
+        changed = False
+        predicted = report.flush.get("predicted_s")
+        if isinstance(predicted, (int, float)):
+            who = (
+                "/".join(str(report.client.get(k, "")) for k in ("job", "host", "rank"))
+                + f"@{report.peer_pid}"
+            )
+            self.predictions.pop(who, None)
+            self.predictions[who] = float(predicted)
+            while len(self.predictions) > MAX_CLIENTS:
+                del self.predictions[next(iter(self.predictions))]
+            changed = True
+        tier = report.flush.get("tier")
+        if isinstance(tier, str) and report.emergency:
+            changed, self.tier = changed or tier != self.tier, tier
+        if report.phase == "finished" and report.duration_s is not None:
+            (self.emergency if report.emergency else self.periodic).append(float(report.duration_s))
+            changed = True
+        return changed
+
+    def predict(self, fallback_s: float | None = None) -> Flush:
+        if self.predictions:
+            return Flush(max(self.predictions.values()), "deadline budget (clients' predicted_s)", self.tier)
+        if self.emergency:
+            return Flush(
+                max(self.emergency), f"slowest of the last {len(self.emergency)} emergency saves", self.tier
+            )
+        if self.periodic:
+            return Flush(
+                max(self.periodic), f"slowest of the last {len(self.periodic)} periodic saves", self.tier
+            )
+        if fallback_s is not None:
+            return Flush(fallback_s, "advisor.save_time_s", self.tier)
+        return Flush(None, "no checkpoint reported yet", self.tier)
+
+
+# ----- the window --------------------------------------------------------------------------------------------
+
+
+def _applies(limit: Limit, kind: str) -> bool:
+    return not limit.kinds or kind in limit.kinds
+
+
+def kind_window(lead: Lead, limits: Sequence[Limit], flush: Flush) -> dict[str, Any]:
+    """One kind's window: its lead, its limits, the shortest (``binding``) and the verdict."""
+    applied = [limit for limit in limits if _applies(limit, lead.kind)] if lead.deadline else []
+    doc: dict[str, Any] = {
+        "cloud": {"seconds": lead.seconds, "source": lead.source, "deadline": lead.deadline},
+        "limits": [limit.to_json() for limit in applied],
+        "effective_s": None,
+        "binding": None,
+        "predicted_flush_s": flush.seconds,
+        "fits": None,
+        "window_too_short": False,
+    }
+    if not lead.deadline:
+        doc["note"] = "no deadline: nothing stops the job at this notice"
+        return doc
+    candidates = [(lead.seconds, "cloud", lead.lengthen)] if lead.seconds is not None else []
+    candidates += [
+        (limit.seconds, limit.name, limit.lengthen) for limit in applied if limit.seconds is not None
+    ]
+    unknown = [limit.name for limit in applied if limit.seconds is None]
+    if unknown:
+        doc["unknown"] = unknown
+    if not candidates:
+        return doc
+    # The cloud first among equals: a host limit as long as the cloud's notice does not shorten it.
+    seconds, binding, lengthen = min(candidates, key=lambda c: c[0] if c[0] is not None else float("inf"))
+    doc["effective_s"], doc["binding"] = seconds, binding
+    if flush.seconds is not None and seconds is not None:
+        fits = flush.seconds <= seconds
+        doc["fits"], doc["window_too_short"] = fits, not fits
+        if not fits:
+            hints = [lengthen] if lengthen else []
+            if flush.tier != "peer" and HINT_PEER not in " ".join(hints):
+                hints.append(HINT_PEER)
+            doc["lengthen"] = "; ".join(hints)
+    return doc
+
+
+def build_window(
+    leads: Sequence[Lead], limits: Sequence[Limit], flush: Flush, checked_at: datetime | None
+) -> dict[str, Any]:
+    """The ``window`` status section."""
+    kinds = {lead.kind: kind_window(lead, limits, flush) for lead in leads}
+    short = [
+        {
+            "kind": kind,
+            "binding": doc["binding"],
+            "effective_s": doc["effective_s"],
+            "predicted_flush_s": doc["predicted_flush_s"],
+            "lengthen": doc.get("lengthen", ""),
+        }
+        for kind, doc in kinds.items()
+        if doc["window_too_short"]
+    ]
+    return {
+        "state": "ok" if checked_at is not None else "starting",
+        "checked_at": format_time(checked_at) if checked_at is not None else None,
+        "predicted_flush": flush.to_json(),
+        "limits": [limit.to_json() for limit in limits],
+        "kinds": kinds,
+        "window_too_short": bool(short),
+        "warnings": short,
+    }
+
+
+def verdicts(doc: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+    """Per kind what a log line is worth repeating for: (too short, binding, effective seconds)."""
+    return {
+        kind: (k.get("window_too_short"), k.get("binding"), k.get("effective_s"))
+        for kind, k in (doc.get("kinds") or {}).items()
+    }
+
+
+def metric_values(doc: Mapping[str, Any]) -> tuple[list[tuple[str, str, float]], list[tuple[str, int]]]:
+    """``(kind, limit, seconds)`` for ``preemptd_window_seconds`` (the cloud's as ``cloud``, the shortest as
+    ``effective``) and ``(kind, 0|1)`` for ``preemptd_window_too_short``."""
+    seconds: list[tuple[str, str, float]] = []
+    short: list[tuple[str, int]] = []
+    for kind, k in (doc.get("kinds") or {}).items():
+        cloud = k["cloud"]
+        if not cloud["deadline"]:
+            continue
+        if cloud["seconds"] is not None:
+            seconds.append((kind, "cloud", float(cloud["seconds"])))
+        for limit in k["limits"]:
+            if limit["seconds"] is not None:
+                seconds.append((kind, limit["name"], float(limit["seconds"])))
+        if k["effective_s"] is not None:
+            seconds.append((kind, "effective", float(k["effective_s"])))
+        short.append((kind, 1 if k["window_too_short"] else 0))
+    return seconds, short
+
+
+def _s(value: Any) -> str:
+    return "?" if value is None else f"{float(value):g} s"
+
+
+def window_lines(doc: Any) -> list[str]:
+    """The window in ``preemptd status``: one line per kind with a deadline, and each warning."""
+    if not isinstance(doc, Mapping) or doc.get("state") != "ok":
+        return []
+    flush = doc.get("predicted_flush") or {}
+    lines = [f"Window (predicted flush {_s(flush.get('seconds'))}, {flush.get('source')}):"]
+    for kind, k in (doc.get("kinds") or {}).items():
+        cloud = k.get("cloud") or {}
+        if not cloud.get("deadline"):
+            lines.append(f"  {kind:<12} no deadline")
+            continue
+        parts = [f"cloud {_s(cloud.get('seconds'))}"] + [
+            f"{limit['name']} {_s(limit['seconds'])}" for limit in k.get("limits") or []
+        ]
+        verdict = {True: "fits", False: "TOO SHORT", None: "flush unknown"}[k.get("fits")]
+        if k.get("effective_s") is None:
+            verdict = "no limit known"
+        lines.append(
+            f"  {kind:<12} {_s(k.get('effective_s'))} ({k.get('binding') or '-'} binds): {verdict}  [{', '.join(parts)}]"
+        )
+    for warning in doc.get("warnings") or []:
+        lines.append(
+            f"  window_too_short: {warning['kind']}: the flush ({_s(warning['predicted_flush_s'])}) outlasts "
+            f"{warning['binding']} ({_s(warning['effective_s'])}); lengthen it: {warning['lengthen']}"
+        )
+    return lines
+
+
+def launcher_limits(found: Iterable[tuple[str, int, str, bool]]) -> list[Limit]:
+    """The ``torchrun`` limit from ``(participant, launcher pid, launcher, under preemptd exec)`` findings."""
+    found = list(found)
+    if not found:
+        return []
+    launchers = sorted({pid for _, pid, _, _ in found})
+    who = sorted({name for name, _, _, _ in found})
+    shown = ", ".join(who[:5]) + (f" and {len(who) - 5} more" if len(who) > 5 else "")
+    under_exec = all(wrapped for *_, wrapped in found)
+    return [
+        Limit(
+            "torchrun",
+            TORCHRUN_KILL_S,
+            f"torchrun (pid {', '.join(map(str, launchers[:5]))}) launches {shown}",
+            lengthen=(
+                "torchrun SIGKILLs its workers 30 s after its own SIGTERM (not configurable): start the emergency "
+                "save at the notice (the client's watcher), not at SIGTERM, and send SIGTERM to the launcher only "
+                "after the notice's ready (the Slurm and Kubernetes bridges wait for it)"
+                + (
+                    ""
+                    if under_exec
+                    else "; run it as `preemptd exec -- torchrun ...` so its exit says preempted"
+                )
+            ),
+            detail="under preemptd exec" if under_exec else "",
+        )
+    ]

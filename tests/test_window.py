@@ -1,0 +1,244 @@
+"""The effective notice window (agent/core/window.py): the shortest of the cloud's notice and the host's limits,
+the binding one, the verdict against the predicted flush, unknown limits; and, on a real agent, a limit source
+that hangs or fails is shown as unknown while status keeps answering."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from structlog.testing import capture_logs
+
+from agent.bridges.slurm_window import parse_kill_wait
+from agent.core.reports import parse_report
+from agent.core.window import (
+    Flush,
+    FlushBook,
+    Lead,
+    Limit,
+    build_window,
+    cloud_leads,
+    launcher_limits,
+    limit_registry,
+    metric_values,
+    window_lines,
+)
+from agent.service.window import WindowComponent
+from tests.support import http_json, running_agent
+
+NOW = datetime(2026, 12, 4, 12, 0, tzinfo=timezone.utc)
+LEAD = Lead("termination", 120.0, "aws: spot", lengthen="cloud fixed")
+TORCHRUN = Limit("torchrun", 30.0, "torchrun", lengthen="hold SIGTERM")
+GRACE = Limit("pod_grace", 15.0, "pod ml/train-0", lengthen="raise the grace")
+
+
+def window(lead: Lead, limits: list[Limit], flush_s: float | None, tier: str | None = None) -> dict[str, Any]:
+    return build_window([lead], limits, Flush(flush_s, "test", tier), NOW)["kinds"][lead.kind]
+
+
+def test_the_shortest_limit_binds_and_a_longer_flush_does_not_fit() -> None:
+    doc = window(LEAD, [TORCHRUN, GRACE], 20.0)
+    assert (15.0, "pod_grace", False, True) == (
+        doc["effective_s"],
+        doc["binding"],
+        doc["fits"],
+        doc["window_too_short"],
+    )
+    assert doc["lengthen"].startswith("raise the grace")
+    assert 'tier="peer"' in doc["lengthen"]  # a flush that is not a peer one is told of the peer tier
+    assert ["torchrun", "pod_grace"] == [limit["name"] for limit in doc["limits"]]
+
+
+def test_a_flush_within_the_window_fits_and_the_cloud_binds_without_host_limits() -> None:
+    assert (120.0, "cloud", True, False) == tuple(
+        window(LEAD, [], 90.0)[k] for k in ("effective_s", "binding", "fits", "window_too_short")
+    )
+    assert (30.0, "torchrun", True) == tuple(
+        window(LEAD, [TORCHRUN], 30.0)[k] for k in ("effective_s", "binding", "fits")
+    )
+
+
+def test_the_cloud_binds_among_equals() -> None:
+    gcp = Lead("termination", 30.0, "gcp")
+    assert "cloud" == window(gcp, [TORCHRUN], 10.0)["binding"]
+
+
+def test_an_unknown_limit_is_listed_and_never_binds() -> None:
+    stuck = Limit("slurm", None, "slurm", detail="no answer within 5 s")
+    doc = window(LEAD, [stuck, TORCHRUN], 45.0)
+    assert (30.0, "torchrun", ["slurm"]) == (doc["effective_s"], doc["binding"], doc["unknown"])
+    assert {
+        "name": "slurm",
+        "seconds": None,
+        "state": "unknown",
+        "source": "slurm",
+        "detail": "no answer within 5 s",
+    } == doc["limits"][0]
+    nothing = window(Lead("termination", None, "cloud none"), [stuck], 45.0)
+    assert (None, None, None, False) == tuple(
+        nothing[k] for k in ("effective_s", "binding", "fits", "window_too_short")
+    )
+
+
+def test_without_a_prediction_there_is_no_verdict() -> None:
+    doc = window(LEAD, [TORCHRUN], None)
+    assert (30.0, "torchrun", None, False) == tuple(
+        doc[k] for k in ("effective_s", "binding", "fits", "window_too_short")
+    )
+
+
+def test_an_advisory_notice_has_no_deadline_and_no_limits() -> None:
+    rebalance = Lead("rebalance", None, "aws: advisory", deadline=False)
+    doc = window(rebalance, [TORCHRUN], 45.0)
+    assert ([], None, None) == (doc["limits"], doc["effective_s"], doc["fits"])
+
+
+def test_a_limit_for_some_kinds_only_applies_to_those() -> None:
+    only = Limit("unit_stop", 5.0, "unit", kinds=("maintenance",))
+    assert "cloud" == window(LEAD, [only], 10.0)["binding"]
+    assert "unit_stop" == window(Lead("maintenance", 300.0, "x"), [only], 10.0)["binding"]
+
+
+def test_a_peer_flush_is_not_told_of_the_peer_tier() -> None:
+    assert "hold SIGTERM" == window(LEAD, [TORCHRUN], 45.0, tier="peer")["lengthen"]
+
+
+def test_the_clouds_leads() -> None:
+    leads = {lead.kind: lead for lead in cloud_leads("aws")}
+    assert (120.0, None, False) == (
+        leads["termination"].seconds,
+        leads["rebalance"].seconds,
+        leads["rebalance"].deadline,
+    )
+    gcp = {lead.kind: lead for lead in cloud_leads("gcp", gcp_preempt_s=120.0)}
+    assert 120.0 == gcp["termination"].seconds
+    assert "preemptionNoticeDuration" in gcp["termination"].lengthen
+    assert 30.0 == cloud_leads("azure")[0].seconds
+    assert 300.0 == cloud_leads("alibaba")[0].seconds
+    assert cloud_leads("tencent")[0].seconds is None
+    assert [None, None] == [lead.seconds for lead in cloud_leads(None)]
+
+
+def report(**doc: Any) -> Any:
+    return parse_report({"kind": "checkpoint", **doc}, NOW, peer_pid=100, peer_uid=0)
+
+
+def test_the_flush_prediction_prefers_the_deadline_budget_then_emergency_then_periodic_saves() -> None:
+    book = FlushBook()
+    assert (None, 12.0) == (book.predict().seconds, book.predict(12.0).seconds)
+    for duration in (5.0, 40.0, 7.0, 8.0, 9.0):  # the slowest of the last three
+        book.add(report(phase="finished", duration_s=duration))
+    assert 9.0 == book.predict(12.0).seconds
+    book.add(report(phase="finished", duration_s=3.0, emergency=True, flush={"tier": "peer"}))
+    assert (3.0, "peer") == (book.predict().seconds, book.predict().tier)
+    book.add(report(phase="started", flush={"predicted_s": 44.5}, client={"job": "j", "rank": 0}))
+    assert (44.5, "deadline budget (clients' predicted_s)") == (book.predict().seconds, book.predict().source)
+
+
+def test_the_torchrun_limit_names_its_launchers_and_exec() -> None:
+    assert [] == launcher_limits([])
+    [limit] = launcher_limits([("j/0@11", 10, "torchrun", False), ("j/1@12", 10, "torchrun", False)])
+    assert (30.0, "torchrun (pid 10) launches j/0@11, j/1@12") == (limit.seconds, limit.source)
+    assert "preemptd exec" in limit.lengthen
+    [wrapped] = launcher_limits([("j/0@11", 10, "torchrun", True)])
+    assert "under preemptd exec" == wrapped.detail
+
+
+def test_kill_wait_is_read_from_scontrol_show_config() -> None:
+    text = "Configuration data as of 2026-12-04T12:00:00\nJobAcctGatherType       = (null)\nKillWait                = 30 sec\nKillOnBadExit           = 0\n"
+    assert 30.0 == parse_kill_wait(text)
+    assert parse_kill_wait("KillOnBadExit = 0\n") is None
+
+
+def test_the_status_lines_and_the_metric_values() -> None:
+    doc = build_window(
+        [LEAD, Lead("rebalance", None, "advisory", deadline=False)],
+        [TORCHRUN, Limit("slurm", None, "slurm")],
+        Flush(45.0, "deadline budget"),
+        NOW,
+    )
+    lines = window_lines(doc)
+    assert "  termination  30 s (torchrun binds): TOO SHORT  [cloud 120 s, torchrun 30 s, slurm ?]" in lines
+    assert "  rebalance    no deadline" in lines
+    assert any(
+        line.startswith("  window_too_short: termination: the flush (45 s) outlasts torchrun (30 s)")
+        for line in lines
+    )
+    seconds, short = metric_values(doc)
+    assert [
+        ("termination", "cloud", 120.0),
+        ("termination", "torchrun", 30.0),
+        ("termination", "effective", 30.0),
+    ] == seconds
+    assert [("termination", 1)] == short
+    assert [] == window_lines(build_window([LEAD], [], Flush(None, "x"), None))  # not gathered yet
+
+
+# ----- on a real agent ---------------------------------------------------------------------------------------
+
+
+def window_component(agent: Any) -> WindowComponent:
+    found = next(c for c in agent.components if c.name == "window")
+    assert isinstance(found, WindowComponent)
+    return found
+
+
+async def window_until(sock: Path, predicate: Any, timeout: float = 20.0) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    doc: dict[str, Any] = {}
+    while loop.time() < end:
+        status, body = await http_json(sock, "GET", "/v1/status")
+        assert 200 == status, body
+        doc = body["window"]
+        if predicate(doc):
+            return body
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the window never got there: {doc}")
+
+
+async def test_a_hung_and_a_failing_limit_source_are_unknown_and_status_still_answers(base: Path) -> None:
+    released = asyncio.Event()
+
+    async def hangs() -> list[Limit]:
+        await released.wait()
+        return [Limit("never", 1.0, "never")]
+
+    async def fails() -> list[Limit]:
+        raise OSError("scontrol: cannot reach the controller")
+
+    async def answers() -> list[Limit]:
+        return [Limit("unit_stop", 12.0, "unit train.service: TimeoutStopSec")]
+
+    with capture_logs() as logs:
+        async with running_agent(base) as agent:
+            assert agent.socket_path is not None
+            component = window_component(agent)
+            component.source_timeout_s = 0.5
+            registry = limit_registry(agent)
+            registry.add("stuck", hangs)
+            registry.add("broken", fails)
+            registry.add("unit", answers)
+            body = await window_until(
+                agent.socket_path,
+                lambda doc: {"stuck", "broken", "unit_stop"} <= {limit["name"] for limit in doc["limits"]},
+            )
+            released.set()
+    shown = {limit["name"]: limit for limit in body["window"]["limits"]}
+    assert (None, "unknown", "no answer within 0.5 s") == (
+        shown["stuck"]["seconds"],
+        shown["stuck"]["state"],
+        shown["stuck"]["detail"],
+    )
+    assert "OSError: scontrol: cannot reach the controller" == shown["broken"]["detail"]
+    termination = body["window"]["kinds"]["termination"]
+    assert (12.0, "unit_stop", ["stuck", "broken"]) == (
+        termination["effective_s"],
+        termination["binding"],
+        sorted(termination["unknown"], key=["stuck", "broken"].index),
+    )
+    unknown = [e for e in logs if e["event"] == "window_limit_unknown"]
+    assert {"stuck", "broken"} == {e["source"] for e in unknown}
+    assert "Window (predicted flush ?" in "\n".join(window_lines(body["window"]))

@@ -1,0 +1,107 @@
+"""The window on a real agent with a participant started by the real torchrun: the cloud (the AWS simulator)
+gives 120 s, torchrun SIGKILLs its workers 30 s after its SIGTERM, and the worker's checkpoints take 45 s, so
+torchrun's 30 s binds and the window is too short: in status, in the log, in the metrics and in
+``preemptd status``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from agent.core.window import window_lines
+from agent.service.window import _is_exec, _is_torchrun
+from agent.simulate.aws import AwsSimulator
+from tests.cloud_harness import settings_for
+from tests.support import REPO, http_json, running_agent
+from tests.test_window import window_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch_mp, pytest.mark.timeout(120)]
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+# A worker that registers as a participant and reports a 45 s checkpoint, then waits to be killed.
+WORKER = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    from agent.client.reporting import Reporter, client_info
+    reporter = Reporter(sys.argv[1], client={**client_info(name="train.py"), "job": "llm"})
+    reporter.register()
+    reporter.checkpoint("finished", 1, duration_s=45.0)
+    assert reporter.flush(10)
+    pathlib.Path(sys.argv[2]).write_text("reported")
+    time.sleep(300)
+    """
+)
+
+
+def test_launchers_are_told_by_their_command_lines() -> None:
+    assert _is_torchrun(["/venv/bin/python", "/venv/bin/torchrun", "--nproc-per-node", "8", "train.py"])
+    assert _is_torchrun(["torchrun", "train.py"])
+    assert _is_torchrun(["python3", "-m", "torch.distributed.run", "train.py"])
+    assert not _is_torchrun(["python3", "train.py", "torchrun"])
+    assert _is_exec(["/usr/bin/python3", "/usr/bin/preemptd", "exec", "--", "torchrun"])
+    assert not _is_exec(["python3", "train.py", "exec"])
+
+
+async def test_a_participant_under_torchrun_binds_the_window_to_30_s(base: Path) -> None:
+    if not TORCHRUN.exists():
+        pytest.skip("torchrun is not installed next to this interpreter")
+    script, ready = base / "worker.py", base / "ready"
+    script.write_text(WORKER)
+    sock = base / "a.sock"
+    async with AwsSimulator() as sim:
+        with capture_logs() as logs:
+            async with running_agent(base, settings_for("aws", sim.url)) as agent:
+                assert agent.socket_path == sock
+                launcher = await asyncio.create_subprocess_exec(
+                    str(TORCHRUN), "--standalone", "--nproc-per-node", "1", str(script), str(sock), str(ready),
+                    env={**os.environ, "PYTHONPATH": str(REPO)},
+                    cwd=str(base),
+                    start_new_session=True,
+                )  # fmt: skip
+                try:
+                    body = await window_until(
+                        sock, lambda doc: doc["kinds"]["termination"]["binding"] == "torchrun", timeout=90
+                    )
+                    _, metrics = await http_json(sock, "GET", "/metrics")
+                finally:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(launcher.pid, signal.SIGKILL)
+                    await asyncio.wait_for(launcher.wait(), 10)
+    assert ready.exists()
+    window = body["window"]
+    termination = window["kinds"]["termination"]
+    assert (120.0, 30.0, "torchrun", 45.0, False, True) == (
+        termination["cloud"]["seconds"],
+        termination["effective_s"],
+        termination["binding"],
+        termination["predicted_flush_s"],
+        termination["fits"],
+        termination["window_too_short"],
+    )
+    [limit] = [limit for limit in termination["limits"] if limit["name"] == "torchrun"]
+    assert f"torchrun (pid {launcher.pid}) launches llm/0@" in limit["source"]
+    assert "30 s after its own SIGTERM" in termination["lengthen"]
+    assert "advisory" in window["kinds"]["rebalance"]["cloud"]["source"]
+    assert window["window_too_short"]
+    [warning] = [e for e in logs if e["event"] == "window_too_short" and e["kind"] == "termination"]
+    assert ("torchrun", 30.0, 45.0) == (
+        warning["binding"],
+        warning["effective_s"],
+        warning["predicted_flush_s"],
+    )
+    assert 'preemptd_window_seconds{kind="termination",limit="torchrun"} 30.0' in metrics
+    assert 'preemptd_window_seconds{kind="termination",limit="cloud"} 120.0' in metrics
+    assert 'preemptd_window_too_short{kind="termination"} 1.0' in metrics
+    assert "preemptd_window_predicted_flush_seconds 45.0" in metrics
+    shown = "\n".join(window_lines(body["window"]))
+    assert "termination  30 s (torchrun binds): TOO SHORT  [cloud 120 s, torchrun 30 s]" in shown
+    assert "window_too_short: termination: the flush (45 s) outlasts torchrun (30 s)" in shown
