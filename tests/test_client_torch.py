@@ -9,18 +9,20 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from agent.client import CheckpointStore, Watcher
+from agent.client.store import DurableFile
+from tests.lazy import TORCH_GROUP, Lazy
 
-from agent.client import CheckpointStore, Watcher  # noqa: E402
-from agent.client.store import DurableFile  # noqa: E402
-from agent.client.torch import (  # noqa: E402
-    Coordinator,
-    agree_latest,
-    load_safetensors,
-    load_torch,
-    safetensors_writer,
-    torch_writer,
-)
+# torch and agent.client.torch are imported by the first test that uses them (tests/lazy.py).
+torch = Lazy("torch")
+Coordinator = Lazy("agent.client.torch", "Coordinator")
+agree_latest = Lazy("agent.client.torch", "agree_latest")
+load_safetensors = Lazy("agent.client.torch", "load_safetensors")
+load_torch = Lazy("agent.client.torch", "load_torch")
+safetensors_writer = Lazy("agent.client.torch", "safetensors_writer")
+torch_writer = Lazy("agent.client.torch", "torch_writer")
+
+pytestmark = TORCH_GROUP
 
 
 def store(root: Path) -> CheckpointStore:

@@ -14,15 +14,18 @@ import pytest
 
 from agent.client import CheckpointError, CheckpointWarning
 from agent.client.preempted import ENV, read_records
+from tests.lazy import TORCH_GROUP, Lazy
 from tests.store_fs import fill, small_fs
 
 __all__ = ["small_fs"]  # the fixture, used by name
 
-torch = pytest.importorskip("torch")
+# torch and agent.client.dcp are imported by the first test that uses them (tests/lazy.py).
+torch = Lazy("torch")
+CRC_SIDECAR = Lazy("agent.client.dcp", "CRC_SIDECAR")
+ShardedStore = Lazy("agent.client.dcp", "ShardedStore")
+latest_committed = Lazy("agent.client.dcp", "latest_committed")
 
-from agent.client.dcp import CRC_SIDECAR, ShardedStore, latest_committed  # noqa: E402
-
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), TORCH_GROUP]
 
 
 @pytest.fixture
