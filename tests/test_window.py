@@ -12,6 +12,7 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from agent.bridges.slurm_window import parse_kill_wait
+from agent.client.reporting import Reporter, client_info
 from agent.core.reports import parse_report
 from agent.core.window import (
     Flush,
@@ -26,6 +27,8 @@ from agent.core.window import (
     window_lines,
 )
 from agent.service.window import WindowComponent
+from agent.simulate.gcp import GcpSimulator
+from tests.cloud_harness import settings_for
 from tests.support import http_json, running_agent
 
 NOW = datetime(2026, 12, 4, 12, 0, tzinfo=timezone.utc)
@@ -242,3 +245,36 @@ async def test_a_hung_and_a_failing_limit_source_are_unknown_and_status_still_an
     unknown = [e for e in logs if e["event"] == "window_limit_unknown"]
     assert {"stuck", "broken"} == {e["source"] for e in unknown}
     assert "Window (predicted flush ?" in "\n".join(window_lines(body["window"]))
+
+
+async def test_at_start_up_the_saves_of_the_last_run_warn_that_gcps_30_s_are_too_short(base: Path) -> None:
+    """The first run hears a 45 s checkpoint; the next start reads it back from the history and warns at once
+    that GCP's 30 s (gcp.preempt_notice_s) are too short, naming preemptionNoticeDuration."""
+    sock = base / "a.sock"
+    async with GcpSimulator() as sim:
+        settings = settings_for("gcp", sim.url)
+        async with running_agent(base, settings):
+            reporter = Reporter(sock, client=client_info(name="train.py"))
+            reporter.checkpoint("finished", 1, duration_s=45.0)
+            assert await asyncio.to_thread(reporter.flush, 10)
+            reporter.close()
+        with capture_logs() as logs:
+            async with running_agent(base, settings):
+                body = await window_until(sock, lambda doc: doc["state"] == "ok")
+    termination = body["window"]["kinds"]["termination"]
+    assert (30.0, "cloud", 45.0, True) == (
+        termination["effective_s"],
+        termination["binding"],
+        termination["predicted_flush_s"],
+        termination["window_too_short"],
+    )
+    assert "gcp.preempt_notice_s = 30 s" in termination["cloud"]["source"]
+    assert "preemptionNoticeDuration" in termination["lengthen"]
+    [warning] = [e for e in logs if e["event"] == "window_too_short"]
+    assert ("termination", "cloud", 30.0, 45.0) == (
+        warning["kind"],
+        warning["binding"],
+        warning["effective_s"],
+        warning["predicted_flush_s"],
+    )
+    assert "slowest of the last 1 periodic saves" == body["window"]["predicted_flush"]["source"]

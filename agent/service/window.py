@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 import psutil
@@ -23,8 +25,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from agent.config import AdvisorConfig, GcpConfig
-from agent.core.ports import ConfigView, Tasks
-from agent.core.reports import Report
+from agent.core.errors import PreemptdError
+from agent.core.notice import parse_time
+from agent.core.ports import ConfigView, HistoryFile, Tasks
+from agent.core.reports import Report, parse_report
 from agent.core.window import (
     FlushBook,
     Limit,
@@ -38,6 +42,7 @@ from agent.core.window import (
     verdicts,
 )
 
+HISTORY_TAIL_BYTES = 1 << 20  # the end of the history read at start-up for the saves of earlier runs
 REFRESH_S = 30.0  # limits are read again this often, and soon after a new participant or prediction
 SOURCE_TIMEOUT_S = 5.0  # a limit source that takes longer is unknown this round
 MAX_PIDS = 256
@@ -55,6 +60,9 @@ class WindowHost(Protocol):
 
     @property
     def tasks(self) -> Tasks: ...
+
+    @property
+    def history(self) -> HistoryFile: ...
 
     @property
     def identity(self) -> Any:
@@ -111,6 +119,35 @@ def find_launchers(
     return found, alive
 
 
+def read_reports(path: Path, size: int = HISTORY_TAIL_BYTES) -> list[Report]:
+    """The client reports in the last ``size`` bytes of a history file, oldest first (a torn or unreadable
+    record is skipped)."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - size))
+            data = handle.read(size)
+    except OSError:
+        return []
+    found = []
+    for raw in data.splitlines():
+        try:
+            record = json.loads(raw)
+            doc = record["report"] if record.get("type") == "report" else None
+            if not isinstance(doc, dict):
+                continue
+            fields = ("kind", "phase", "step", "duration_s", "emergency", "client", "flush")
+            found.append(
+                parse_report(
+                    {k: doc[k] for k in fields if doc.get(k) is not None},
+                    parse_time(doc["received_at"]),
+                    doc.get("peer_pid"),
+                )
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, PreemptdError):
+            continue
+    return found
+
+
 class WindowComponent:
     name = "window"
 
@@ -131,6 +168,9 @@ class WindowComponent:
 
     def setup(self, host: WindowHost) -> None:
         self._host = host
+        # The saves of earlier runs, so that the start-up warning has a prediction (before the socket serves).
+        for report in read_reports(host.history.path):
+            self.flushes.add(report)
         self.registry = limit_registry(host)  # the bridges built before this offered theirs already
         self.registry.changed = self._poke.set
         host.on_report(self._on_report)
