@@ -11,7 +11,8 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
-from agent.bridges.slurm_window import parse_kill_wait
+from agent.bridges.slurm_commands import SlurmCommands
+from agent.bridges.slurm_window import READ_S, KillWait, parse_kill_wait
 from agent.client.reporting import Reporter, client_info
 from agent.core.reports import parse_report
 from agent.core.window import (
@@ -149,6 +150,21 @@ def test_the_torchrun_limit_names_its_launchers_and_exec() -> None:
     assert "under preemptd exec" == wrapped.detail
 
 
+async def test_kill_wait_is_read_again_only_after_a_while(tmp_path: Path) -> None:
+    """Every node's agent asks the one controller: KillWait is read at most every READ_S (a stand-in
+    scontrol that counts its calls)."""
+    calls = tmp_path / "calls"
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 'KillWait                = 45 sec'\n")
+    scontrol.chmod(0o755)
+    now = [0.0]
+    source = KillWait(SlurmCommands(bin_dir=str(tmp_path)), clock=lambda: now[0])
+    assert [45.0, 45.0] == [(await source())[0].seconds for _ in range(2)]
+    now[0] = READ_S + 1
+    await source()
+    assert ["show config", "show config"] == calls.read_text().splitlines()
+
+
 def test_kill_wait_is_read_from_scontrol_show_config() -> None:
     text = "Configuration data as of 2026-12-04T12:00:00\nJobAcctGatherType       = (null)\nKillWait                = 30 sec\nKillOnBadExit           = 0\n"
     assert 30.0 == parse_kill_wait(text)
@@ -177,6 +193,8 @@ def test_the_status_lines_and_the_metric_values() -> None:
     ] == seconds
     assert [("termination", 1)] == short
     assert [] == window_lines(build_window([LEAD], [], Flush(None, "x"), None))  # not gathered yet
+    nothing = build_window(cloud_leads(None), [], Flush(12.0, "x"), NOW)
+    assert ["Window: no limit known on this host (predicted flush 12 s)"] == window_lines(nothing)
 
 
 # ----- on a real agent ---------------------------------------------------------------------------------------
@@ -244,7 +262,9 @@ async def test_a_hung_and_a_failing_limit_source_are_unknown_and_status_still_an
     )
     unknown = [e for e in logs if e["event"] == "window_limit_unknown"]
     assert {"stuck", "broken"} == {e["source"] for e in unknown}
-    assert "Window (predicted flush ?" in "\n".join(window_lines(body["window"]))
+    assert "Window (predicted flush ?, no checkpoint reported yet):" in "\n".join(
+        window_lines(body["window"])
+    )
 
 
 async def test_at_start_up_the_saves_of_the_last_run_warn_that_gcps_30_s_are_too_short(base: Path) -> None:

@@ -1,16 +1,19 @@
 """The Slurm bridge's limit on the notice window (agent/core/window.py): a job that Slurm stops (the bridge's
 requeue, a cancel, the end of its time) gets SIGTERM and, ``KillWait`` seconds later, SIGKILL. Read from
-``scontrol show config`` with the bridge's own tools (SLURM_CONF, timeouts, bin_dir)."""
+``scontrol show config`` with the bridge's own tools (SLURM_CONF, timeouts, bin_dir), at most every
+``READ_S``: every node's agent asks the one controller."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agent.bridges.slurm_commands import SlurmCommands
 from agent.core.window import Limit, limit_registry
 
+READ_S = 300.0
 # "KillWait                = 30 sec"; a controller that says "UNLIMITED" gives no limit.
 _KILL_WAIT = re.compile(r"^\s*KillWait\s*=\s*(\d+)\s*(?:sec)?", re.MULTILINE)
 
@@ -21,22 +24,38 @@ def parse_kill_wait(text: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
-async def kill_wait_limits(commands: SlurmCommands) -> Sequence[Limit]:
-    result = await commands.run("scontrol", "show", "config", retry=False)
-    seconds = parse_kill_wait(result.stdout)
-    if seconds is None:
-        return [Limit("slurm_kill_wait", None, "scontrol show config", detail="no KillWait in its output")]
-    return [
-        Limit(
-            "slurm_kill_wait",
-            seconds,
-            "Slurm KillWait (scontrol show config): SIGKILL this long after a stopped job's SIGTERM",
-            lengthen="raise KillWait in slurm.conf (scontrol reconfigure); the bridge requeues only after the "
-            "notice's ready or at the deadline minus actions.slurm.margin_s",
-        )
-    ]
+class KillWait:
+    """The limit source: KillWait, read again at most every ``READ_S`` (each read asks the controller; a
+    failed read is not kept, so the next round asks again)."""
+
+    def __init__(self, commands: SlurmCommands, clock: Callable[[], float] = time.monotonic) -> None:
+        self.commands = commands
+        self._clock = clock
+        self._read: tuple[float, list[Limit]] | None = None
+
+    async def __call__(self) -> Sequence[Limit]:
+        if self._read is not None and self._clock() - self._read[0] < READ_S:
+            return self._read[1]
+        result = await self.commands.run("scontrol", "show", "config", retry=False)
+        seconds = parse_kill_wait(result.stdout)
+        if seconds is None:
+            found = [
+                Limit("slurm_kill_wait", None, "scontrol show config", detail="no KillWait in its output")
+            ]
+        else:
+            found = [
+                Limit(
+                    "slurm_kill_wait",
+                    seconds,
+                    "Slurm KillWait (scontrol show config): SIGKILL this long after a stopped job's SIGTERM",
+                    lengthen="raise KillWait in slurm.conf (scontrol reconfigure); the bridge requeues only after "
+                    "the notice's ready or at the deadline minus actions.slurm.margin_s",
+                )
+            ]
+        self._read = (self._clock(), found)
+        return found
 
 
 def offer(host: Any, commands: SlurmCommands) -> None:
     """Offer KillWait to the window (``host``: its ``capability`` and ``provide``)."""
-    limit_registry(host).add("slurm", lambda: kill_wait_limits(commands))
+    limit_registry(host).add("slurm", KillWait(commands))

@@ -328,8 +328,11 @@ def window_lines(doc: Any) -> list[str]:
     if not isinstance(doc, Mapping) or doc.get("state") != "ok":
         return []
     flush = doc.get("predicted_flush") or {}
+    kinds = doc.get("kinds") or {}
+    if not doc.get("limits") and all(k.get("cloud", {}).get("seconds") is None for k in kinds.values()):
+        return [f"Window: no limit known on this host (predicted flush {_s(flush.get('seconds'))})"]
     lines = [f"Window (predicted flush {_s(flush.get('seconds'))}, {flush.get('source')}):"]
-    for kind, k in (doc.get("kinds") or {}).items():
+    for kind, k in kinds.items():
         cloud = k.get("cloud") or {}
         if not cloud.get("deadline"):
             lines.append(f"  {kind:<12} no deadline")
