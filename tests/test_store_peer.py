@@ -1,0 +1,198 @@
+"""The full-state store's peer tier (issue 24 item 7): ``PeerCheckpointStore(tier="peer")`` on simulated hosts
+(one real agent each, its RAM tier in its own directory) and real torch ranks over loopback gloo. An
+emergency save leaves one whole copy in the RAM tier of each host without a notice and nothing on the
+notified host or under the durable root; the job resumes from a survivor's copy at another world size, a new
+host receiving it through the group; a damaged copy, a stale one and a job whose every host has a notice
+fall back as documented."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import REPO
+
+pytest.importorskip("torch")
+
+from agent.client.store_peer import Copy, newest_copy
+from tests.test_evacuate_hosts import Host, _free_port, hosts
+
+JOB = "full-state-test"
+STEP = 7
+
+# One rank of the job: the same state on every rank (as DDP keeps it), saved or resumed through the store.
+_RANK = textwrap.dedent(
+    """
+    import json, sys, warnings, zlib
+    import torch, torch.distributed as dist
+    from agent.client.store_peer import PeerCheckpointStore
+    from agent.client.torch import load_torch, torch_writer
+
+    mode, root, sock, noticed = sys.argv[1], sys.argv[2], sys.argv[3], set(json.loads(sys.argv[4]))
+    job, step = sys.argv[5], int(sys.argv[6])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    def digest(state):
+        return zlib.crc32(state["w"].numpy().tobytes()) ^ state["step"]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store = PeerCheckpointStore(root, socket_path=sock, job=job)
+        out = {"rank": rank}
+        if mode in ("save", "stale"):
+            torch.manual_seed(0)
+            state = {"w": torch.randn(256, 1024), "step": step}
+            saved = store.save(state["step"], torch_writer(state), emergency=True, notice_id="n-1", noticed=noticed)
+            out.update(step=saved.step, path=str(saved.path), tier=saved.metadata.get("tier"), digest=digest(state))
+            if mode == "stale":  # a newer durable step after it
+                state["step"] += 1
+                store.save(state["step"], torch_writer(state))
+        found = store.load_latest(load_torch) if mode in ("resume", "stale") else None
+        if found is not None:
+            checkpoint, state = found
+            out.update(step=checkpoint.step, path=str(checkpoint.path), digest=digest(state),
+                       tier=checkpoint.metadata.get("tier"))
+    out["warnings"] = [str(w.message) for w in caught if "CheckpointWarning" in type(w.message).__name__]
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch_mp, pytest.mark.timeout(300)]
+
+
+def test_the_newest_step_held_whole_by_some_host_wins_one_copy_per_host() -> None:
+    copies = [Copy("a", 7, 0, {}, {}), Copy("b", 7, 0, {}, {}), Copy("a", 5, 0, {}, {})]
+    assert [("a", 7), ("b", 7)] == [(c.host, c.step) for c in newest_copy(copies, durable=(0, 6))]
+
+
+def test_a_ram_step_not_newer_than_the_durable_one_is_never_chosen_newer_being_by_run_then_step() -> None:
+    copies = [Copy("a", 9, 0, {}, {})]
+    assert ([], [("a", 9)]) == (
+        newest_copy(copies, durable=(1, 2)),
+        [(c.host, c.step) for c in newest_copy(copies, durable=(0, 8))],
+    )
+
+
+async def _ranks(
+    group: Sequence[Host], tmp: Path, mode: str, noticed: Sequence[int] = ()
+) -> list[dict[str, Any]]:
+    """One rank per host of ``group`` (rank i on host i) running ``mode``; each rank's JSON line."""
+    script = tmp / "rank.py"
+    script.write_text(_RANK)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "TORCHELASTIC_"))}
+    env.update(PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), WORLD_SIZE=str(len(group)))  # fmt: skip
+    procs = []
+    for rank, host in enumerate(group):
+        args = (mode, str(tmp / "ckpt"), str(host.socket), json.dumps(list(noticed)), JOB, str(STEP))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), *args, env={**env, "RANK": str(rank)}, cwd=str(REPO),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        procs.append(proc)
+    outs = [await asyncio.wait_for(proc.communicate(), 180) for proc in procs]
+    for proc, (_, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, err.decode()[-3000:]
+    return [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outs]
+
+
+def _held(host: Host) -> list[int]:
+    return [record.step for record in host.tier.holdings.steps_of(JOB)]
+
+
+def _durable(tmp: Path) -> list[str]:
+    root = tmp / "ckpt"
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+async def test_a_peer_save_leaves_one_whole_copy_on_each_host_without_a_notice_and_none_on_the_notified_one(
+    tmp_path: Path,
+) -> None:
+    """3 hosts, a notice on host 1: hosts 0 and 2 each hold the step whole (tier.json: the full-state layout,
+    every file of the step), host 1 never reserved anything, nothing is under the durable root, and every
+    rank's checkpoint is a peer one (host 1's rank names host 0's copy)."""
+    async with hosts(3) as three:
+        out = await _ranks(three, tmp_path, "save", noticed=[1])
+        held = [_held(host) for host in three]
+        docs = [json.loads((h.ram / JOB / str(STEP) / "tier.json").read_text()) for h in (three[0], three[2])]
+        notified_dir = (three[1].ram / JOB).exists()
+    assert [[STEP], [], [STEP]] == held
+    assert [("full", {"state.pt"}, {"state.pt"})] * 2 == [
+        (d["layout"], set(d["files"]), set(d["step_files"])) for d in docs
+    ]
+    assert (False, []) == (notified_dir, _durable(tmp_path))
+    assert [("peer", STEP)] * 3 == [(o["tier"], o["step"]) for o in out]
+    assert out[0]["path"] == out[1]["path"] != out[2]["path"]
+    assert [[]] * 3 == [o["warnings"] for o in out]
+
+
+@pytest.mark.parametrize("new_hosts", [0, 1])
+async def test_with_the_notified_host_gone_the_job_resumes_from_a_survivors_copy_at_another_world_size(
+    tmp_path: Path, new_hosts: int
+) -> None:
+    """After the save, host 1 is gone (agent stopped, RAM deleted): the job resumes on hosts 0 and 2 (world
+    size 2), or on them and a new empty host (world size 3) which receives the copy through the group and
+    keeps it in its own tier; the saved step and digest on every rank, nothing under the durable root."""
+    async with hosts(3 + new_hosts) as every:
+        saved = await _ranks(every[:3], tmp_path, "save", noticed=[1])
+        await every[1].stop()
+        shutil.rmtree(every[1].ram)
+        group = [every[0], every[2], *every[3:]]
+        resumed = await _ranks(group, tmp_path, "resume")
+        held = [_held(host) for host in group]
+    assert [(STEP, saved[0]["digest"], "peer", [])] * len(group) == [
+        (o["step"], o["digest"], o["tier"], o["warnings"]) for o in resumed
+    ]
+    assert [[STEP]] * len(group) == held
+    assert [] == _durable(tmp_path)
+
+
+async def test_a_damaged_copy_is_freed_and_its_host_receives_a_good_one(tmp_path: Path) -> None:
+    """Host 0's copy loses a byte after the save (CRC32 no longer matches tier.json): the resume on hosts 0
+    and 2 loads host 2's copy on both, and host 0 holds a good copy again."""
+    async with hosts(3) as three:
+        saved = await _ranks(three, tmp_path, "save", noticed=[1])
+        state = three[0].ram / JOB / str(STEP) / "state.pt"
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.write_bytes(bytes(data))
+        resumed = await _ranks([three[0], three[2]], tmp_path, "resume")
+        repaired = state.read_bytes() != bytes(data)
+    assert [(STEP, saved[0]["digest"])] * 2 == [(o["step"], o["digest"]) for o in resumed]
+    assert repaired
+
+
+async def test_when_every_host_has_a_notice_the_step_goes_to_the_durable_root_with_a_warning_saying_why(
+    tmp_path: Path,
+) -> None:
+    async with hosts(2) as two:
+        out = await _ranks(two, tmp_path, "save", noticed=[0, 1])
+        held = [_held(host) for host in two]
+    assert [[], []] == held
+    assert [f"step-{STEP:012d}"] == [n for n in _durable(tmp_path) if n.startswith("step-")]
+    assert [None, None] == [o["tier"] for o in out]
+    assert all("every host of the job has a notice (2 of 2)" in o["warnings"][0] for o in out)
+
+
+async def test_a_ram_step_older_than_a_newer_durable_step_is_ignored_by_the_resume_and_freed(
+    tmp_path: Path,
+) -> None:
+    """A peer step 7 (host 1 notified, host 0 keeps it), then a durable step 8: the resume loads 8 from the
+    root and host 0's RAM step 7 is freed."""
+    async with hosts(2) as two:
+        out = await _ranks(two, tmp_path, "stale", noticed=[1])
+        held = [_held(host) for host in two]
+    assert [(STEP + 1, None)] * 2 == [(o["step"], o["tier"]) for o in out]
+    assert [[], []] == held
