@@ -26,6 +26,7 @@ from tests.test_window import window_until
 pytestmark = [pytest.mark.slow, pytest.mark.torch_mp, pytest.mark.timeout(120)]
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
+PREEMPTD = Path(sys.executable).parent / "preemptd"
 
 # A worker that registers as a participant and reports a 45 s checkpoint, then waits to be killed.
 WORKER = textwrap.dedent(
@@ -48,12 +49,13 @@ def test_launchers_are_told_by_their_command_lines() -> None:
     assert _is_torchrun(["python3", "-m", "torch.distributed.run", "train.py"])
     assert not _is_torchrun(["python3", "train.py", "torchrun"])
     assert _is_exec(["/usr/bin/python3", "/usr/bin/preemptd", "exec", "--", "torchrun"])
+    assert _is_exec(["python3", "-m", "agent", "exec", "--", "torchrun"])
     assert not _is_exec(["python3", "train.py", "exec"])
 
 
 async def test_a_participant_under_torchrun_binds_the_window_to_30_s(base: Path) -> None:
-    if not TORCHRUN.exists():
-        pytest.skip("torchrun is not installed next to this interpreter")
+    if not (TORCHRUN.exists() and PREEMPTD.exists()):
+        pytest.skip("torchrun or preemptd is not installed next to this interpreter")
     script, ready = base / "worker.py", base / "ready"
     script.write_text(WORKER)
     sock = base / "a.sock"
@@ -61,7 +63,9 @@ async def test_a_participant_under_torchrun_binds_the_window_to_30_s(base: Path)
         with capture_logs() as logs:
             async with running_agent(base, settings_for("aws", sim.url)) as agent:
                 assert agent.socket_path == sock
+                # As a job should run: under preemptd exec, which the window notices.
                 launcher = await asyncio.create_subprocess_exec(
+                    str(PREEMPTD), "exec", "--",
                     str(TORCHRUN), "--standalone", "--nproc-per-node", "1", str(script), str(sock), str(ready),
                     env={**os.environ, "PYTHONPATH": str(REPO)},
                     cwd=str(base),
@@ -88,8 +92,10 @@ async def test_a_participant_under_torchrun_binds_the_window_to_30_s(base: Path)
         termination["window_too_short"],
     )
     [limit] = [limit for limit in termination["limits"] if limit["name"] == "torchrun"]
-    assert f"torchrun (pid {launcher.pid}) launches llm/0@" in limit["source"]
+    assert "torchrun (pid " in limit["source"] and ") launches llm/0@" in limit["source"]
+    assert "under preemptd exec" == limit["detail"]
     assert "30 s after its own SIGTERM" in termination["lengthen"]
+    assert "preemptd exec --" not in termination["lengthen"]  # it already runs under it
     assert "advisory" in window["kinds"]["rebalance"]["cloud"]["source"]
     assert window["window_too_short"]
     [warning] = [e for e in logs if e["event"] == "window_too_short" and e["kind"] == "termination"]

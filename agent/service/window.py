@@ -90,7 +90,9 @@ def _is_torchrun(cmdline: Sequence[str]) -> bool:
 
 
 def _is_exec(cmdline: Sequence[str]) -> bool:
-    return any(os.path.basename(arg) == "preemptd" for arg in cmdline[:2]) and "exec" in cmdline[1:4]
+    named = any(os.path.basename(arg) == "preemptd" for arg in cmdline[:2])
+    module = any(a == "-m" and b in ("agent", "agent.cli") for a, b in itertools.pairwise(cmdline[:3]))
+    return (named or module) and "exec" in cmdline[1:4]
 
 
 def find_launchers(
