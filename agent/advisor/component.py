@@ -97,6 +97,7 @@ class AdvisorComponent:
         self._task: asyncio.Task[Any] | None = None
         self._record_task: asyncio.Task[Any] | None = None
         self._flush_risk: dict[str, Any] | None = None
+        self._emergency_save: dict[str, Any] | None = None
 
     @property
     def config(self) -> AdvisorConfig:
@@ -117,6 +118,7 @@ class AdvisorComponent:
         agent.add_status_section("advice", self.status_advice)
         agent.add_status_section("goodput", self.status_goodput)
         agent.add_status_section("flush_risk", self.status_flush_risk)
+        agent.add_status_section("emergency_save", lambda: self._emergency_save)
         agent.add_metrics_collector(AdvisorCollector(self))
         agent.on_event(self._on_event)
         agent.on_report(self._on_report)
@@ -189,6 +191,25 @@ class AdvisorComponent:
     def _on_report(self, report: Report) -> None:
         self._add({"time": format_time(report.received_at), "type": "report", "report": report.to_json()})
         self._track_flush_risk(report)
+        self._track_emergency_save(report)
+
+    def _track_emergency_save(self, report: Report) -> None:
+        """The newest emergency save a client reported ended, for status: the tier it went to (and why not
+        the peer tier), the predicted and the actual duration, and the slack before the deadline."""
+        if report.kind != "checkpoint" or not report.emergency or report.phase == "started":
+            return
+        keys = ("tier", "fallback", "fallback_step", "predicted_s", "time_left_s", "slack_s")
+        self._emergency_save = {
+            "time": format_time(report.received_at),
+            "step": report.step,
+            "phase": report.phase,
+            "notice_id": report.notice_id,
+            "duration_s": report.duration_s,
+            **{key: report.flush.get(key) for key in keys},
+            "client": {
+                k: report.client.get(k) for k in ("job", "host", "rank") if report.client.get(k) is not None
+            },
+        }
 
     def _track_flush_risk(self, report: Report) -> None:
         """The newest save a client predicted to miss its deadline (the client's ``flush`` budget), shown in

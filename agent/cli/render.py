@@ -88,6 +88,9 @@ def format_status(doc: dict[str, Any]) -> str:
             )
         )
     conn = doc.get("connections")
+    saved = doc.get("emergency_save")
+    if isinstance(saved, dict):
+        lines.append(_emergency_save_line(saved))
     if isinstance(conn, dict):
         fds = conn.get("descriptors") or {}
         lines.append(
@@ -117,6 +120,27 @@ def _size(value: Any) -> str:
 
 def _ram_tier_line(tier: dict[str, Any]) -> str:
     if tier.get("state") != "ready":
+def _about(value: Any) -> str:
+    return "?" if not isinstance(value, (int, float)) else f"{value:.1f} s"
+
+
+def _emergency_save_line(saved: dict[str, Any]) -> str:
+    """The newest emergency save: where it went, why not the peer tier, predicted and actual, the slack."""
+    outcome = f"in {_about(saved.get('duration_s'))}" if saved.get("phase") == "finished" else "FAILED"
+    if saved.get("fallback_step") is not None:
+        outcome += f", step {saved['fallback_step']} used instead"
+    why = f" (fallback: {saved['fallback']})" if saved.get("fallback") else ""
+    budget = [f"predicted {_about(saved.get('predicted_s'))}"]
+    if saved.get("time_left_s") is not None:
+        budget.append(f"{_about(saved.get('time_left_s'))} left")
+    if saved.get("slack_s") is not None:
+        budget.append(f"slack {_about(saved.get('slack_s'))}")
+    return (
+        f"Last emergency save: step {saved.get('step')} to {saved.get('tier') or 'durable'}{why} {outcome}; "
+        + ", ".join(budget)
+    )
+
+
         return f"RAM tier: {str(tier.get('state')).upper()}" + (
             f": {tier['error']}" if tier.get("error") else ""
         )

@@ -14,7 +14,7 @@ DCP's resharding.
 
 This module is the public face; the parts live next to it: the commit protocol and manifest
 (``dcp_commit``), background saves and the deadline budget (``dcp_async``), the state helpers
-(``dcp_state``), the peer tier (``dcp_peer``: ``tier="peer"``).
+(``dcp_state``), the peer tier and the planner (``dcp_peer``: ``tier="peer"`` and ``"auto"``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from agent.client.dcp_async import AsyncSave, BackgroundSaves, Budget, DeadlineBudget
+from agent.client.dcp_async import AsyncSave, BackgroundSaves, Budget, DeadlineBudget, with_slack
 from agent.client.dcp_commit import (
     CRC_SIDECAR,
     DCP_METADATA,
@@ -92,7 +92,8 @@ class ShardedStore:
     before training starts, not at the emergency. ``keep`` newest steps are kept (0: all).
 
     ``tier="peer"``: emergency saves go into the RAM of the hosts without a notice, resumes look there first
-    (:mod:`agent.client.dcp_peer`; ``job`` or :func:`~agent.client.ramtier.job_id` names the job).
+    (:mod:`agent.client.dcp_peer`; ``job`` or :func:`~agent.client.ramtier.job_id` names the job); ``"auto"``:
+    to the root when the durable save's predicted duration times ``margin`` fits the time left, else as "peer".
     """
 
     def __init__(
@@ -111,10 +112,11 @@ class ShardedStore:
         tier: str = "durable",
         job: str | None = None,
         ram_tier: RamTier | None = None,
+        margin: float = 1.5,
     ) -> None:
-        if tier not in ("durable", "peer"):
-            raise ValueError(f"tier must be 'durable' or 'peer', got {tier!r}")
-        self.tier, job = tier, job_id(job) if tier == "peer" else job  # no id: an error before training
+        if tier not in ("durable", "peer", "auto"):
+            raise ValueError(f"tier must be 'durable', 'peer' or 'auto', got {tier!r}")
+        self.tier, job = tier, job_id(job) if tier != "durable" else job  # no id: an error before training
         # The step directories, their listing, replacing and pruning are the plain store's; so are the
         # checks of the arguments they share and the reporter.
         self._local = CheckpointStore(
@@ -155,9 +157,11 @@ class ShardedStore:
         )
         self._checksummers = ChecksumThreads()
         self.last_save: ShardedCheckpoint | None = None
-        tiers = ram_tier or RamTier(socket_path)
-        peer = PeerTier(self.ranks, self._local, tiers, str(job), thread_count, self._report)
-        self.peer = peer if tier == "peer" else None
+        tiers, auto = ram_tier or RamTier(socket_path), margin if tier == "auto" else None
+        peer = PeerTier(
+            self.ranks, self._local, tiers, str(job), thread_count, self._report, self._budget, auto
+        )
+        self.peer = peer if tier != "durable" else None
         self.root.mkdir(parents=True, exist_ok=True)
         self.ranks.check_shared(self.root)
 
@@ -200,10 +204,10 @@ class ShardedStore:
         while a background save is in flight follows the rule of :meth:`save_async`: it may return that
         save's (earlier) step instead.
 
-        ``tier="peer"``: an emergency save is evacuated (``noticed``: :attr:`~agent.client.torch.Decision.noticed`)
-        into a RAM tier's step directory (``metadata["tier"] == "peer"``), else saved here with a warning."""
+        ``tier="peer"``/``"auto"``: an emergency save is evacuated (``noticed``: :attr:`~agent.client.torch.Decision.noticed`)
+        into a RAM tier's step directory (``metadata["tier"] == "peer"``), else saved here (with a warning)."""
         if emergency and self.peer is not None:
-            evacuated = self.peer.save(step, state, notice_id, metadata, noticed)
+            evacuated = self.peer.save(step, state, notice_id, metadata, noticed, deadline)
             if evacuated is not None:
                 self.last_save = evacuated
                 return evacuated
@@ -310,9 +314,8 @@ class ShardedStore:
         self, exc: BaseException, step: int, tmp: Path, free_before: int | None, group: Any = None
     ) -> CheckpointError:
         """The one CheckpointError every rank raises for a failed save: rank 0 reads the cause (before it
-        removes the temporary directory, whose contents and the space left tell a full disk apart) and tells
-        the others. Only failures every rank has (DCP's CheckpointException, a failed commit) are told over
-        the group; any other stays this rank's own, since the other ranks may not be listening."""
+        removes the temporary directory: a full disk tells) and tells the others, for failures every rank
+        has (DCP's CheckpointException, a failed commit); any other stays this rank's own."""
         shared = getattr(exc, "failures", None) is not None or isinstance(exc, CheckpointError)
         error = save_failure(exc, step, self.root, tmp, free_before, self._local.newest)
         if shared and self.distributed:
@@ -346,7 +349,7 @@ class ShardedStore:
             emergency=emergency,
             notice_id=notice_id,
             path=checkpoint.path,
-            flush=flush,
+            flush=with_slack(flush, total_s),
         )
         if emergency:  # committed on every rank: `preemptd exec` may turn the launcher's failure into 75
             record_emergency(checkpoint.step, path=checkpoint.path, notice_id=notice_id, sharded=True)
@@ -423,9 +426,7 @@ class ShardedStore:
         cannot be read raise CheckpointError with the cause on every rank (DCP gathers the failures)."""
         try:
             dcp_load(dict(state), checkpoint_id=checkpoint.path, process_group=self.group)
-        except CheckpointException as exc:
-            raise load_failure(checkpoint.path, exc) from exc
-        except OSError as exc:
+        except (CheckpointException, OSError) as exc:
             raise load_failure(checkpoint.path, exc) from exc
 
     def load_latest(self, state: Mapping[str, Any], verify: Verify = "checksum") -> ShardedCheckpoint | None:
@@ -435,7 +436,7 @@ class ShardedStore:
         a CheckpointWarning and the previous one is loaded, on every rank alike since DCP gathers every
         rank's failure; a ``mismatch`` is raised at once.
 
-        ``tier="peer"``: a newer step complete across the hosts' RAM tiers comes first (``dcp_peer``)."""
+        ``tier="peer"``/``"auto"``: a newer step complete across the hosts' RAM tiers comes first (``dcp_peer``)."""
         resumed = self.peer.load(state) if self.peer is not None else None
         if resumed is not None:
             return resumed
@@ -443,8 +444,7 @@ class ShardedStore:
         return None if found is None else found[0]
 
     def prune(self, protect: Path | None = None) -> list[Path]:
-        """Rank 0 removes steps beyond ``keep`` and leftovers of dead saves, never ``protect`` (not a
-        collective)."""
+        """Rank 0 removes steps beyond ``keep`` and dead saves' leftovers, never ``protect`` (no collective)."""
         if self.rank != 0:
             return []
         return self._local.prune(protect)

@@ -71,6 +71,8 @@ class DeadlineBudget:
         self.world_size = world_size
         self.last: Budget | None = None
         self.durations: list[float] = []
+        # What the tier planner adds to the next save's reports (``fallback``: why the peer tier was not used).
+        self.planned: dict[str, Any] = {}
 
     def predict(self) -> float | None:
         """Seconds a save of this state should take: the slowest of this process's last three saves (the
@@ -88,11 +90,13 @@ class DeadlineBudget:
         return max(found) if found else None
 
     def report(self, step: int, deadline: datetime | None, choice: str | None) -> dict[str, Any]:
-        """The ``flush`` fields of a save's reports; a warning when the save is predicted to miss."""
+        """The ``flush`` fields of a save's reports (the tier: ``durable``, and what the planner added); a
+        warning when the save is predicted to miss."""
         predicted = self.predict()
         left = seconds_to(deadline)
         miss = predicted is not None and left is not None and predicted > left
         self.last = Budget(step, predicted, left, miss)
+        planned, self.planned = self.planned, {}
         if miss:
             _log.warning(
                 "the save of step %s is predicted to take %.1f s with %.1f s left before the deadline: "
@@ -108,6 +112,8 @@ class DeadlineBudget:
             "time_left_s": None if left is None else round(max(0.0, left), 3),
             "predicted_miss": miss,
             "async": choice,
+            "tier": "durable",
+            **planned,
         }
 
 
@@ -265,6 +271,13 @@ class BackgroundSaves:
         )
         record_emergency(served.step, path=served.path, notice_id=notice_id, sharded=True)
         return served, "waited_for_in_flight"
+
+
+def with_slack(flush: dict[str, Any], duration_s: float) -> dict[str, Any]:
+    """A finished save's ``flush`` fields with ``slack_s``: the time left before the deadline at its start
+    less its duration (negative: it ended after the deadline); unchanged without a deadline."""
+    left = flush.get("time_left_s")
+    return flush if left is None else {**flush, "slack_s": round(float(left) - duration_s, 3)}
 
 
 def seconds_to(deadline: datetime | None) -> float | None:

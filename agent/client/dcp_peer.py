@@ -1,17 +1,21 @@
 """The sharded store's peer tier (``ShardedStore(tier="peer")``): an emergency save evacuated into the RAM
 tiers of the hosts without a notice (:mod:`agent.client.evacuate`), reported and recorded for ``preemptd
 exec`` like a durable one, or handed back to the durable save with a warning saying why; and a resume that
-looks at the hosts' RAM tiers before the durable root (:mod:`agent.client.peer_resume`). Part of
-:mod:`agent.client.dcp`; import from there.
+looks at the hosts' RAM tiers before the durable root (:mod:`agent.client.peer_resume`). With
+``tier="auto"`` the planner (:func:`choose_tier`) picks the durable save when it is predicted to fit the time
+left with a margin, else the evacuation. Part of :mod:`agent.client.dcp`; import from there.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Collection, Mapping
+from datetime import datetime
 from typing import Any
 
+from agent.client.dcp_async import DeadlineBudget, seconds_to, with_slack
 from agent.client.dcp_commit import Ranks, ShardedCheckpoint
 from agent.client.evacuate import Evacuation, PeerTierUnusable
 from agent.client.manifest import CheckpointError, CheckpointWarning
@@ -20,6 +24,22 @@ from agent.client.preempted import record_emergency
 from agent.client.ramtier import RamTier
 from agent.client.store import CheckpointStore
 from agent.client.store_failure import fall_back, summary
+
+_log = logging.getLogger("agent.client.dcp")
+
+
+def choose_tier(predicted_s: float | None, time_left_s: float | None, margin: float) -> tuple[str, str]:
+    """The tier ``tier="auto"`` saves an emergency step to, and why: ``durable`` when the durable save's
+    predicted duration times ``margin`` fits the time left before the deadline (or when there is no deadline
+    to race), else ``peer`` (also when nothing predicts the durable save yet: the fast tier is the safe bet)."""
+    if time_left_s is None:
+        return "durable", "no deadline"
+    if predicted_s is None:
+        return "peer", f"no durable save to predict from, {time_left_s:.1f} s left"
+    fits = predicted_s * margin <= time_left_s
+    verdict = "fits" if fits else "does not fit"
+    why = f"a durable save predicted at {predicted_s:.1f} s (x{margin:g}) {verdict} {time_left_s:.1f} s left"
+    return ("durable" if fits else "peer"), why
 
 
 class PeerTier:
@@ -33,7 +53,14 @@ class PeerTier:
         job: str,
         thread_count: int,
         report: Callable[..., None],
+        budget: DeadlineBudget,
+        margin: float | None = None,
     ) -> None:
+        """``margin``: ``tier="auto"``'s (see :func:`choose_tier`); None: always evacuate (``tier="peer"``)."""
+        if margin is not None and not margin >= 1.0:
+            raise ValueError(f"margin must be at least 1, got {margin!r}")
+        self.budget = budget
+        self.margin = margin
         self.ranks = ranks
         self.local = local
         self.tiers = tiers
@@ -48,19 +75,36 @@ class PeerTier:
         notice_id: str | None,
         metadata: Mapping[str, Any] | None,
         noticed: Collection[int] | None,
+        deadline: datetime | None = None,
     ) -> ShardedCheckpoint | None:
-        """The emergency step into the surviving hosts' RAM tiers; None (with a CheckpointWarning saying
-        why, on every rank) when that cannot be done and the durable save follows. When the group itself fails
-        under it (a rank died), CheckpointError with the newest earlier committed durable step as its
-        ``fallback`` (recorded for ``preemptd exec``), as a failed durable emergency save does."""
+        """The emergency step into the surviving hosts' RAM tiers; None when the durable save follows: the
+        planner chose it (``tier="auto"``), or the evacuation cannot be done (a CheckpointWarning saying why
+        on every rank, and the durable save's reports say ``fallback``). When the group itself fails under
+        it (a rank died), CheckpointError with the newest earlier committed durable step as its ``fallback``
+        (recorded for ``preemptd exec``), as a failed durable emergency save does."""
         started = time.monotonic()
-        flush = {"sharded": True, "world_size": self.ranks.world_size}
+        mine = (self.budget.predict(), seconds_to(deadline))  # rank 0's decide, for every rank alike
+        predicted, left = self.ranks.from_zero(mine if self.ranks.rank == 0 else None)
+        if self.margin is not None:
+            tier, why = choose_tier(predicted, left, self.margin)
+            _log.info("emergency save of step %s: %s (%s)", step, tier, why)
+            if tier == "durable":
+                return None
+        flush = {
+            "sharded": True,
+            "world_size": self.ranks.world_size,
+            "tier": "peer",
+            "predicted_s": None if predicted is None else round(predicted, 3),
+            "time_left_s": None if left is None else round(max(0.0, left), 3),
+        }
         self._report("started", step, emergency=True, notice_id=notice_id, flush=flush)
         # The run a durable save of this step would have, so that a resume orders RAM and durable steps alike.
         run = int(self.ranks.from_zero(self.local.run_for(step) if self.ranks.rank == 0 else 0))
         try:
             if noticed is None:
-                raise PeerTierUnusable("the ranks with a notice are unknown: pass noticed=decision.noticed")
+                raise PeerTierUnusable(
+                    "the ranks with a notice are unknown: pass noticed=decision.noticed", "noticed_unknown"
+                )
             evacuation = Evacuation(self.ranks, self.ranks.group, self.tiers, self.job, self.thread_count)
             done = evacuation.run(step, run, state, noticed, notice_id)
         except PeerTierUnusable as exc:
@@ -70,6 +114,7 @@ class PeerTier:
                 CheckpointWarning,
                 stacklevel=4,
             )
+            self.budget.planned = {"fallback": exc.reason}  # the durable save's reports say why
             return None
         except Exception as exc:  # the group failed under it (a rank died mid-transfer): nothing committed
             error = CheckpointError(
@@ -84,7 +129,7 @@ class PeerTier:
         extra = {"world_size": self.ranks.world_size, "tier": "peer", "job": done.job}
         checkpoint = done.checkpoint(notice_id, {**dict(metadata or {}), **extra}, run, duration)
         self._report("finished", step, duration_s=duration, size=done.sent_bytes, emergency=True,
-                     notice_id=notice_id, path=checkpoint.path, flush=flush)  # fmt: skip
+                     notice_id=notice_id, path=checkpoint.path, flush=with_slack(flush, duration))  # fmt: skip
         record_emergency(step, path=checkpoint.path, notice_id=notice_id, sharded=True, tier="peer")
         return ShardedCheckpoint(checkpoint, self.ranks.world_size)
 

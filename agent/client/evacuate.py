@@ -47,8 +47,22 @@ _SLACK_BYTES = 4 << 20
 
 
 class PeerTierUnusable(Exception):
-    """The step cannot be evacuated into the peers' RAM tiers (why: the message); raised on every rank
-    alike, before anything is committed, so the store can save to the durable root instead."""
+    """The step cannot be evacuated into the peers' RAM tiers (why: the message; ``reason``, as reports say
+    it: ``all_hosts_noticed``, ``no_room``, ``agent_unreachable``, ``tier_unavailable`` (off, being read back,
+    refused), ``evacuation_failed`` (a write or a transfer failed)); raised on every rank alike, before anything
+    is committed, so the store can save to the durable root instead."""
+
+    def __init__(self, message: str, reason: str = "evacuation_failed") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # gathered over the group with its reason
+        return (type(self), (str(self), self.reason))
+
+
+def fallback_reason(error: RamTierError) -> str:
+    """A RAM tier's refusal as a :class:`PeerTierUnusable` reason."""
+    return {"unreachable": "agent_unreachable", "full": "no_room"}.get(error.reason, "tier_unavailable")
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,7 @@ class Place:
     noticed: bool
     estimate: int  # bytes its shard should take
     problem: str | None = None  # why its host's RAM tier cannot be used
+    reason: str = "tier_unavailable"  # that, as PeerTierUnusable's reason
 
 
 @dataclass(frozen=True)
@@ -88,14 +103,16 @@ def plan(places: Sequence[Place]) -> Plan:
     (k mod n)-th rank of the next host in the ring without a notice."""
     problems = [f"rank {p.rank}: {p.problem}" for p in places if p.problem]
     if problems:
-        raise PeerTierUnusable("; ".join(problems))
+        raise PeerTierUnusable("; ".join(problems), next(p.reason for p in places if p.problem))
     grouped: dict[str, list[int]] = {}
     for place in sorted(places, key=lambda p: p.rank):
         grouped.setdefault(place.host, []).append(place.rank)
     hosts = tuple((host, tuple(ranks)) for host, ranks in grouped.items())
     notified = frozenset(p.host for p in places if p.noticed)
     if len(notified) == len(hosts):
-        raise PeerTierUnusable(f"every host of the job has a notice ({len(hosts)} of {len(hosts)})")
+        raise PeerTierUnusable(
+            f"every host of the job has a notice ({len(hosts)} of {len(hosts)})", "all_hosts_noticed"
+        )
     buddy: dict[int, int] = {}
     for index, (host, ranks) in enumerate(hosts):
         if host not in notified:
@@ -245,13 +262,14 @@ class Evacuation:
         try:
             info = self.tier.info()
         except RamTierError as exc:
-            return Place(rank, f"{socket.gethostname()}:?", rank in noticed, nbytes, str(exc))
+            where = f"{socket.gethostname()}:?"
+            return Place(rank, where, rank in noticed, nbytes, str(exc), fallback_reason(exc))
         return Place(rank, host_key(info), rank in noticed, nbytes)
 
     def _reserve(self, the_plan: Plan, step: int, places: Sequence[Place], host: str) -> tuple[Path, str]:
         """The host's leader reserves room for its ranks' shards and for those its ranks receive; every
         rank learns its host's step directory."""
-        answer: tuple[str, str] | str = ("", "")
+        answer: tuple[str, str] | PeerTierUnusable = ("", "")  # (path, reservation), or the refusal
         if self.ranks.rank == the_plan.leader(host):
             ranks = set(dict(the_plan.hosts)[host])
             ranks |= {s for s, r in the_plan.buddy.items() if r in ranks}
@@ -260,13 +278,13 @@ class Evacuation:
                 reservation = self.tier.reserve(self.job, step, need)
                 answer = (str(reservation.path), reservation.id)
             except RamTierError as exc:
-                answer = f"host {host}: {exc}"
+                answer = PeerTierUnusable(f"host {host}: {exc}", fallback_reason(exc))
         everyone = self.ranks.gather(answer, self.group)
-        refused = sorted({a for a in everyone if isinstance(a, str)})
+        refused = [a for a in everyone if isinstance(a, PeerTierUnusable)]
         if refused:
             if isinstance(answer, tuple) and answer[1]:
                 self._free(step)
-            raise PeerTierUnusable("; ".join(refused))
+            raise PeerTierUnusable("; ".join(sorted({str(a) for a in refused})), refused[0].reason)
         mine = everyone[the_plan.leader(host)]
         return Path(mine[0]), str(mine[1])
 

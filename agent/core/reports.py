@@ -163,7 +163,13 @@ _FLUSH_KEYS: dict[str, type] = {
     "fallback_step": int,
     # Where the flush went ("durable", "peer": the RAM tiers of other hosts); the ledger reports it.
     "tier": str,
+    # Why the peer tier was not used ("all_hosts_noticed", "no_room", "agent_unreachable", ...).
+    "fallback": str,
+    # Seconds left before the deadline when the save ended: negative when it ended after it.
+    "slack_s": float,
 }
+# Keys of seconds that may be negative.
+_SIGNED = frozenset({"slack_s"})
 
 
 def _flush(value: Any) -> dict[str, Any]:
@@ -178,7 +184,11 @@ def _flush(value: Any) -> dict[str, Any]:
         if expected is None or item is None:
             continue
         if expected is float:
-            checked[key] = seconds(item, f"flush.{key}", MAX_DURATION_S, ReportError)
+            signed = (
+                key in _SIGNED and isinstance(item, (int, float)) and not isinstance(item, bool) and item < 0
+            )
+            value = seconds(-item if signed else item, f"flush.{key}", MAX_DURATION_S, ReportError)
+            checked[key] = -value if signed else value
             continue
         if not isinstance(item, expected) or (expected is int and isinstance(item, bool)):
             raise ReportError(f"field 'flush.{key}' must be {expected.__name__}, got {brief(item)}")
