@@ -138,7 +138,13 @@ def test_the_flush_prediction_prefers_the_deadline_budget_then_emergency_then_pe
     book.add(report(phase="finished", duration_s=3.0, emergency=True, flush={"tier": "peer"}))
     assert (3.0, "peer") == (book.predict().seconds, book.predict().tier)
     book.add(report(phase="started", flush={"predicted_s": 44.5}, client={"job": "j", "rank": 0}))
-    assert (44.5, "deadline budget (clients' predicted_s)") == (book.predict().seconds, book.predict().source)
+    book.add(report(phase="started", flush={"predicted_s": 40.0}, client={"job": "j", "rank": 1}))
+    assert (44.5, "deadline budget of job j (clients' predicted_s)") == (
+        book.predict().seconds,
+        book.predict().source,
+    )
+    book.add(report(phase="started", flush={"predicted_s": 20.0}, client={"job": "k", "rank": 0}))
+    assert 20.0 == book.predict().seconds  # the job that reported last, not one that may have ended
 
 
 def test_the_torchrun_limit_names_its_launchers_and_exec() -> None:

@@ -168,13 +168,13 @@ class Flush:
 
 
 class FlushBook:
-    """What the clients' reports say about the flush: the deadline budget's newest prediction per client
-    (``flush.predicted_s``, the slowest of its last three saves), else the slowest of the last three
-    emergency saves, else of the last three periodic ones (the same rule), else ``fallback_s``
-    (``advisor.save_time_s``)."""
+    """What the clients' reports say about the flush: the deadline budget's newest prediction
+    (``flush.predicted_s``, the slowest of that process's last three saves), the largest among the processes
+    of the job that reported one last; else the slowest of the last three emergency saves, else of the last
+    three periodic ones (the same rule), else ``fallback_s`` (``advisor.save_time_s``)."""
 
     def __init__(self) -> None:
-        self.predictions: dict[str, float] = {}
+        self.predictions: dict[str, dict[str, float]] = {}  # job → process → seconds; the newest job last
         self.emergency: deque[float] = deque(maxlen=RECENT)
         self.periodic: deque[float] = deque(maxlen=RECENT)
         self.tier: str | None = None
@@ -186,12 +186,14 @@ class FlushBook:
         changed = False
         predicted = report.flush.get("predicted_s")
         if isinstance(predicted, (int, float)):
-            who = (
-                "/".join(str(report.client.get(k, "")) for k in ("job", "host", "rank"))
-                + f"@{report.peer_pid}"
-            )
-            self.predictions.pop(who, None)
-            self.predictions[who] = float(predicted)
+            job = str(report.client.get("job", ""))
+            who = f"{report.client.get('host', '')}/{report.client.get('rank', '')}@{report.peer_pid}"
+            processes = self.predictions.pop(job, {})
+            processes.pop(who, None)
+            processes[who] = float(predicted)
+            while len(processes) > MAX_CLIENTS:
+                del processes[next(iter(processes))]
+            self.predictions[job] = processes
             while len(self.predictions) > MAX_CLIENTS:
                 del self.predictions[next(iter(self.predictions))]
             changed = True
@@ -205,7 +207,9 @@ class FlushBook:
 
     def predict(self, fallback_s: float | None = None) -> Flush:
         if self.predictions:
-            return Flush(max(self.predictions.values()), "deadline budget (clients' predicted_s)", self.tier)
+            job, processes = next(reversed(self.predictions.items()))
+            named = f" of job {job}" if job else ""
+            return Flush(max(processes.values()), f"deadline budget{named} (clients' predicted_s)", self.tier)
         if self.emergency:
             return Flush(
                 max(self.emergency), f"slowest of the last {len(self.emergency)} emergency saves", self.tier

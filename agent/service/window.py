@@ -162,7 +162,6 @@ class WindowComponent:
         self._pids: dict[str, tuple[int, float | None]] = {}
         self._limits: list[Limit] = []
         self._checked_at: datetime | None = None
-        self._doc: dict[str, Any] = {}
         self._said: dict[str, tuple[Any, ...]] = {}
         self._failing: dict[str, str] = {}
         self._poke = asyncio.Event()
