@@ -87,10 +87,10 @@ def format_status(doc: dict[str, Any]) -> str:
                 f"{risk.get('time_left_s')} s left ({who}); {outcome.get('phase', 'still saving')}"
             )
         )
-    conn = doc.get("connections")
     saved = doc.get("emergency_save")
     if isinstance(saved, dict):
         lines.append(_emergency_save_line(saved))
+    conn = doc.get("connections")
     if isinstance(conn, dict):
         fds = conn.get("descriptors") or {}
         lines.append(
@@ -118,8 +118,6 @@ def _size(value: Any) -> str:
     return f"{size:.1f} {unit}"
 
 
-def _ram_tier_line(tier: dict[str, Any]) -> str:
-    if tier.get("state") != "ready":
 def _about(value: Any) -> str:
     return "?" if not isinstance(value, (int, float)) else f"{value:.1f} s"
 
@@ -141,6 +139,8 @@ def _emergency_save_line(saved: dict[str, Any]) -> str:
     )
 
 
+def _ram_tier_line(tier: dict[str, Any]) -> str:
+    if tier.get("state") != "ready":
         return f"RAM tier: {str(tier.get('state')).upper()}" + (
             f": {tier['error']}" if tier.get("error") else ""
         )
