@@ -1,17 +1,20 @@
 """Names from torch (and modules that import it) resolved when a test first uses them, not when pytest collects
 the module: every parallel worker collects every module, and importing torch costs each one seconds. A module
-that uses these also carries ``pytest.mark.xdist_group("torch")`` (``TORCH_GROUP``), so that one worker runs its
-tests and imports torch once. Without torch installed, the first use skips the test, as ``importorskip`` would
+that uses these also carries ``pytestmark = pytest.mark.xdist_group("torch")`` (written out: the fast lane reads a
+module's markers from its source), so that one worker runs its tests and imports torch once. Without torch installed, the first use skips the test, as ``importorskip`` would
 at import."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 import pytest
 
-TORCH_GROUP = pytest.mark.xdist_group("torch")
+# For tests that run torch in child processes only: whether it is installed, without importing it here.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (pip install -e '.[torch]')")
 
 
 class Lazy:

@@ -11,7 +11,7 @@ import pytest
 
 from agent.client import CheckpointStore, Watcher
 from agent.client.store import DurableFile
-from tests.lazy import TORCH_GROUP, Lazy
+from tests.lazy import Lazy
 
 # torch and agent.client.torch are imported by the first test that uses them (tests/lazy.py).
 torch = Lazy("torch")
@@ -22,7 +22,7 @@ load_torch = Lazy("agent.client.torch", "load_torch")
 safetensors_writer = Lazy("agent.client.torch", "safetensors_writer")
 torch_writer = Lazy("agent.client.torch", "torch_writer")
 
-pytestmark = TORCH_GROUP
+pytestmark = pytest.mark.xdist_group("torch")
 
 
 def store(root: Path) -> CheckpointStore:

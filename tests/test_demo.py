@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from agent.cli.demo import FIRST_LINE, FIRST_LINE_NO_JOB, WIDTH, DemoJob, Screen, describe_job
+from tests.lazy import HAS_TORCH
 from tests.support import REPO
 from tests.test_cli import cli
 
-pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not HAS_TORCH, reason="the example job needs torch, which is not installed")
 
 # A training job that speaks the example's progress lines (its options accepted and ignored).
 JOB_HEAD = """

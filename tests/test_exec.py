@@ -21,6 +21,7 @@ from agent.cli.exec import decide
 from agent.cli.exec_child import descendants
 from agent.client import EXIT_PREEMPTED, CheckpointStore
 from agent.client.preempted import ENV, read_records, record_emergency
+from tests.lazy import needs_torch
 from tests.support import REPO, eventually, http_json, running_agent
 from tests.test_exec_lifetime import _alive
 
@@ -330,9 +331,7 @@ async def _lines_until(
     await asyncio.wait_for(read(), timeout)
 
 
-pytest.importorskip("torch")
-
-
+@needs_torch
 @pytest.mark.torch_mp
 @pytest.mark.slow
 @pytest.mark.timeout(180)
@@ -352,6 +351,7 @@ async def test_torchrun_turns_75_into_1_and_exec_restores_75(base: Path, under_e
     assert (EXIT_PREEMPTED if under_exec else 1) == code, err[-3000:]
 
 
+@needs_torch
 @pytest.mark.torch_mp
 @pytest.mark.slow
 @pytest.mark.timeout(180)
@@ -368,6 +368,7 @@ async def test_sigterm_to_exec_reaches_the_workers_and_gives_75(base: Path) -> N
     assert EXIT_PREEMPTED == code, err[-3000:]
 
 
+@needs_torch
 @pytest.mark.torch_mp
 @pytest.mark.slow
 @pytest.mark.timeout(180)

@@ -24,14 +24,19 @@ import pytest
 from agent.client import CheckpointError, CheckpointStore, CheckpointWarning, Reporter
 from agent.client.preempted import ENV, read_records
 from agent.core.reports import Report
+from tests.lazy import Lazy
 from tests.store_fs import fill, small_fs
 from tests.support import REPO, http_json, running_agent
 
 __all__ = ["small_fs"]  # the fixture, used by name
 
-torch = pytest.importorskip("torch")
+# torch and agent.client.torch are imported by the first test that uses them (tests/lazy.py).
+torch = Lazy("torch")
+agree_load = Lazy("agent.client.torch", "agree_load")
+load_torch = Lazy("agent.client.torch", "load_torch")
+torch_writer = Lazy("agent.client.torch", "torch_writer")
 
-from agent.client.torch import agree_load, load_torch, torch_writer  # noqa: E402
+pytestmark = pytest.mark.xdist_group("torch")
 
 
 def write_files(files: dict[str, bytes]) -> Callable[[Path], None]:

@@ -14,7 +14,7 @@ import pytest
 
 from agent.client import CheckpointError, CheckpointWarning
 from agent.client.preempted import ENV, read_records
-from tests.lazy import TORCH_GROUP, Lazy
+from tests.lazy import Lazy
 from tests.store_fs import fill, small_fs
 
 __all__ = ["small_fs"]  # the fixture, used by name
@@ -25,7 +25,7 @@ CRC_SIDECAR = Lazy("agent.client.dcp", "CRC_SIDECAR")
 ShardedStore = Lazy("agent.client.dcp", "ShardedStore")
 latest_committed = Lazy("agent.client.dcp", "latest_committed")
 
-pytestmark = [pytest.mark.timeout(60), TORCH_GROUP]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("torch")]
 
 
 @pytest.fixture
