@@ -268,7 +268,8 @@ async def test_a_notified_rank_that_dies_mid_transfer_commits_nothing_and_the_ot
 ) -> None:
     """A periodic durable step first; then a drill on host 1, whose rank dies as it starts sending: no host
     commits the step to its RAM tier, hosts 0 and 2 fall back to the durable step (their execs exit 75, the
-    ranks say which step failed), and host 1's exec fails."""
+    ranks say which step failed), and host 1's exec fails. The job started again resumes from that durable
+    step, with its digest."""
     ckpt = tmp_path / "ckpt"
     wrapper = tmp_path / "die_sending.py"
     wrapper.write_text(_DIE_SENDING)
@@ -283,14 +284,21 @@ async def test_a_notified_rank_that_dies_mid_transfer_commits_nothing_and_the_ot
         assert status == 201, body
         codes = [await run.finish() for run in runs]
         held = [host.tier.holdings.steps_of(JOB) for host in three]
+        durable = [(c["step"], c["digest"]) for c in runs[0].of("checkpoint") if not c["emergency"]]
+        drill = body["notice"]["id"]
+        assert 200 == (await http_json(three[1].socket, "DELETE", f"/v1/drills/{drill}"))[0]  # host 1 stays
+        again = await _train(three, ckpt, "--steps", str(durable[-1][0] + 1))
+        restarted = [await run.finish() for run in again]
     assert (EXIT_PREEMPTED, EXIT_PREEMPTED) == (codes[0], codes[2]), [run.stderr[-3000:] for run in runs]
     assert EXIT_PREEMPTED != codes[1]
     assert [[], [], []] == held
-    durable = [c["step"] for c in runs[0].of("checkpoint") if not c["emergency"]]
     fell = [
         (p["step"], p["failed_step"] > p["step"]) for run in (runs[0], runs[2]) for p in run.of("preempted")
     ]
-    assert [(durable[-1], True)] * 2 == fell
+    assert [(durable[-1][0], True)] * 2 == fell
+    assert [0, 0, 0] == restarted, [run.stderr[-3000:] for run in again]
+    starts = [(e["next_step"], e["digest"]) for run in again for e in run.of("resumed")]
+    assert [durable[-1]] * 3 == starts
 
 
 async def _drain_committed(group: Sequence[Host], key: str, timeout: float = 120.0) -> None:

@@ -110,8 +110,8 @@ def test_a_bad_ram_tier_value_is_refused_when_the_configuration_loads(
 
 
 def test_the_packaged_configuration_shows_the_table_and_keeps_the_tier_off(tmp_path: Path) -> None:
-    """Uncommented, the packaged [ram_tier] block loads, and it leaves the tier off (issue 24: off until the
-    evacuation's tests pass)."""
+    """Uncommented, the packaged [ram_tier] block loads, and it leaves the tier off: the evacuation's tests
+    pass, but the packaged systemd unit does not give the agent what the tier needs (docs/ram-tier.md)."""
     text = (REPO / "packaging" / "config.toml").read_text()
     block = text[text.index("# [ram_tier]") :].splitlines()
     lines = [line[2:] for line in block if line.startswith("# ") and not line.startswith("#  ")]

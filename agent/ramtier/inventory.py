@@ -373,5 +373,5 @@ def _give(path: Path, uid: int, gid: int) -> None:
         raise TierError(
             403,
             f"the agent runs as uid {os.geteuid()} and cannot give {path} to uid {uid}: run the agent as root "
-            "(the packaged service does) or the job as the agent's user",
+            "(docs/ram-tier.md: under the packaged systemd unit) or the job as the agent's user",
         ) from None
