@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from agent.core.durations import format_duration
+from agent.core.window import window_lines
 
 # C0, DEL and C1 control characters, and the bidirectional overrides that reorder what a terminal shows.
 _UNPRINTABLE = {
@@ -100,6 +101,7 @@ def format_status(doc: dict[str, Any]) -> str:
     tier = doc.get("ram_tier")
     if isinstance(tier, dict) and tier.get("enabled"):
         lines.append(_ram_tier_line(tier))
+    lines.extend(window_lines(doc.get("window")))
     advice = doc.get("advice")
     if isinstance(advice, dict) and advice.get("interval_s"):
         lines.append(f"Advice: checkpoint every {format_duration(float(advice['interval_s']))}")
