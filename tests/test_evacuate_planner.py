@@ -194,7 +194,7 @@ async def test_when_the_peer_tier_cannot_be_used_the_durable_save_is_reported_wi
 # Three ranks, each on its own simulated host (its own agent and RAM tier); hosts 1 and 2 have a notice.
 _BUDDY = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from datetime import datetime, timedelta, timezone
     import torch, torch.distributed as dist
     from agent.client.dcp import ShardedStore
@@ -207,7 +207,8 @@ _BUDDY = textwrap.dedent(
     store.save(1, state)  # a prediction on every rank: rank 0's decides for all
     deadline = datetime.now(timezone.utc) + timedelta(seconds=60)
     saved = store.save(2, state, emergency=True, deadline=deadline, noticed=(1, 2))
-    print(json.dumps({"rank": rank, "path": str(saved.path), "tier": saved.checkpoint.metadata.get("tier")}))
+    said = {"rank": rank, "path": str(saved.path), "tier": saved.checkpoint.metadata.get("tier")}
+    os.write(1, (json.dumps(said) + "\\n").encode())  # one write: the ranks share stdout
     dist.destroy_process_group()
     """
 )
