@@ -10,7 +10,8 @@ zero writes the checkpoint (``trainer.save_checkpoint``, the usual case for sing
 Under a strategy that writes a sharded checkpoint on every rank (``FSDPStrategy(state_dict_type="sharded")``,
 ``ModelParallelStrategy``) every rank writes its shard in Lightning's own format into one shared step
 directory, committed once for all ranks by :class:`~agent.client.dcp.ShardedStore`; ``ckpt_path`` resumes it,
-at any world size.
+at any world size. ``tier="peer"`` is passed to the store: a full-state emergency save goes into the RAM of
+the hosts without a notice (:class:`~agent.client.store_peer.PeerCheckpointStore`, docs/client.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 
 from agent.client.callbacks import FollowsNotices, WatchOptions
 from agent.client.dcp import ShardedStore, latest_committed
+from agent.client.manifest import CheckpointError
+from agent.client.ramtier import RamTier, RamTierError, job_id
 from agent.client.store import Checkpoint, CheckpointStore
+from agent.client.store_peer import PeerCheckpointStore, newest_held
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -37,7 +41,8 @@ class PreemptdCallback(FollowsNotices, Callback):
     ``keep`` newest checkpoints are kept; ``filename`` is the checkpoint's name inside a step directory.
     Options (:class:`~agent.client.callbacks.WatchOptions`): ``every``, ``interval_s`` (None turns periodic
     checkpoints off), ``stop_on_notice`` (sets ``trainer.should_stop``), ``socket_path``, ``watcher``
-    (otherwise one is started in ``setup`` and stopped in ``teardown``), ``policy``.
+    (otherwise one is started in ``setup`` and stopped in ``teardown``), ``policy``. ``tier`` (``"durable"``
+    or ``"peer"``) and ``job`` are passed to the store made in ``setup`` (see the module's docstring).
     """
 
     def __init__(
@@ -46,6 +51,8 @@ class PreemptdCallback(FollowsNotices, Callback):
         *,
         keep: int = 3,
         filename: str = CHECKPOINT_FILE,
+        tier: str = "durable",
+        job: str | None = None,
         **options: Unpack[WatchOptions],
     ) -> None:
         Callback.__init__(self)
@@ -54,6 +61,11 @@ class PreemptdCallback(FollowsNotices, Callback):
         self.keep = keep
         # Made in setup() when the strategy writes on every rank (it needs the process group).
         self.sharded_store: ShardedStore | None = None
+        self.peer_store: PeerCheckpointStore | None = None
+        if tier not in ("durable", "peer"):
+            raise ValueError(f"tier must be 'durable' or 'peer', got {tier!r}")
+        self.tier, self.job = tier, job_id(job) if tier == "peer" else job  # no id: an error before training
+        self._resumed: tuple[int, int] | None = None  # (run, step) resume_path() chose
         self.filename = filename
         self.saved: list[Checkpoint] = []
         self._handled: list[str | None] = []
@@ -65,6 +77,18 @@ class PreemptdCallback(FollowsNotices, Callback):
         # Read by this process alone (no process group yet); a sharded step verifies as any other, with the
         # CRCs its ranks added after an emergency commit.
         latest = latest_committed(self.store.root, require_dcp=False)
+        durable = (latest.checkpoint.run, latest.checkpoint.step) if latest is not None else None
+        held = None
+        if self.tier == "peer":  # this host's newest whole copy in its RAM tier, when newer (setup checks)
+            try:
+                held = newest_held(RamTier(self.socket_path), str(self.job), durable)
+            except RamTierError:
+                held = None
+        if held is not None:
+            self._resumed = (held.run, held.step)
+            self._handled.append(held.notice_id)
+            return str(held.file(self.filename))
+        self._resumed = durable
         if latest is None:
             return None
         self._handled.append(latest.notice_id)
@@ -74,14 +98,32 @@ class PreemptdCallback(FollowsNotices, Callback):
         self.start_watching().mark_handled(self._handled)
         if self.sharded_store is None and writes_on_every_rank(trainer.strategy):
             self.sharded_store = ShardedStore(
-                self.store.root, self.keep, socket_path=self.socket_path
+                self.store.root, self.keep, socket_path=self.socket_path, tier=self.tier, job=self.job
             )  # a collective on every rank; checks that the directory is shared
+        elif self.peer_store is None and self.tier == "peer":
+            self.peer_store = PeerCheckpointStore(
+                self.store.root, self.keep, job=self.job, socket_path=self.socket_path
+            )  # a collective on every rank
+            self._agree_on_resume(self.peer_store)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.stop_watching()
         self.store.close()
-        if self.sharded_store is not None:
-            self.sharded_store.close()
+        for store in (self.sharded_store, self.peer_store):
+            if store is not None:
+                store.close()
+
+    def _agree_on_resume(self, store: PeerCheckpointStore) -> None:
+        """Every rank chose in ``resume_path()``, alone, from its host's RAM and the root: when they chose
+        differently (a host without the RAM copy), the newest RAM step is sent to every host and every rank
+        raises, so that the next start resumes it everywhere, never from different steps."""
+        chosen = store.ranks.gather(self._resumed)
+        if len(set(chosen)) > 1:
+            store.load_latest(lambda checkpoint: None)  # spreads the newest RAM step to every host
+            raise CheckpointError(
+                f"the ranks chose different steps to resume from ({', '.join(map(str, chosen))}: run, step): "
+                "the newest step held in RAM is now on every host; start the job again to resume it"
+            )
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -120,6 +162,9 @@ class PreemptdCallback(FollowsNotices, Callback):
             )
             self.saved.append(sharded.checkpoint)
             return
+        if self.peer_store is not None and emergency:
+            self.saved.append(self._save_peer(trainer, step, notice_id))
+            return
         if not trainer.is_global_zero:
             # Other ranks take part in the save's collectives; the strategy writes nothing for them.
             trainer.save_checkpoint(self.store.root / f".rank-{trainer.global_rank}-{self.filename}")
@@ -136,6 +181,24 @@ class PreemptdCallback(FollowsNotices, Callback):
                 notice_id=notice_id,
                 metadata={"epoch": trainer.current_epoch},
             )
+        )
+
+    def _save_peer(self, trainer: Trainer, step: int, notice_id: str | None) -> Checkpoint:
+        """On every rank: the checkpoint Lightning would save, written by the lowest rank of each host
+        without a notice into its RAM tier (or by rank 0 into the root, when that cannot be done)."""
+        assert self.peer_store is not None and self.watcher is not None
+        flags = self.peer_store.ranks.gather(self.watcher.trigger is not None)
+        # What trainer.save_checkpoint does, without its rank-zero-only write and its barrier: any one rank
+        # may have to write it here.
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(False)
+
+        def write(directory: Path) -> None:
+            trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, directory / self.filename)
+
+        noticed = {rank for rank, flag in enumerate(flags) if flag}
+        metadata = {"epoch": trainer.current_epoch}
+        return self.peer_store.save(
+            step, write, emergency=True, notice_id=notice_id, metadata=metadata, noticed=noticed
         )
 
 

@@ -35,7 +35,7 @@ from agent.client.ramtier import (
 from agent.client.store import CheckpointStore, Writer
 from agent.client.store_failure import fall_back, summary
 
-__all__ = ["Copy", "PeerCheckpointStore", "newest_copy"]
+__all__ = ["Copy", "PeerCheckpointStore", "newest_copy", "newest_held"]
 
 # tier.json's mark of a full-state step: one host's files are the whole step (a sharded one's are a part).
 LAYOUT = "full"
@@ -82,8 +82,10 @@ class PeerCheckpointStore(CheckpointStore):
         socket_path: str | Path | None = None,
         **options: Any,
     ) -> None:
-        if tier not in ("durable", "peer"):
-            raise ValueError(f"tier must be 'durable' or 'peer', got {tier!r}")
+        if tier not in ("durable", "peer") or (ram_tier is not None and ram_tier.drain_to is not None):
+            raise ValueError(  # the agents' drain commits sharded (DCP) steps only
+                f"tier must be 'durable' or 'peer' (got {tier!r}); a full-state store's RamTier has no drain_to"
+            )
         super().__init__(root, keep, socket_path=socket_path, **options)
         self.tier = tier
         self.job = job_id(job) if tier == "peer" else job  # no id: an error before training
@@ -123,14 +125,8 @@ class PeerCheckpointStore(CheckpointStore):
                 record_emergency(step, path=outcome.path, notice_id=notice_id)
         return outcome
 
-    def _evacuate(
-        self,
-        step: int,
-        writer: Writer,
-        notice_id: str | None,
-        metadata: Mapping[str, Any] | None,
-        noticed: Collection[int] | None,
-    ) -> Checkpoint | None:
+    def _evacuate(self, step: int, writer: Writer, notice_id: str | None, metadata: Mapping[str, Any] | None,
+                  noticed: Collection[int] | None) -> Checkpoint | None:  # fmt: skip
         """The peer save; None (with the same warning on every rank) when the root must take the step."""
         started = time.monotonic()
         self._report("started", step, emergency=True, notice_id=notice_id)
@@ -140,12 +136,8 @@ class PeerCheckpointStore(CheckpointStore):
                 raise PeerTierUnusable("the ranks with a notice are unknown: pass noticed=decision.noticed")
             path, entries = _Evacuation(self, step, run, notice_id).run(writer, noticed)
         except PeerTierUnusable as exc:
-            warnings.warn(
-                f"step {step} was not saved into the RAM of the hosts without a notice ({exc}); "
-                f"saving it to {self.root} instead",
-                CheckpointWarning,
-                stacklevel=3,
-            )
+            why = f"step {step} was not saved into the RAM of the hosts without a notice ({exc})"
+            warnings.warn(f"{why}; saving it to {self.root} instead", CheckpointWarning, stacklevel=3)
             return None
         except Exception as exc:  # the group failed under it (a rank died): nothing usable was committed
             error = CheckpointError(f"the peer save of step {step} failed: {summary(exc)}")
@@ -156,11 +148,8 @@ class PeerCheckpointStore(CheckpointStore):
         duration = time.monotonic() - started
         extra = {"tier": "peer", "job": self.job, "world_size": self.ranks.world_size}
         held = Copy("", step, run, entries, {"notice_id": notice_id})
-        checkpoint = replace(
-            _checkpoint(held, path, datetime.now(timezone.utc)),
-            duration_s=duration,
-            metadata={**dict(metadata or {}), **extra},
-        )
+        checkpoint = replace(_checkpoint(held, path, datetime.now(timezone.utc)), duration_s=duration,
+                             metadata={**dict(metadata or {}), **extra})  # fmt: skip
         self.last_save = checkpoint
         self._report("finished", step, duration_s=duration, size=checkpoint.bytes, emergency=True,
                      notice_id=notice_id, path=path)  # fmt: skip
@@ -170,10 +159,9 @@ class PeerCheckpointStore(CheckpointStore):
     def load_latest(
         self, load: Callable[[Checkpoint], _Loaded], verify: Verify = "checksum"
     ) -> tuple[Checkpoint, _Loaded] | None:
-        """On every rank together: with ``tier="peer"``, the newest step a host holds whole in RAM, when it
-        is newer than the root's newest step, loaded on every rank (a host without it receives it through the
-        group, CRC-checked, and keeps it in its own tier); else, or when that fails on some rank (with a
-        CheckpointWarning), :meth:`CheckpointStore.load_latest` on each rank."""
+        """On every rank together: with ``tier="peer"``, the newest step a host holds whole in RAM if newer than
+        the root's (sent to the hosts without it, which keep it), loaded on every rank; else (with a warning
+        when that fails somewhere) :meth:`CheckpointStore.load_latest` on each rank."""
         if self.tier == "peer":
             found = _Resume(self).load(load, verify)
             if found is not None:
@@ -185,13 +173,8 @@ class _Evacuation:
     """One peer save of a full-state step (a collective of the store's group)."""
 
     def __init__(self, store: PeerCheckpointStore, step: int, run: int, notice_id: str | None) -> None:
-        self.store, self.ranks, self.step, self.run_, self.notice_id = (
-            store,
-            store.ranks,
-            step,
-            run,
-            notice_id,
-        )
+        self.store, self.step, self.run_, self.notice_id = store, step, run, notice_id
+        self.ranks = store.ranks
 
     def run(self, writer: Writer, noticed: Collection[int]) -> tuple[Path, dict[str, tuple[int, int]]]:
         """Each surviving host's leader writes the step into its tier and commits it; the path of this rank's
@@ -253,18 +236,30 @@ class _Evacuation:
 
 
 def _listed(directory: Path, rank: int) -> dict[str, dict[str, int]]:
-    """tier.json's entries for what a writer put into ``directory``: plain files only (the tier keeps a
-    step's files side by side; a writer that makes subdirectories cannot use it)."""
-    files: dict[str, dict[str, int]] = {}
-    for path in sorted(directory.iterdir()):
-        if path.name == TIER_FILE:
-            continue
-        if not path.is_file() or path.is_symlink():
-            raise PeerTierUnusable(f"{path} is not a plain file: the RAM tier holds plain files only")
-        files[path.name] = file_entry(path, rank)
-    if not files:
-        raise PeerTierUnusable(f"the writer put no file into {directory}")
-    return files
+    """tier.json's entries for what a writer put into ``directory``: plain files only, side by side."""
+    files = {p.name: p for p in sorted(directory.iterdir()) if p.name != TIER_FILE}
+    odd = [str(p) for p in files.values() if not p.is_file() or p.is_symlink()]
+    if odd or not files:
+        raise PeerTierUnusable(f"the RAM tier keeps plain files only: {', '.join(odd) or 'none was written'}")
+    return {name: file_entry(path, rank) for name, path in files.items()}
+
+
+def newest_held(tier: RamTier, job: str, durable: tuple[int, int] | None) -> Checkpoint | None:
+    """This host's newest whole copy of a full-state step newer than ``durable``, its CRCs checked; None when
+    there is none or it is damaged. For a process without the group (Lightning's ``resume_path``)."""
+    try:
+        listed = tier.job(job)
+    except RamTierError as exc:
+        if exc.reason == "missing":
+            return None
+        raise
+    path = Path(str(listed["path"]))
+    for copy in newest_copy([c for e in listed.get("steps", []) if (c := _entry("", path, e))], durable):
+        checkpoint = _checkpoint(copy, path / str(copy.step))
+        with contextlib.suppress(CheckpointError):
+            checkpoint.verify("checksum")
+            return checkpoint
+    return None
 
 
 class _GiveUp(Exception):
@@ -336,8 +331,7 @@ class _Resume:
         self.path = Path(str(listed["path"]))
         copies = []
         for entry in listed.get("steps", []):
-            doc = read_tier_file(self.path / str(entry["step"]))
-            copy = _copy(host, int(entry["step"]), doc) if entry.get("complete") and doc else None
+            copy = _entry(host, self.path, entry)
             if copy is not None and durable is not None and (copy.run, copy.step) <= durable:
                 with contextlib.suppress(RamTierError):
                     self.store.tiers.free(self.job, copy.step)
@@ -412,6 +406,11 @@ class _Resume:
 def _give_up_if(what: str, problems: Sequence[str]) -> None:
     if problems:
         raise _GiveUp(f"{what}: {'; '.join(problems)}")
+
+
+def _entry(host: str, path: Path, entry: Mapping[str, Any]) -> Copy | None:
+    doc = read_tier_file(path / str(entry["step"]))
+    return _copy(host, int(entry["step"]), doc) if entry.get("complete") and doc else None
 
 
 def _copy(host: str, step: int, doc: Mapping[str, Any]) -> Copy | None:
