@@ -24,12 +24,18 @@ import pytest
 from agent.client.ramtier import RamTier, RamTierError, job_id, read_tier_file, write_tier_file
 from agent.ramtier import RamTierComponent
 from agent.service.daemon import Agent
+from tests.lazy import Lazy
 from tests.support import REPO, agent_config, http_json, short_tmp
 
-torch = pytest.importorskip("torch")
+# torch and the modules that import it are imported by the first test that uses them (tests/lazy.py).
+torch = Lazy("torch")
+PeerTierUnusable = Lazy("agent.client.evacuate", "PeerTierUnusable")
+Place = Lazy("agent.client.evacuate", "Place")
+plan = Lazy("agent.client.evacuate", "plan")
+Holding = Lazy("agent.client.peer_resume", "Holding")
+choose = Lazy("agent.client.peer_resume", "choose")
 
-from agent.client.evacuate import PeerTierUnusable, Place, plan  # noqa: E402
-from agent.client.peer_resume import Holding, choose  # noqa: E402
+pytestmark = pytest.mark.xdist_group("torch")
 
 JOB = "job-1"
 
@@ -73,13 +79,13 @@ def test_ranks_are_grouped_by_host_and_the_lowest_rank_leads_its_host() -> None:
 
 
 def test_no_plan_when_every_host_has_a_notice() -> None:
-    with pytest.raises(PeerTierUnusable, match="every host of the job has a notice"):
+    with pytest.raises(PeerTierUnusable.resolve(), match="every host of the job has a notice"):
         plan(_places(("a", 1, True), ("b", 2, True)))
 
 
 def test_no_plan_when_a_rank_cannot_use_its_hosts_tier_and_the_rank_is_named() -> None:
     places = [Place(0, "a", False, 1), Place(1, "b", True, 1, "RAM tier: no agent at /x.sock")]
-    with pytest.raises(PeerTierUnusable, match=r"rank 1: RAM tier: no agent at /x\.sock"):
+    with pytest.raises(PeerTierUnusable.resolve(), match=r"rank 1: RAM tier: no agent at /x\.sock"):
         plan(places)
 
 

@@ -28,12 +28,15 @@ from agent.core.errors import ReportError
 from agent.core.reports import Report, parse_report
 from agent.ramtier import RamTierComponent
 from agent.service.daemon import Agent
+from tests.lazy import Lazy
 from tests.support import REPO, agent_config, http_json, short_tmp
 from tests.test_evacuate import group_of_one, tier_agent
 
-torch = pytest.importorskip("torch")
+# torch and the modules that import it are imported by the first test that uses them (tests/lazy.py).
+torch = Lazy("torch")
+choose_tier = Lazy("agent.client.dcp_peer", "choose_tier")
 
-from agent.client.dcp_peer import choose_tier  # noqa: E402
+pytestmark = pytest.mark.xdist_group("torch")
 
 __all__ = ["group_of_one"]  # a fixture of the tests here
 
