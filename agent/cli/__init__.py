@@ -55,7 +55,7 @@ def _add_run(subparsers: Any) -> None:
         "--cloud",
         type=_cloud_arg,
         metavar="CLOUD",
-        help="cloud to watch: auto (detect it), none, aws, gcp, azure, alibaba or tencent",
+        help="cloud to watch: auto (detect it), none, aws, gcp, azure, alibaba, tencent or a plug-in cloud's name",
     )
     p.add_argument("--log-format", choices=("auto", "json", "console"), help="log format on stdout")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
