@@ -11,6 +11,7 @@ from typing import Any
 
 from structlog.testing import capture_logs
 
+from agent.actions.signal_window import parse_timespan
 from agent.bridges.slurm_commands import SlurmCommands
 from agent.bridges.slurm_window import READ_S, KillWait, parse_kill_wait
 from agent.client.reporting import Reporter, client_info
@@ -304,3 +305,43 @@ async def test_at_start_up_the_saves_of_the_last_run_warn_that_gcps_30_s_are_too
         warning["predicted_flush_s"],
     )
     assert "slowest of the last 1 periodic saves" == body["window"]["predicted_flush"]["source"]
+
+
+def test_systemd_time_spans() -> None:
+    assert [90.0, 90.0, 0.5, 3723.004, None, None, None] == [
+        parse_timespan(text)
+        for text in ("1min 30s", "90s", "500ms", "1h 2min 3s 4ms", "infinity", "soon", "")
+    ]
+
+
+async def test_a_signal_rule_that_escalates_binds_and_its_units_stop_timeout_is_read(base: Path) -> None:
+    """The signal action SIGKILLs 8 s after its SIGTERM at the notice; the unit it signals has systemd's
+    TimeoutStopSec (unknown where systemd does not run, as here in a container, with systemctl's reason)."""
+    rule = {"name": "trainer", "kinds": ["termination"], "units": ["train.service"], "escalate_after_s": 8.0}
+    sock = base / "a.sock"
+    async with running_agent(base, {"actions.signals": [rule]}):
+        reporter = Reporter(sock, client=client_info(name="train.py"))
+        reporter.checkpoint("finished", 1, duration_s=10.0)
+        assert await asyncio.to_thread(reporter.flush, 10)
+        reporter.close()
+        body = await window_until(
+            sock,
+            lambda doc: doc["state"] == "ok" and doc["kinds"]["termination"]["predicted_flush_s"] == 10.0,
+        )
+    termination = body["window"]["kinds"]["termination"]
+    shown = {limit["name"]: limit for limit in termination["limits"]}
+    assert {"signal_escalation", "unit_stop"} == set(shown)
+    assert (
+        "[[actions.signals]] 'trainer': SIGKILL 8 s after its SIGTERM at the notice"
+        == (shown["signal_escalation"]["source"])
+    )
+    unit = shown["unit_stop"]
+    assert unit["source"].startswith("unit train.service: TimeoutStopSec")
+    assert unit["state"] == "known" or unit["detail"]  # systemd's figure, or why systemctl could not say
+    assert (8.0, "signal_escalation", True) == (
+        termination["effective_s"],
+        termination["binding"],
+        termination["window_too_short"],
+    )
+    assert "escalate_after_s of the [[actions.signals]] rule 'trainer'" in termination["lengthen"]
+    assert [] == body["window"]["kinds"]["maintenance"]["limits"]  # the rule is for terminations only

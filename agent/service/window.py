@@ -24,7 +24,8 @@ import psutil
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from agent.config import AdvisorConfig, GcpConfig
+from agent.actions.signal_window import signal_limits
+from agent.config import ActionsConfig, AdvisorConfig, GcpConfig
 from agent.core.errors import PreemptdError
 from agent.core.notice import parse_time
 from agent.core.ports import ConfigView, HistoryFile, Tasks
@@ -239,10 +240,18 @@ class WindowComponent:
         self._pids = {k: alive.get(k, v) for k, v in self._pids.items() if k in alive or k not in asked}
         return launcher_limits(found)
 
+    async def _signals(self) -> list[Limit]:
+        rules = self._require().config.table("actions", ActionsConfig).signals
+        return await asyncio.to_thread(signal_limits, rules) if rules else []
+
     async def gather(self) -> dict[str, Any]:
         """Read every limit (bounded) and recompute the window; log what changed."""
         host = self._require()
-        sources: dict[str, LimitSource] = {"participants": self._participants, **self.registry.sources}
+        sources: dict[str, LimitSource] = {
+            "participants": self._participants,
+            "signals": self._signals,
+            **self.registry.sources,
+        }
         results = await asyncio.gather(*(self._bounded(name, source) for name, source in sources.items()))
         self._limits = [limit for found in results for limit in found]
         self._checked_at = host.now()
