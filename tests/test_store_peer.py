@@ -32,8 +32,9 @@ STEP = 7
 # One rank of the job: the same state on every rank (as DDP keeps it), saved or resumed through the store.
 _RANK = textwrap.dedent(
     """
-    import json, sys, warnings, zlib
+    import json, os, sys, warnings, zlib
     import torch, torch.distributed as dist
+    from agent.client.manifest import CheckpointError
     from agent.client.store_peer import PeerCheckpointStore
     from agent.client.torch import load_torch, torch_writer
 
@@ -57,6 +58,16 @@ _RANK = textwrap.dedent(
             if mode == "stale":  # a newer durable step after it
                 state["step"] += 1
                 store.save(state["step"], torch_writer(state))
+        if mode == "die":  # a durable step, then the notified rank dies as the emergency save starts
+            torch.manual_seed(0)
+            state = {"w": torch.randn(256, 1024), "step": step - 1}
+            store.save(state["step"], torch_writer(state))
+            if rank in noticed:
+                os._exit(9)
+            try:
+                store.save(step, torch_writer(state), emergency=True, notice_id="n-1", noticed=noticed)
+            except CheckpointError as exc:
+                out.update(error=str(exc), fallback=exc.fallback.step if exc.fallback else None)
         found = store.load_latest(load_torch) if mode in ("resume", "stale") else None
         if found is not None:
             checkpoint, state = found
@@ -85,9 +96,10 @@ def test_a_ram_step_not_newer_than_the_durable_one_is_never_chosen_newer_being_b
 
 
 async def _ranks(
-    group: Sequence[Host], tmp: Path, mode: str, noticed: Sequence[int] = ()
+    group: Sequence[Host], tmp: Path, mode: str, noticed: Sequence[int] = (), dies: Sequence[int] = ()
 ) -> list[dict[str, Any]]:
-    """One rank per host of ``group`` (rank i on host i) running ``mode``; each rank's JSON line."""
+    """One rank per host of ``group`` (rank i on host i) running ``mode``; each rank's JSON line (none for
+    the ranks in ``dies``, which must fail)."""
     script = tmp / "rank.py"
     script.write_text(_RANK)
     port = _free_port()
@@ -103,9 +115,12 @@ async def _ranks(
         )  # fmt: skip
         procs.append(proc)
     outs = [await asyncio.wait_for(proc.communicate(), 180) for proc in procs]
-    for proc, (_, err) in zip(procs, outs, strict=True):
-        assert proc.returncode == 0, err.decode()[-3000:]
-    return [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outs]
+    for rank, (proc, (_, err)) in enumerate(zip(procs, outs, strict=True)):
+        assert (proc.returncode == 0) != (rank in dies), err.decode()[-3000:]
+    return [
+        {} if r in dies else json.loads(out.decode().strip().splitlines()[-1])
+        for r, (out, _) in enumerate(outs)
+    ]
 
 
 def _held(host: Host) -> list[int]:
@@ -196,3 +211,19 @@ async def test_a_ram_step_older_than_a_newer_durable_step_is_ignored_by_the_resu
         held = [_held(host) for host in two]
     assert [(STEP + 1, None)] * 2 == [(o["step"], o["tier"]) for o in out]
     assert [[], []] == held
+
+
+async def test_a_notified_rank_that_dies_as_the_save_starts_leaves_the_others_an_error_with_the_durable_step(
+    tmp_path: Path,
+) -> None:
+    """A durable step 6 on every rank, then host 1's rank dies as the emergency save of step 7 starts: the
+    other ranks raise CheckpointError whose fallback is step 6 (recorded for preemptd exec), and no RAM tier
+    holds step 7."""
+    async with hosts(3) as three:
+        out = await _ranks(three, tmp_path, "die", noticed=[1], dies=[1])
+        held = [_held(host) for host in three]
+    assert [(STEP - 1, True), (STEP - 1, True)] == [
+        (o["fallback"], o["error"].startswith(f"the peer save of step {STEP} failed"))
+        for o in (out[0], out[2])
+    ]
+    assert [[], [], []] == held

@@ -130,8 +130,8 @@ class PeerCheckpointStore(CheckpointStore):
         """The peer save; None (with the same warning on every rank) when the root must take the step."""
         started = time.monotonic()
         self._report("started", step, emergency=True, notice_id=notice_id)
-        run = int(self.ranks.from_zero(self.run_for(step) if self.ranks.rank == 0 else 0))
         try:
+            run = int(self.ranks.from_zero(self.run_for(step) if self.ranks.rank == 0 else 0))
             if noticed is None:
                 raise PeerTierUnusable("the ranks with a notice are unknown: pass noticed=decision.noticed")
             path, entries = _Evacuation(self, step, run, notice_id).run(writer, noticed)
