@@ -6,6 +6,11 @@ them in the same run: a bare process-group send of the bytes the notified host m
 each rank's shard to tmpfs.
 
     .venv/bin/python bench/evacuate.py --hosts 2 --gib 2 --rounds 3 [--dir /var/tmp/preemptd-bench]
+    .venv/bin/python bench/evacuate.py --full-state --hosts 3 --gib 1 --rounds 3
+
+``--full-state``: every rank holds the whole state (DDP) and saves through ``PeerCheckpointStore``: the peer
+tier (one copy written by each surviving host's rank, nothing sent) against the durable tier (rank 0 writes
+the root) and a bare ``torch.save`` of the state into tmpfs on the surviving ranks.
 
 Simulated hosts on one machine: one real agent per host (its own socket, state directory and RAM tier under
 ``/dev/shm``), one rank per host, gloo over loopback; the last host has the notice. Every rank holds 1/hosts
@@ -102,7 +107,8 @@ def launch(args: argparse.Namespace) -> int:
                    MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.hosts))  # fmt: skip
         for rank, base in enumerate(bases):
             command = [sys.executable, __file__, "--rank-of", str(base / "a.sock"), "--gib", str(args.gib),
-                       "--rounds", str(args.rounds), "--data", str(data), "--shm", str(rams[rank].parent)]  # fmt: skip
+                       "--rounds", str(args.rounds), "--data", str(data), "--shm", str(rams[rank].parent),
+                       *(["--full-state"] if args.full_state else [])]  # fmt: skip
             ranks.append(
                 subprocess.Popen(
                     command, env={**env, "RANK": str(rank), "LOCAL_RANK": "0"}, stdout=subprocess.PIPE
@@ -299,6 +305,91 @@ def run_rank(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_full_state(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from agent.client.ramtier import RamTier
+    from agent.client.store_peer import PeerCheckpointStore
+    from agent.client.torch import torch_writer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    notified = world - 1
+    generator = torch.Generator().manual_seed(0)  # the same state on every rank
+    pieces = max(1, int(args.gib * 2**30) // (PIECE * 4))
+    state = {
+        f"layer{i}": torch.rand(int(args.gib * 2**30) // 4 // pieces, generator=generator)
+        for i in range(pieces)
+    }
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    sock, shm = Path(args.rank_of), Path(args.shm)
+    root = Path(args.data) / "root"
+    peer = PeerCheckpointStore(root, keep=1, report=False, socket_path=sock, tier="peer", job=JOB)
+    durable = PeerCheckpointStore(root, keep=1, report=False, socket_path=sock, tier="durable")
+    step = [0]
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        mine = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return float(mine.item())
+
+    def peer_save() -> None:
+        step[0] += 1
+        saved = peer.save(step[0], torch_writer(state), emergency=True, noticed={notified})
+        assert saved.metadata.get("tier") == "peer", "the peer tier fell back"
+
+    def durable_save() -> None:
+        step[0] += 1
+        durable.save(step[0], torch_writer(state), emergency=True)
+        durable.wait_checksums()
+
+    def bare_tmpfs() -> None:
+        if rank != notified:
+            torch.save(state, shm / "floor.pt")
+
+    results: dict[str, list[float]] = {"peer": [], "durable": [], "tmpfs": []}
+    measures = {"peer": peer_save, "durable": durable_save, "tmpfs": bare_tmpfs}
+    for round_ in range(args.rounds):
+        order = list(measures) if round_ % 2 == 0 else list(reversed(measures))
+        for name in order:
+            results[name].append(timed(measures[name]))
+            if name == "peer" and rank != notified:
+                RamTier(sock).free(JOB, step[0])
+            elif name == "durable" and rank == 0:
+                shutil.rmtree(durable.path_of(step[0]), ignore_errors=True)
+            elif name == "tmpfs" and rank != notified:
+                (shm / "floor.pt").unlink()
+            dist.barrier()
+        if rank == 0:
+            line = ", ".join(f"{k} {v[-1]:.3f} s" for k, v in results.items())
+            print(f"round {round_ + 1}: {line}", file=sys.stderr, flush=True)
+    if rank == 0:
+        pair = zip(results["peer"], results["tmpfs"], strict=True)
+        result = {
+            "full_state": True,
+            "hosts": world,
+            "bytes_state": nbytes,
+            "rounds": args.rounds,
+            "seconds": {k: [round(x, 3) for x in v] for k, v in results.items()},
+            "median_s": {k: round(statistics.median(v), 3) for k, v in results.items()},
+            "peer_over_floor": round(statistics.median(p / f for p, f in pair), 3),
+            "peer_over_durable": round(
+                statistics.median(p / d for p, d in zip(results["peer"], results["durable"], strict=True)), 3
+            ),
+            "load_average": os.getloadavg(),
+        }
+        print(json.dumps(result), flush=True)
+    peer.close()
+    durable.close()
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--hosts", type=int, default=2, help="simulated hosts, one rank each (2 or 3)")
@@ -307,12 +398,13 @@ def main() -> int:
     parser.add_argument(
         "--dir", type=Path, default=Path("/var/tmp"), help="where the durable root goes (a disk)"
     )
+    parser.add_argument("--full-state", action="store_true", help="every rank holds the whole state (DDP)")
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # internal: run one rank against this socket
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--shm", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
-        return run_rank(args)
+        return run_full_state(args) if args.full_state else run_rank(args)
     args.dir.mkdir(parents=True, exist_ok=True)
     return launch(args)
 

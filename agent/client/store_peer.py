@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from agent.client.dcp_commit import Ranks
+from agent.client.durable import presealed
 from agent.client.evacuate import PeerTierUnusable, Place, host_key, plan, receive_file, send_file
 from agent.client.manifest import Checkpoint, CheckpointError, CheckpointWarning, FileEntry, Verify
 from agent.client.preempted import record_emergency
@@ -196,11 +197,8 @@ class _Evacuation:
                 f"step {self.step} is in RAM on fewer hosts: {problems}", CheckpointWarning, stacklevel=4
             )
         mine = everyone[the_plan.leader(host)]
-        return (
-            (Path(mine[0]), dict(mine[1]))
-            if isinstance(mine, tuple)
-            else (Path(copies[0][0]), dict(copies[0][1]))
-        )
+        path, files = mine if isinstance(mine, tuple) else copies[0]  # a notified host: the first survivor's
+        return Path(path), dict(files)
 
     def _place(self, noticed: Collection[int]) -> Place:
         rank = self.ranks.rank
@@ -219,8 +217,7 @@ class _Evacuation:
         except RamTierError as exc:
             return f"host {host}: {exc}"
         try:
-            writer(reservation.path)
-            files = _listed(reservation.path, self.ranks.rank)
+            files = _listed(reservation.path, self.ranks.rank, presealed(writer(reservation.path)))
             every = {name: int(entry["size"]) for name, entry in files.items()}
             write_tier_file(
                 reservation.path, job=job, step=self.step, run=self.run_, world_size=self.ranks.world_size,
@@ -235,13 +232,17 @@ class _Evacuation:
         return str(reservation.path), {name: (int(e["size"]), int(e["crc32"])) for name, e in files.items()}
 
 
-def _listed(directory: Path, rank: int) -> dict[str, dict[str, int]]:
-    """tier.json's entries for what a writer put into ``directory``: plain files only, side by side."""
+def _listed(directory: Path, rank: int, sealed: Mapping[str, FileEntry]) -> dict[str, dict[str, int]]:
+    """tier.json's entries for what a writer put into ``directory`` (plain files only, side by side); the
+    CRC32 a writer computed as it wrote (``DurableFile``: ``torch_writer``) is not computed again."""
     files = {p.name: p for p in sorted(directory.iterdir()) if p.name != TIER_FILE}
     odd = [str(p) for p in files.values() if not p.is_file() or p.is_symlink()]
     if odd or not files:
         raise PeerTierUnusable(f"the RAM tier keeps plain files only: {', '.join(odd) or 'none was written'}")
-    return {name: file_entry(path, rank) for name, path in files.items()}
+    known = {
+        n: {"size": e.bytes, "crc32": e.crc32, "rank": rank} for n, e in sealed.items() if e.crc32 is not None
+    }
+    return {name: known.get(name) or file_entry(path, rank) for name, path in files.items()}
 
 
 def newest_held(tier: RamTier, job: str, durable: tuple[int, int] | None) -> Checkpoint | None:
@@ -250,9 +251,9 @@ def newest_held(tier: RamTier, job: str, durable: tuple[int, int] | None) -> Che
     try:
         listed = tier.job(job)
     except RamTierError as exc:
-        if exc.reason == "missing":
-            return None
-        raise
+        if exc.reason != "missing":  # else the tier holds nothing for the job
+            raise
+        return None
     path = Path(str(listed["path"]))
     for copy in newest_copy([c for e in listed.get("steps", []) if (c := _entry("", path, e))], durable):
         checkpoint = _checkpoint(copy, path / str(copy.step))
@@ -270,9 +271,7 @@ class _Resume:
     """Finds, spreads and loads the newest full-state RAM step (a collective of the store's group)."""
 
     def __init__(self, store: PeerCheckpointStore) -> None:
-        self.store = store
-        self.ranks = store.ranks
-        self.job = str(store.job)
+        self.store, self.ranks, self.job = store, store.ranks, str(store.job)
         self.path: Path | None = None  # the job's directory in this host's tier, once listed
 
     def load(
