@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 
+from tests.lazy import Lazy, needs_torch
 from tests.support import REPO
-
-pytest.importorskip("torch")
-
-from agent.client.store_peer import Copy, newest_copy
 from tests.test_evacuate_hosts import Host, _free_port, hosts
+
+# Resolved by the first test that uses them (tests/lazy.py): collecting this module imports no torch.
+Copy = Lazy("agent.client.store_peer", "Copy")
+newest_copy = Lazy("agent.client.store_peer", "newest_copy")
 
 JOB = "full-state-test"
 STEP = 7
@@ -79,7 +80,13 @@ _RANK = textwrap.dedent(
     """
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.torch_mp, pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.torch_mp,
+    pytest.mark.timeout(300),
+    pytest.mark.xdist_group("torch"),
+    needs_torch,
+]
 
 
 def test_the_newest_step_held_whole_by_some_host_wins_one_copy_per_host() -> None:

@@ -7,6 +7,7 @@ the next start resumes it on both."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -17,15 +18,19 @@ from typing import Any
 
 import pytest
 
+from tests.lazy import needs_torch
 from tests.support import REPO, http_json
-
-pytest.importorskip("lightning")
-pytest.importorskip("torch")
-
 from tests.test_evacuate_hosts import Host, _free_port, hosts
 
 JOB = "lightning-peer-test"
-pytestmark = [pytest.mark.slow, pytest.mark.torch_mp, pytest.mark.timeout(400)]
+# Lightning runs in the child processes only: collecting this module imports neither it nor torch.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.torch_mp,
+    pytest.mark.timeout(400),
+    needs_torch,
+    pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed"),
+]
 
 # One node of the job: Tiny trains under DDP (gloo); "save" pauses at step 3 until its watcher has a trigger
 # (the test drills host 1 once both nodes said "reached"), "resume" starts from resume_path().
