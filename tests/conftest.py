@@ -8,10 +8,14 @@ import ast
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.support import short_tmp
+
+if TYPE_CHECKING:
+    from tests.slurm_cluster import SlurmCluster
 
 # What the fast lane leaves out (pyproject.toml declares them): tests of 2 s or more, tests that need an
 # external service (Slurm, Ray, the Kubernetes API fake or kubectl, systemd, docker), multi-process torch.
@@ -85,3 +89,19 @@ def base() -> Iterator[Path]:
     path = short_tmp()
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[SlurmCluster]:
+    """One real single-node Slurm (tests/slurm_cluster.py) for the session's Slurm tests, which run on one
+    parallel worker (``SHARED_FIXTURES``); each test leaves the node in service and no job behind."""
+    from tests.slurm_cluster import SlurmCluster, Unavailable
+
+    cluster = SlurmCluster()
+    try:
+        cluster.start()
+    except Unavailable as exc:
+        cluster.stop()
+        pytest.skip(f"no Slurm on this machine: {exc}")
+    yield cluster
+    cluster.stop()

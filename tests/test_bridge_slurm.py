@@ -34,24 +34,12 @@ from agent.core.errors import ConfigError
 from agent.core.notice import EventType, Notice
 from agent.service.daemon import Agent
 from tests.actions_support import event, make_notice
-from tests.slurm_cluster import NODE, SlurmCluster, Unavailable
+from tests.slurm_cluster import NODE, SlurmCluster
 from tests.support import REPO, SSEClient, agent_config, http_json, running_agent
 
 pytestmark = pytest.mark.timeout(120)
 
 DATA = Path(__file__).parent / "data" / "slurm"
-
-
-@pytest.fixture(scope="module")
-def slurm() -> Iterator[SlurmCluster]:
-    cluster = SlurmCluster()
-    try:
-        cluster.start()
-    except Unavailable as exc:
-        cluster.stop()
-        pytest.skip(f"no Slurm on this machine: {exc}")
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture

@@ -5,29 +5,16 @@ longer; a controller that cannot be reached leaves it unknown and status still a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agent.client.reporting import Reporter, client_info
-from tests.slurm_cluster import SlurmCluster, Unavailable
+from tests.slurm_cluster import SlurmCluster
 from tests.support import running_agent
 from tests.test_window import window_until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def slurm() -> Iterator[SlurmCluster]:
-    cluster = SlurmCluster()
-    try:
-        cluster.start()
-    except Unavailable as exc:
-        cluster.stop()
-        pytest.skip(f"no Slurm on this machine: {exc}")
-    yield cluster
-    cluster.stop()
 
 
 async def test_slurms_kill_wait_binds(slurm: SlurmCluster, base: Path) -> None:
