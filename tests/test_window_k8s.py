@@ -5,7 +5,6 @@ pod's grace binds and the window is too short; a pod without a participant on th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,12 @@ pytest.importorskip("lightkube", reason="the kubernetes extra is not installed")
 from agent.client.reporting import Reporter, client_info
 from tests.k8s_fake import FakeKube
 from tests.support import running_agent
+from tests.test_bridge_kubernetes import NODE, kube
 from tests.test_window import window_until
 
+__all__ = ["kube"]  # the fixture: the fake API server with one node, NODE
+
 pytestmark = pytest.mark.timeout(60)
-
-NODE = "gpu-node-1"
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[FakeKube]:
-    async with FakeKube() as fake:
-        fake.add_node(NODE)
-        yield fake
 
 
 async def test_the_training_pods_grace_binds(kube: FakeKube, base: Path) -> None:
