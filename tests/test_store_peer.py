@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.lazy import Lazy, needs_torch
+from tests.lazy import HAS_TORCH, Lazy
 from tests.support import REPO
 from tests.test_evacuate_hosts import Host, _free_port, hosts
 
@@ -85,7 +85,7 @@ pytestmark = [
     pytest.mark.torch_mp,
     pytest.mark.timeout(300),
     pytest.mark.xdist_group("torch"),
-    needs_torch,
+    pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed"),
 ]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.lazy import needs_torch
+from tests.lazy import HAS_TORCH
 from tests.support import REPO, http_json
 from tests.test_evacuate_hosts import Host, _free_port, hosts
 
@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.torch_mp,
     pytest.mark.timeout(400),
-    needs_torch,
+    pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed"),
     pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed"),
 ]
 
