@@ -3,7 +3,9 @@ scheduler even through a launcher that would turn it into another status (torchr
 exit 75), and so that nothing the command started outlives exec.
 
 The command runs in its own process group, with ``PREEMPTD_EXEC_DIR`` naming a private directory. Signals
-that exec receives are forwarded to that group (or to the command alone with ``--no-group``). When the
+that exec receives are forwarded to that group (or to the command alone with ``--no-group``), except a first
+SIGTERM during a termination notice, held until the command has recorded its emergency checkpoint
+(:mod:`agent.cli.exec_hold`, ``--hold-max``, ``--no-hold``). When the
 command ends, exec exits with its status (128 + N for a command killed by signal N) — except when the status
 is not 0 and a process of the command recorded in the directory that it committed an emergency checkpoint
 (:mod:`agent.client.preempted`): then exec exits 75. Standard library only, so it starts fast.
@@ -50,6 +52,7 @@ from agent.cli.exec_child import (
     load_prctl,
     start_time,
 )
+from agent.cli.exec_hold import HOLD_MAX_S, Forwarder, Hold
 from agent.client.preempted import ENV, read_records
 
 EXIT_PREEMPTED = 75  # the client's EXIT_PREEMPTED (EX_TEMPFAIL); kept here so exec does not import more
@@ -116,6 +119,22 @@ def _configure(p: argparse.ArgumentParser) -> None:
         help="when the command has exited, how long the processes it left running get after SIGTERM before "
         f"SIGKILL (default {STOP_GRACE_S:g})",
     )
+    p.add_argument(
+        "--hold-max",
+        type=_seconds,
+        default=HOLD_MAX_S,
+        metavar="SECONDS",
+        help="how long a first SIGTERM that comes during a termination notice, before the command has recorded "
+        "its emergency checkpoint, is held back from it (never past the notice's deadline; default "
+        f"{HOLD_MAX_S:g})",
+    )
+    p.add_argument(
+        "--no-hold",
+        dest="hold",
+        action="store_false",
+        help="pass every SIGTERM on at once, even while the command saves for a notice",
+    )
+    p.add_argument("--socket", metavar="PATH", help="the agent's socket, asked about notices on SIGTERM")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND …")
     p.set_defaults(func=cmd_exec)
 
@@ -138,51 +157,14 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if not command:
         print("preemptd exec: no command given (usage: preemptd exec -- COMMAND …)", file=sys.stderr)
         return 2
-    return run(command, group=args.group, stop_grace=args.stop_grace)
-
-
-class _Forwarder:
-    """Signal handlers that pass each signal on to the command; signals that arrive before it has started
-    are kept and passed on as soon as it has."""
-
-    def __init__(self, group: bool) -> None:
-        self.group = group
-        self.pid: int | None = None
-        self.pending: list[int] = []
-        self.previous: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for signum in FORWARDED:
-            self.previous[signum] = signal.signal(signum, self._handle)
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-    def started(self, pid: int) -> None:
-        self.pid = pid
-        pending, self.pending = self.pending, []
-        for signum in pending:
-            self.forward(signum)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.pid is None:
-            self.pending.append(signum)
-        else:
-            self.forward(signum)
-
-    def forward(self, signum: int) -> None:
-        assert self.pid is not None
-        try:
-            if self.group:
-                try:
-                    os.killpg(self.pid, signum)
-                    return
-                except ProcessLookupError:
-                    pass  # the group leader has not called setpgid yet, or the group is gone
-            os.kill(self.pid, signum)
-        except ProcessLookupError:
-            pass  # it has exited; its status is being collected
+    return run(
+        command,
+        group=args.group,
+        stop_grace=args.stop_grace,
+        hold=args.hold,
+        hold_max=args.hold_max,
+        socket=args.socket,
+    )
 
 
 def run(
@@ -191,6 +173,9 @@ def run(
     group: bool = True,
     stop_grace: float = STOP_GRACE_S,
     stderr: TextIO | None = None,
+    hold: bool = True,
+    hold_max: float = HOLD_MAX_S,
+    socket: str | None = None,
 ) -> int:
     """Run ``command`` as described in the module docstring and return the status exec should exit with.
     It forks: call it from a process that runs no other thread."""
@@ -201,7 +186,8 @@ def run(
     env[ENV] = channel
     terminal = _Terminal.of_this_process()
     prctl = load_prctl()
-    forwarder = _Forwarder(group)
+    holding = Hold(channel, enabled=hold, hold_max=hold_max, socket=socket)
+    forwarder = Forwarder(group, holding, err, FORWARDED)
     forwarder.install()
     reports, report_to = os.pipe()
     try:
@@ -233,14 +219,22 @@ def run(
 
 
 def _follow(
-    reports: int, forwarder: _Forwarder, terminal: _Terminal | None, keeper: int
+    reports: int, forwarder: Forwarder, terminal: _Terminal | None, keeper: int
 ) -> tuple[int | None, str | None]:
-    """Act on the keeper's reports until it closes the pipe: (the command's exit code, a problem to print)."""
+    """Act on the keeper's reports until it closes the pipe: (the command's exit code, a problem to print).
+    Between reports, the forwarder decides on a SIGTERM it may hold."""
     code: int | None = None
     problem: str | None = None
-    with os.fdopen(reports, "rb", closefd=False) as stream:
-        for line in stream:
-            kind, _, rest = line.decode(errors="surrogateescape").rstrip("\n").partition(" ")
+    buffer = b""
+    while True:
+        if not forwarder.wait(reports):
+            continue
+        chunk = os.read(reports, 65536)
+        if not chunk:
+            return code, problem
+        *lines, buffer = (buffer + chunk).split(b"\n")
+        for line in lines:
+            kind, _, rest = line.decode(errors="surrogateescape").partition(" ")
             if kind == "pid":
                 forwarder.started(int(rest))
                 if terminal:  # the command's process group, or the keeper's that it runs in (--no-group)
@@ -249,12 +243,12 @@ def _follow(
                 terminal.stop_with_the_command()
             elif kind == "exit":
                 code = int(rest)
+                forwarder.command_ended()
                 if terminal:  # now: the keeper may spend the grace on stragglers
                     terminal.take_back()
             elif kind == "error":
                 number, _, problem = rest.partition(" ")
                 code = int(number)
-    return code, problem
 
 
 def _reap(keeper: int) -> int:

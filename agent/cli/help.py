@@ -133,9 +133,13 @@ VERBS: Mapping[str, VerbHelp] = {
         "exit with its status; when it fails after one of its processes committed an emergency checkpoint "
         "for a notice, exit 75 so the scheduler requeues the job (torchrun alone would exit 1). Nothing the "
         "command started outlives exec: what is left when it ends gets SIGTERM, then SIGKILL after "
-        "--stop-grace seconds, and a killed exec takes the whole tree with it.",
+        "--stop-grace seconds, and a killed exec takes the whole tree with it. A first SIGTERM that comes "
+        "during a termination notice, before the command has recorded its emergency checkpoint, is held "
+        "back until it has (at most --hold-max seconds, never past the notice's deadline; --no-hold passes "
+        "it at once), so torchrun's 30 s before SIGKILL start after the save.",
         (
             "preemptd exec -- torchrun --nproc-per-node 8 train.py",
+            "preemptd exec --hold-max 60 -- torchrun --nproc-per-node 8 train.py",
             "preemptd exec --stop-grace 30 -- srun python train.py",
             "preemptd exec --no-group -- python train.py",
         ),
