@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
 from structlog.testing import capture_logs
 
 from agent.actions.signal_window import parse_timespan
@@ -17,6 +18,7 @@ from agent.bridges.slurm_window import READ_S, KillWait, parse_kill_wait
 from agent.client.reporting import Reporter, client_info
 from agent.core.reports import parse_report
 from agent.core.window import (
+    EXEC_HOLD_MAX_S,
     Flush,
     FlushBook,
     Lead,
@@ -28,7 +30,7 @@ from agent.core.window import (
     metric_values,
     window_lines,
 )
-from agent.service.window import WindowComponent
+from agent.service.window import WindowComponent, exec_hold_s
 from agent.simulate.gcp import GcpSimulator
 from tests.cloud_harness import settings_for
 from tests.support import http_json, running_agent
@@ -150,11 +152,59 @@ def test_the_flush_prediction_prefers_the_deadline_budget_then_emergency_then_pe
 
 def test_the_torchrun_limit_names_its_launchers_and_exec() -> None:
     assert [] == launcher_limits([])
-    [limit] = launcher_limits([("j/0@11", 10, "torchrun", False), ("j/1@12", 10, "torchrun", False)])
+    [limit] = launcher_limits(
+        [("j/0@11", 10, "torchrun", False, None), ("j/1@12", 10, "torchrun", False, None)]
+    )
     assert (30.0, "torchrun (pid 10) launches j/0@11, j/1@12") == (limit.seconds, limit.source)
-    assert "preemptd exec" in limit.lengthen
-    [wrapped] = launcher_limits([("j/0@11", 10, "torchrun", True)])
-    assert "under preemptd exec" == wrapped.detail
+    assert "preemptd exec -- torchrun" in limit.lengthen
+    [wrapped] = launcher_limits([("j/0@11", 10, "torchrun", True, None)])
+    assert ("under preemptd exec, with --no-hold", "known", True) == (
+        wrapped.detail,
+        wrapped.to_json()["state"],
+        "drop exec's --no-hold" in wrapped.lengthen,
+    )
+
+
+def test_under_an_exec_that_holds_sigterm_torchrun_counts_from_the_hold_max() -> None:
+    """torchrun's 30 s start after the save, at the latest --hold-max after SIGTERM: a held limit that long;
+    one participant whose exec does not hold makes it the plain 30 s."""
+    [held] = launcher_limits([("j/0@11", 10, "torchrun", True, 90.0), ("j/1@12", 10, "torchrun", True, 60.0)])
+    assert (90.0, "held", True, True) == (
+        held.seconds,
+        held.to_json()["state"],
+        held.detail.startswith("held: preemptd exec holds an early SIGTERM"),
+        "--hold-max (60 s)" in held.lengthen,
+    )
+    [mixed] = launcher_limits(
+        [("j/0@11", 10, "torchrun", True, 90.0), ("j/1@12", 10, "torchrun", True, None)]
+    )
+    assert (30.0, "known") == (mixed.seconds, mixed.to_json()["state"])
+    doc = build_window([LEAD], [held], Flush(45.0, "deadline budget"), NOW)
+    assert ("torchrun", True) == (doc["kinds"]["termination"]["binding"], doc["kinds"]["termination"]["fits"])
+    assert "  termination  90 s (torchrun binds): fits  [cloud 120 s, torchrun 90 s held]" in window_lines(
+        doc
+    )
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "hold"),
+    [
+        (["/venv/bin/python", "/venv/bin/preemptd", "exec", "--", "torchrun", "--no-hold"], EXEC_HOLD_MAX_S),
+        (["python3", "-m", "agent", "exec", "--no-hold", "--", "torchrun"], None),
+        (["preemptd", "exec", "--stop-grace", "5", "--hold-max", "40", "--", "torchrun"], 40.0),
+        (["preemptd", "exec", "--hold-max=12.5", "torchrun", "--hold-max", "3"], 12.5),
+        (["preemptd", "exec", "--hold-max", "0", "--", "torchrun"], None),
+        (["preemptd", "exec", "--socket", "/run/a.sock", "torchrun", "--no-hold"], EXEC_HOLD_MAX_S),
+    ],
+)
+def test_exec_s_hold_is_read_from_its_command_line(cmdline: list[str], hold: float | None) -> None:
+    assert hold == exec_hold_s(cmdline)
+
+
+def test_the_window_knows_exec_s_default_hold_max() -> None:
+    from agent.cli.exec_hold import HOLD_MAX_S
+
+    assert HOLD_MAX_S == EXEC_HOLD_MAX_S
 
 
 async def test_kill_wait_is_read_again_only_after_a_while(tmp_path: Path) -> None:

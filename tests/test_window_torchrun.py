@@ -1,7 +1,7 @@
 """The window on a real agent with a participant started by the real torchrun: the cloud (the AWS simulator)
 gives 120 s, torchrun SIGKILLs its workers 30 s after its SIGTERM, and the worker's checkpoints take 45 s, so
-torchrun's 30 s binds and the window is too short: in status, in the log, in the metrics and in
-``preemptd status``."""
+under ``preemptd exec --no-hold`` torchrun's 30 s binds and the window is too short: in status, in the log, in
+the metrics and in ``preemptd status``. Under exec's default hold torchrun's 30 s start after the save."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import signal
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -53,6 +54,55 @@ def test_launchers_are_told_by_their_command_lines() -> None:
     assert not _is_exec(["python3", "train.py", "exec"])
 
 
+async def _window_under_torchrun(base: Path, exec_flags: list[str], until: Any) -> tuple[dict[str, Any], str]:
+    """Start the worker as ``preemptd exec FLAGS -- torchrun …`` on a real agent (cloud: the AWS simulator);
+    the status once ``until(window)`` holds, and the metrics."""
+    script, ready = base / "worker.py", base / "ready"
+    script.write_text(WORKER)
+    sock = base / "a.sock"
+    async with AwsSimulator() as sim, running_agent(base, settings_for("aws", sim.url)):
+        launcher = await asyncio.create_subprocess_exec(
+            str(PREEMPTD), "exec", *exec_flags, "--",
+            str(TORCHRUN), "--standalone", "--nproc-per-node", "1", str(script), str(sock), str(ready),
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=str(base),
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            body = await window_until(sock, until, timeout=90)
+            _, metrics = await http_json(sock, "GET", "/metrics")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+            await asyncio.wait_for(launcher.wait(), 10)
+    assert ready.exists()
+    return body, str(metrics)
+
+
+async def test_under_an_exec_that_holds_sigterm_torchrun_does_not_bind_the_save(base: Path) -> None:
+    """exec's default hold: torchrun's 30 s start after the save, at the latest 90 s after SIGTERM, so the
+    limit is held at 120 s, the cloud's 120 s binds and the 45 s flush fits."""
+    if not (TORCHRUN.exists() and PREEMPTD.exists()):
+        pytest.skip("torchrun or preemptd is not installed next to this interpreter")
+
+    def torchrun_found(doc: dict[str, Any]) -> bool:
+        return any(limit["name"] == "torchrun" for limit in doc["kinds"]["termination"]["limits"])
+
+    body, metrics = await _window_under_torchrun(base, [], torchrun_found)
+    termination = body["window"]["kinds"]["termination"]
+    [limit] = [limit for limit in termination["limits"] if limit["name"] == "torchrun"]
+    assert (120.0, "held", "cloud", True, False) == (
+        limit["seconds"],
+        limit["state"],
+        termination["binding"],
+        termination["fits"],
+        termination["window_too_short"],
+    )
+    assert limit["detail"].startswith("held: preemptd exec holds an early SIGTERM")
+    assert 'preemptd_window_too_short{kind="termination"} 0.0' in metrics
+    assert "[cloud 120 s, torchrun 120 s held]" in "\n".join(window_lines(body["window"]))
+
+
 async def test_a_participant_under_torchrun_binds_the_window_to_30_s(base: Path) -> None:
     if not (TORCHRUN.exists() and PREEMPTD.exists()):
         pytest.skip("torchrun or preemptd is not installed next to this interpreter")
@@ -63,9 +113,9 @@ async def test_a_participant_under_torchrun_binds_the_window_to_30_s(base: Path)
         with capture_logs() as logs:
             async with running_agent(base, settings_for("aws", sim.url)) as agent:
                 assert agent.socket_path == sock
-                # As a job should run: under preemptd exec, which the window notices.
+                # Under preemptd exec (which the window notices) without its hold: torchrun's 30 s bind.
                 launcher = await asyncio.create_subprocess_exec(
-                    str(PREEMPTD), "exec", "--",
+                    str(PREEMPTD), "exec", "--no-hold", "--",
                     str(TORCHRUN), "--standalone", "--nproc-per-node", "1", str(script), str(sock), str(ready),
                     env={**os.environ, "PYTHONPATH": str(REPO)},
                     cwd=str(base),
@@ -93,8 +143,9 @@ async def test_a_participant_under_torchrun_binds_the_window_to_30_s(base: Path)
     )
     [limit] = [limit for limit in termination["limits"] if limit["name"] == "torchrun"]
     assert "torchrun (pid " in limit["source"] and ") launches llm/0@" in limit["source"]
-    assert "under preemptd exec" == limit["detail"]
+    assert "under preemptd exec, with --no-hold" == limit["detail"]
     assert "30 s after its own SIGTERM" in termination["lengthen"]
+    assert "drop exec's --no-hold" in termination["lengthen"]
     assert "preemptd exec --" not in termination["lengthen"]  # it already runs under it
     assert "advisory" in window["kinds"]["rebalance"]["cloud"]["source"]
     assert window["window_too_short"]

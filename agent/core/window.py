@@ -26,6 +26,8 @@ WINDOW_LIMITS = "window_limits"
 # torchrun (torch.distributed.elastic) SIGKILLs its workers this long after it receives SIGTERM (the
 # ``timeout=30`` of LocalElasticAgent._shutdown; not configurable).
 TORCHRUN_KILL_S = 30.0
+# ``preemptd exec``'s default ``--hold-max`` (agent.cli.exec_hold.HOLD_MAX_S; exec imports nothing of this).
+EXEC_HOLD_MAX_S = 90.0
 
 # The kinds a cloud gives notice of, in the order shown.
 KINDS = (Kind.TERMINATION.value, Kind.MAINTENANCE.value, Kind.REBALANCE.value)
@@ -44,12 +46,13 @@ class Limit:
     lengthen: str = ""
     detail: str = ""
     kinds: tuple[str, ...] = ()
+    held: bool = False  # something holds the SIGTERM that starts it until the save is recorded
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "name": self.name,
             "seconds": self.seconds,
-            "state": "known" if self.seconds is not None else "unknown",
+            "state": "unknown" if self.seconds is None else "held" if self.held else "known",
             "source": self.source,
         }
         if self.detail:
@@ -342,7 +345,8 @@ def window_lines(doc: Any) -> list[str]:
             lines.append(f"  {kind:<12} no deadline")
             continue
         parts = [f"cloud {_s(cloud.get('seconds'))}"] + [
-            f"{limit['name']} {_s(limit['seconds'])}" for limit in k.get("limits") or []
+            f"{limit['name']} {_s(limit['seconds'])}{' held' if limit.get('state') == 'held' else ''}"
+            for limit in k.get("limits") or []
         ]
         verdict = {True: "fits", False: "TOO SHORT", None: "flush unknown"}[k.get("fits")]
         if k.get("effective_s") is None:
@@ -358,30 +362,51 @@ def window_lines(doc: Any) -> list[str]:
     return lines
 
 
-def launcher_limits(found: Iterable[tuple[str, int, str, bool]]) -> list[Limit]:
-    """The ``torchrun`` limit from ``(participant, launcher pid, launcher, under preemptd exec)`` findings."""
+def launcher_limits(found: Iterable[tuple[str, int, str, bool, float | None]]) -> list[Limit]:
+    """The ``torchrun`` limit from ``(participant, launcher pid, launcher, under preemptd exec, exec's hold
+    or None)`` findings. Under an exec that holds an early SIGTERM until the emergency checkpoint is
+    recorded, torchrun's 30 s start after the save, or at the latest ``--hold-max`` after the SIGTERM: the
+    limit is held, that much longer."""
     found = list(found)
     if not found:
         return []
-    launchers = sorted({pid for _, pid, _, _ in found})
-    who = sorted({name for name, _, _, _ in found})
+    launchers = sorted({pid for _, pid, _, _, _ in found})
+    who = sorted({name for name, *_ in found})
     shown = ", ".join(who[:5]) + (f" and {len(who) - 5} more" if len(who) > 5 else "")
-    under_exec = all(wrapped for *_, wrapped in found)
+    under_exec = all(wrapped for _, _, _, wrapped, _ in found)
+    holds = [hold for *_, hold in found]
+    held = min(h for h in holds if h is not None) if all(h is not None for h in holds) else None
+    source = f"torchrun (pid {', '.join(map(str, launchers[:5]))}) launches {shown}"
+    if held is not None:
+        return [
+            Limit(
+                "torchrun",
+                held + TORCHRUN_KILL_S,
+                source,
+                lengthen=f"raise exec's --hold-max ({held:g} s): torchrun's 30 s start at the latest that long "
+                "after an early SIGTERM",
+                detail=f"held: preemptd exec holds an early SIGTERM until the emergency checkpoint is recorded "
+                f"(at most --hold-max {held:g} s), then torchrun's {TORCHRUN_KILL_S:g} s start",
+                held=True,
+            )
+        ]
     return [
         Limit(
             "torchrun",
             TORCHRUN_KILL_S,
-            f"torchrun (pid {', '.join(map(str, launchers[:5]))}) launches {shown}",
+            source,
             lengthen=(
                 "torchrun SIGKILLs its workers 30 s after its own SIGTERM (not configurable): start the emergency "
                 "save at the notice (the client's watcher), not at SIGTERM, and send SIGTERM to the launcher only "
                 "after the notice's ready (the Slurm and Kubernetes bridges wait for it)"
                 + (
-                    ""
+                    "; drop exec's --no-hold so it holds an early SIGTERM until the emergency checkpoint is "
+                    "recorded"
                     if under_exec
-                    else "; run it as `preemptd exec -- torchrun ...` so its exit says preempted"
+                    else "; run it as `preemptd exec -- torchrun ...`, which holds an early SIGTERM until the "
+                    "emergency checkpoint is recorded and makes its exit say preempted"
                 )
             ),
-            detail="under preemptd exec" if under_exec else "",
+            detail="under preemptd exec, with --no-hold" if under_exec else "",
         )
     ]

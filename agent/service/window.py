@@ -31,6 +31,7 @@ from agent.core.notice import parse_time
 from agent.core.ports import ConfigView, HistoryFile, Tasks
 from agent.core.reports import Report, parse_report
 from agent.core.window import (
+    EXEC_HOLD_MAX_S,
     FlushBook,
     Limit,
     LimitRegistry,
@@ -96,12 +97,44 @@ def _is_exec(cmdline: Sequence[str]) -> bool:
     return (named or module) and "exec" in cmdline[1:4]
 
 
+def exec_hold_s(cmdline: Sequence[str]) -> float | None:
+    """How long a ``preemptd exec`` command line holds an early SIGTERM (its ``--hold-max``), None when it
+    does not (``--no-hold``, ``--hold-max 0``). Its options end at ``--`` or at the command's first word."""
+    words = list(cmdline)
+    rest = words[words.index("exec", 1) + 1 :] if "exec" in words[1:4] else []
+    hold: float | None = EXEC_HOLD_MAX_S
+    taking = ""
+    for word in rest:
+        if taking:
+            if taking == "--hold-max":
+                hold = _number(word)
+            taking = ""
+        elif word == "--":
+            break
+        elif word == "--no-hold":
+            hold = None
+        elif word in ("--hold-max", "--stop-grace", "--socket"):
+            taking = word
+        elif word.startswith("--hold-max="):
+            hold = _number(word.partition("=")[2])
+        elif not word.startswith("-"):
+            break
+    return hold if hold else None
+
+
+def _number(text: str) -> float | None:
+    with contextlib.suppress(ValueError):
+        return float(text)
+    return None
+
+
 def find_launchers(
     pids: Mapping[str, tuple[int, float | None]],
-) -> tuple[list[tuple[str, int, str, bool]], dict[str, tuple[int, float | None]]]:
+) -> tuple[list[tuple[str, int, str, bool, float | None]], dict[str, tuple[int, float | None]]]:
     """For each participant (name → pid, start time or None) still running under torchrun: (name, torchrun's
-    pid, its command, whether ``preemptd exec`` runs above it); and the participants still alive, with their
-    start times (to tell a reused pid). Blocking (reads /proc): call it in a thread."""
+    pid, its command, whether ``preemptd exec`` runs above it, how long that exec holds an early SIGTERM or
+    None); and the participants still alive, with their start times (to tell a reused pid). Blocking (reads
+    /proc): call it in a thread."""
     found = []
     alive: dict[str, tuple[int, float | None]] = {}
     for name, (pid, started) in pids.items():
@@ -115,8 +148,9 @@ def find_launchers(
             launcher = next((p for p in parents if _is_torchrun(p.cmdline())), None)
             if launcher is None:
                 continue
-            wrapped = any(_is_exec(p.cmdline()) for p in parents)
-            found.append((name, launcher.pid, " ".join(launcher.cmdline()[:4]), wrapped))
+            wrapper = next((p.cmdline() for p in parents if _is_exec(p.cmdline())), None)
+            hold = exec_hold_s(wrapper) if wrapper is not None else None
+            found.append((name, launcher.pid, " ".join(launcher.cmdline()[:4]), wrapper is not None, hold))
         except psutil.Error:
             continue
     return found, alive
