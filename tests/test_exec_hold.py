@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent.client import EXIT_PREEMPTED
+from tests.lazy import needs_torch
 from tests.support import REPO, eventually, http_json, running_agent
 
 # Logs "TERM" when it gets SIGTERM (then exits 1, as torchrun does when its workers fail); records its
@@ -79,15 +80,15 @@ class Exec:
 
 @asynccontextmanager
 async def exec_child(
-    base: Path, *flags: str, socket: Path | None = None, notice: str = ""
+    base: Path, *flags: str, socket: Path | None = None, notice: str = "", launcher: tuple[str, ...] = ()
 ) -> AsyncIterator[Exec]:
     script = base / "child.py"
     script.write_text(_CHILD)
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
-    environ["PYTHONPATH"] = str(REPO)
+    environ.update(PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "agent", "exec", "--socket", str(socket or base / "a.sock"), *flags, "--",
-        sys.executable, str(script), str(base / "child.log"), str(base / "save"), *([notice] if notice else []),
+        *(launcher or (sys.executable,)), str(script), str(base / "child.log"), str(base / "save"), *([notice] if notice else []),
         env=environ, cwd=str(REPO), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     running = Exec(proc, base)
@@ -205,3 +206,27 @@ async def test_a_checkpoint_already_recorded_for_the_notice_lets_sigterm_pass_at
             run.proc.send_signal(signal.SIGTERM)
             code, err = await run.finish()
     assert (["recorded", "TERM"], EXIT_PREEMPTED, False) == (run.logged(), code, "holding" in err), err
+
+
+@needs_torch
+@pytest.mark.torch_mp
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_under_torchrun_the_worker_gets_sigterm_only_after_its_record(base: Path) -> None:
+    """The real torchrun between exec and the worker: it hears of the SIGTERM only once the worker has recorded
+    its checkpoint, passes it on, exits 1 for the failed worker, and exec exits 75."""
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1")
+    async with running_agent(base):
+        notice = await _drill(base)
+        async with exec_child(base, notice=notice, launcher=torchrun) as run:
+            run.proc.send_signal(signal.SIGTERM)
+            await run.stderr_until("holding SIGTERM back")
+            during = run.logged()
+            run.save.touch()
+            code, err = await run.finish(timeout=60)
+    assert ([], ["recorded", "TERM"], EXIT_PREEMPTED, True) == (
+        during,
+        run.logged(),
+        code,
+        "recorded its emergency checkpoint (step 7)" in err,
+    ), err[-3000:]
