@@ -160,9 +160,9 @@ def instrument() -> dict[str, float]:
 
     wrap(evacuate.Evacuation, "_place", "ask the agent (info)")
     wrap(evacuate.Evacuation, "_reserve", "reserve (and its gather)")
-    wrap(evacuate, "dcp_save", "DCP save into tmpfs")
+    wrap(evacuate, "dcp_save", "DCP save into tmpfs, CRC32 as it writes")
     wrap(evacuate.Evacuation, "_transfer", "transfer (send / receive, CRC, write)")
-    wrap(evacuate.Evacuation, "_held", "CRC of the files kept")
+    wrap(evacuate.Evacuation, "_held", "CRC of the files kept (their sums)")
     wrap(evacuate.Evacuation, "_commit", "tier.json, commit (and its gather)")
     wrap(evacuate.Evacuation, "run", "evacuation in all")
     return spent

@@ -374,13 +374,26 @@ _TRANSFER = textwrap.dedent(
     data = bytes(range(256)) * 40 + b"x" * 123
     if dist.get_rank() == 0:
         (where / "src").write_bytes(data)
+        (where / "empty").write_bytes(b"")
         send_file(None, 1, where / "src", len(data), chunk=1000)
         send_file(None, 1, where / "missing", 2500, chunk=1000)
+        send_file(None, 1, where / "src", len(data), chunk=1000, crc=zlib.crc32(data))
+        send_file(None, 1, where / "src", len(data), chunk=1000, crc=zlib.crc32(data) ^ 1)
+        send_file(None, 1, where / "src", len(data), chunk=1000)
+        send_file(None, 1, where / "empty", 0, chunk=1000)
     else:
         crc, problem = receive_file(None, 0, where / "dst", len(data), chunk=1000)
         _, unreadable = receive_file(None, 0, where / "dst2", 2500, chunk=1000)
+        known = receive_file(None, 0, where / "dst3", len(data), chunk=1000)
+        _, wrong = receive_file(None, 0, where / "dst4", len(data), chunk=1000)
+        _, unwritable = receive_file(None, 0, where / "nowhere" / "dst5", len(data), chunk=1000)
+        empty = receive_file(None, 0, where / "dst6", 0, chunk=1000)
         same = (where / "dst").read_bytes() == data and crc == zlib.crc32(data)
-        print(json.dumps({"same": same, "problem": problem, "unreadable": unreadable}))
+        print(json.dumps({
+            "same": same, "problem": problem, "unreadable": unreadable, "wrong": wrong,
+            "unwritable": unwritable, "known": known[1] is None and known[0] == crc,
+            "empty": [empty[1], (where / "dst6").read_bytes().decode()],
+        }))
     dist.destroy_process_group()
     """
 )
@@ -391,8 +404,10 @@ _TRANSFER = textwrap.dedent(
 def test_a_file_crosses_the_group_in_chunks_whole_and_an_unreadable_one_arrives_refused(
     tmp_path: Path,
 ) -> None:
-    """send_file/receive_file between two real gloo ranks: 11 chunks arrive byte for byte with the CRC32; a
-    file the sender cannot read is received in full (the sender is never left blocked) and refused."""
+    """send_file/receive_file between two real gloo ranks: 11 chunks arrive byte for byte with the CRC32,
+    computed by the sender or given to it (the CRC32 it summed as it wrote the file: a wrong one is refused);
+    a file the sender cannot read, or the receiver cannot create, is received in full (the sender is never
+    left blocked) and refused; an empty file arrives empty."""
     script = tmp_path / "transfer.py"
     script.write_text(_TRANSFER)
     env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
@@ -409,6 +424,32 @@ def test_a_file_crosses_the_group_in_chunks_whole_and_an_unreadable_one_arrives_
     report = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
     assert (True, None) == (report["same"], report["problem"])
     assert "dst2 from rank 0 arrived damaged" in report["unreadable"]
+    assert "dst4 from rank 0 arrived damaged" in report["wrong"]
+    assert "cannot write" in report["unwritable"]
+    assert (True, [None, ""]) == (report["known"], report["empty"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_dcp_files_are_summed_as_they_are_written(tmp_path: Path) -> None:
+    """SummingFileSystem under DCP's writer: every file it writes (the shard with two threads' worth of
+    tensors, .metadata after its rename) gets the CRC32 and size of its bytes on disk, and DCP reads the
+    step back."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from agent.client.evacuate_transfer import SummingFileSystem
+
+    state = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(7, 3), "n": 5}
+    writer = FileSystemWriter(tmp_path, sync_files=False, thread_count=2)
+    writer.fs = sums = SummingFileSystem()
+    dcp_save(state, storage_writer=writer, no_dist=True)
+    on_disk = {p.name: (zlib.crc32(p.read_bytes()), p.stat().st_size) for p in tmp_path.iterdir()}
+    assert ".metadata" in on_disk and len(on_disk) >= 3, on_disk
+    assert on_disk == sums.sums
+    into = {"a": torch.zeros(1000), "b": torch.zeros(7, 3), "n": 0}
+    dcp_load(into, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    assert (float(into["a"][999]), float(into["b"].sum()), into["n"]) == (999.0, 21.0, 5)
 
 
 _REPLICAS = textwrap.dedent(

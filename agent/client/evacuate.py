@@ -17,16 +17,13 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import zlib
 from collections.abc import Collection, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
@@ -35,15 +32,30 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from agent.client.dcp_commit import Ranks, owner, zip_crc_off
+from agent.client.evacuate_transfer import SummingFileSystem, file_crc, receive_file, send_file
 from agent.client.manifest import Checkpoint, FileEntry
 from agent.client.ramtier import TIER_FILE, RamTier, RamTierError, write_tier_file
 from agent.client.store_failure import convertible, summary
 
-# Bytes per send: a bounded buffer on both sides, whatever the size of a shard file.
-CHUNK = 64 << 20
 # Room reserved beyond the tensors' bytes: DCP's framing per rank, and rank 0's .metadata.
 _SLACK = 1.05
 _SLACK_BYTES = 4 << 20
+
+__all__ = [  # send_file and receive_file: re-exported from evacuate_transfer, where they live
+    "Evacuated",
+    "Evacuation",
+    "PeerTierUnusable",
+    "Place",
+    "Plan",
+    "SurvivorsKeep",
+    "estimate",
+    "fallback_reason",
+    "host_key",
+    "plan",
+    "receive_file",
+    "resolve",
+    "send_file",
+]
 
 
 class PeerTierUnusable(Exception):
@@ -230,6 +242,7 @@ class Evacuation:
             try:
                 with zip_crc_off():
                     writer = FileSystemWriter(directory, sync_files=False, thread_count=self.thread_count)
+                    writer.fs = sums = SummingFileSystem()  # each file's CRC32 as it is written
                     planner = SurvivorsKeep(the_plan.buddy)
                     dcp_save(resolved, storage_writer=writer, planner=planner, process_group=self.group)
             except BaseException as exc:
@@ -239,8 +252,9 @@ class Evacuation:
                     f"writing step {step} into the RAM tier failed: {summary(exc)}"
                 ) from exc
             described = self._agree(self._own_files(directory), "listing the shard files")
-            received = self._transfer(the_plan, directory, described)
-            held = self._agree(self._held(the_plan, directory, described, received), "confirming the copies")
+            received = self._transfer(the_plan, directory, described, sums.sums)
+            kept = self._held(the_plan, directory, described, received, sums.sums)
+            held = self._agree(kept, "confirming the copies")
             files, holders = self._confirm(the_plan, held, described)
             extra = {"step_files": {n: int(e["size"]) for n, e in files.items()}, "notice_id": notice_id}
             self._commit(the_plan, step, run, host, directory, reservation, files, holders, extra)
@@ -311,14 +325,21 @@ class Evacuation:
         return everyone
 
     def _transfer(
-        self, the_plan: Plan, directory: Path, described: list[dict[str, int]]
+        self,
+        the_plan: Plan,
+        directory: Path,
+        described: list[dict[str, int]],
+        sums: Mapping[str, tuple[int, int]],
     ) -> dict[str, int] | str:
-        """Senders send their files, chunk by chunk, then each file's CRC32; receivers write them into
-        their RAM tier and check the CRC. Returns the files received (name → CRC32), or a problem."""
+        """Senders send their files, chunk by chunk, then each file's CRC32 (``sums``: as it was written);
+        receivers write them into their RAM tier and check the CRC. Returns the files received (name →
+        CRC32), or a problem."""
         rank = self.ranks.rank
         if rank in the_plan.buddy:
             for name, size in sorted(described[rank].items()):
-                send_file(self.group, the_plan.buddy[rank], directory / name, size)
+                crc, written = sums.get(name, (None, -1))
+                known = crc if written == size else None
+                send_file(self.group, the_plan.buddy[rank], directory / name, size, crc=known)
             return {}
         received: dict[str, int] = {}
         problems: list[str] = []
@@ -332,9 +353,15 @@ class Evacuation:
         return "; ".join(problems) if problems else received
 
     def _held(
-        self, the_plan: Plan, directory: Path, described: list[dict[str, int]], received: dict[str, int] | str
+        self,
+        the_plan: Plan,
+        directory: Path,
+        described: list[dict[str, int]],
+        received: dict[str, int] | str,
+        sums: Mapping[str, tuple[int, int]],
     ) -> dict[str, dict[str, int]] | str:
-        """What this rank holds in a surviving host's RAM, with CRC32s (a notified rank holds nothing)."""
+        """What this rank holds in a surviving host's RAM, with CRC32s (a notified rank holds nothing): its
+        own files' as they were written (``sums``; read back only for one that was not summed whole)."""
         rank = self.ranks.rank
         if isinstance(received, str):
             return received
@@ -343,8 +370,10 @@ class Evacuation:
         held: dict[str, dict[str, int]] = {}
         world = self.ranks.world_size
         for name, size in described[rank].items():
+            crc, written = sums.get(name, (0, -1))
             try:
-                held[name] = {"size": size, "crc32": _crc(directory / name), "rank": owner(name, world)}
+                crc = crc if written == size else file_crc(directory / name)
+                held[name] = {"size": size, "crc32": crc, "rank": owner(name, world)}
             except OSError as exc:
                 return f"rank {rank}: cannot read back {directory / name}: {exc}"
         for name, crc in received.items():
@@ -406,104 +435,3 @@ class Evacuation:
         # Failing that, the agent removes a step without tier.json when its reservation expires.
         with contextlib.suppress(RamTierError):
             self.tier.free(self.job, step)
-
-
-def _global(group: Any, rank: int) -> int:
-    return dist.get_global_rank(group, rank) if group is not None else rank
-
-
-def send_file(group: Any, to: int, path: Path, size: int, chunk: int = CHUNK) -> None:
-    """Send ``size`` bytes of ``path`` to rank ``to`` of ``group`` in chunks, then their CRC32 (-1 when
-    the file could not be read whole: zeros were sent in its place, and the receiver refuses it). The next
-    chunk is read and checksummed on a thread while this one is sent; the receiver uses the same ``chunk``."""
-    dst = _global(group, to)
-    piece = min(chunk, max(size, 1))
-    buffers = (bytearray(piece), bytearray(piece))
-    crc, bad = [0], [False]
-    try:
-        handle = open(path, "rb")  # noqa: SIM115  # closed below, read in chunks
-    except OSError:
-        handle, bad[0] = None, True
-
-    def fill(index: int, offset: int) -> memoryview:
-        view = memoryview(buffers[index % 2])[: min(piece, size - offset)]
-        try:
-            got = handle.readinto(view) if handle is not None else 0
-        except OSError:
-            got = 0
-        if got != len(view):  # the file shrank or failed: zeros, and a CRC that cannot match
-            view[got:] = bytes(len(view) - got)
-            bad[0] = True
-        crc[0] = zlib.crc32(view, crc[0])
-        return view
-
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="evacuate-read") as reader:
-            pending = reader.submit(fill, 0, 0)
-            for index, offset in enumerate(range(0, size, piece)):
-                view = pending.result()
-                if offset + piece < size:  # the other buffer: its chunk was sent before this one
-                    pending = reader.submit(fill, index + 1, offset + piece)
-                dist.send(torch.frombuffer(view, dtype=torch.uint8), dst, group=group)
-    finally:
-        if handle is not None:
-            handle.close()
-    dist.send(torch.tensor([-1 if bad[0] else crc[0]], dtype=torch.int64), dst, group=group)
-
-
-def receive_file(
-    group: Any, sender: int, path: Path, size: int, chunk: int = CHUNK
-) -> tuple[int, str | None]:
-    """Receive what :func:`send_file` sends into ``path``: (its CRC32, None) or (…, the problem: a write
-    that failed, a CRC32 that does not match). Receives every byte whatever happens, since the sender is
-    blocked until they are read. Each chunk is checksummed and written on a thread while the next one
-    arrives."""
-    src = _global(group, sender)
-    piece = min(chunk, max(size, 1))
-    buffers = (torch.empty(piece, dtype=torch.uint8), torch.empty(piece, dtype=torch.uint8))
-    crc: list[int] = [0]
-    problem: list[str] = []
-    try:
-        handle = open(path, "wb")  # noqa: SIM115  # closed below; written in chunks
-    except OSError as exc:
-        handle = None
-        problem.append(f"cannot write {path}: {exc}")
-
-    def consume(part: torch.Tensor) -> None:
-        view = part.numpy().data
-        crc[0] = zlib.crc32(view, crc[0])
-        if handle is not None and not problem:
-            try:
-                handle.write(view)
-            except OSError as exc:
-                problem.append(f"cannot write {path}: {exc}")
-
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="evacuate-write") as writer:
-            pending: list[Future[None] | None] = [None, None]
-            for index, offset in enumerate(range(0, size, piece)):
-                slot = index % 2
-                earlier = pending[slot]
-                if earlier is not None:  # that buffer's earlier chunk is written first
-                    earlier.result()
-                part = buffers[slot][: min(piece, size - offset)]
-                dist.recv(part, src, group=group)
-                pending[slot] = writer.submit(consume, part)
-    finally:
-        if handle is not None:
-            handle.close()
-    told = torch.empty(1, dtype=torch.int64)
-    dist.recv(told, src, group=group)
-    if not problem and int(told.item()) != crc[0]:
-        problem.append(
-            f"{path.name} from rank {sender} arrived damaged (CRC32 {crc[0]:#010x}, sent {int(told.item())})"
-        )
-    return crc[0], problem[0] if problem else None
-
-
-def _crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc

@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from agent.client.dcp_commit import DCP_METADATA, Ranks, ShardedCheckpoint, load_failure
-from agent.client.evacuate import host_key, receive_file, resolve, send_file
+from agent.client.evacuate import host_key, resolve
+from agent.client.evacuate_transfer import receive_file, send_file
 from agent.client.manifest import Checkpoint, CheckpointWarning, FileEntry
 from agent.client.ramtier import RamTier, RamTierError, read_tier_file
 
