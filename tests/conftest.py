@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.lazy import Lazy
 from tests.support import short_tmp
 
 if TYPE_CHECKING:
@@ -63,6 +64,11 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return bool(collection_path.name.startswith("test_") and module_marks(collection_path) & NOT_FAST) or None
 
 
+def uses_lazy_torch(module: object) -> bool:
+    return module is not None and any(isinstance(value, Lazy) for value in vars(module).values())
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
@@ -74,6 +80,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.xdist_group(name))
     if not config.getoption("fast"):
         return
+    if grouped:
+        # The fast lane's tests of modules that resolve torch on first use (tests/lazy.py) run on one worker,
+        # the only one that imports torch. Not in the whole suite: there its multi-process torch tests would
+        # queue on that worker, and every worker imports torch anyway.
+        for item in items:
+            if uses_lazy_torch(getattr(item, "module", None)):
+                item.add_marker(pytest.mark.xdist_group("torch"))
     kept: list[pytest.Item] = []
     left_out: list[pytest.Item] = []
     for item in items:

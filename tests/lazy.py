@@ -1,8 +1,7 @@
 """Names from torch (and modules that import it) resolved when a test first uses them, not when pytest collects
-the module: every parallel worker collects every module, and importing torch costs each one seconds. A module
-that uses these also carries ``pytestmark = pytest.mark.xdist_group("torch")`` (written out: the fast lane reads a
-module's markers from its source), so that one worker runs its tests and imports torch once. Without torch installed, the first use skips the test, as ``importorskip`` would
-at import."""
+the module: every parallel worker collects every module, and importing torch costs each one seconds. In the fast
+lane, the tests of a module that holds a ``Lazy`` run on one worker (tests/conftest.py), which imports torch
+once. Without torch installed, the first use skips the test, as ``importorskip`` would at import."""
 
 from __future__ import annotations
 

@@ -22,8 +22,6 @@ load_torch = Lazy("agent.client.torch", "load_torch")
 safetensors_writer = Lazy("agent.client.torch", "safetensors_writer")
 torch_writer = Lazy("agent.client.torch", "torch_writer")
 
-pytestmark = pytest.mark.xdist_group("torch")
-
 
 def store(root: Path) -> CheckpointStore:
     return CheckpointStore(root, report=False)

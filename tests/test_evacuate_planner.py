@@ -36,8 +36,6 @@ from tests.test_evacuate import group_of_one, tier_agent
 torch = Lazy("torch")
 choose_tier = Lazy("agent.client.dcp_peer", "choose_tier")
 
-pytestmark = pytest.mark.xdist_group("torch")
-
 __all__ = ["group_of_one"]  # a fixture of the tests here
 
 JOB = "job-plan"

@@ -36,8 +36,6 @@ agree_load = Lazy("agent.client.torch", "agree_load")
 load_torch = Lazy("agent.client.torch", "load_torch")
 torch_writer = Lazy("agent.client.torch", "torch_writer")
 
-pytestmark = pytest.mark.xdist_group("torch")
-
 
 def write_files(files: dict[str, bytes]) -> Callable[[Path], None]:
     def writer(directory: Path) -> None:

@@ -84,7 +84,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.torch_mp,
     pytest.mark.timeout(300),
-    pytest.mark.xdist_group("torch"),
     pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed"),
 ]
 

@@ -25,7 +25,7 @@ CRC_SIDECAR = Lazy("agent.client.dcp", "CRC_SIDECAR")
 ShardedStore = Lazy("agent.client.dcp", "ShardedStore")
 latest_committed = Lazy("agent.client.dcp", "latest_committed")
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("torch")]
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
