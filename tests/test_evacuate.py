@@ -35,8 +35,6 @@ plan = Lazy("agent.client.evacuate", "plan")
 Holding = Lazy("agent.client.peer_resume", "Holding")
 choose = Lazy("agent.client.peer_resume", "choose")
 
-pytestmark = pytest.mark.xdist_group("torch")
-
 JOB = "job-1"
 
 
