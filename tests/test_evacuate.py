@@ -440,7 +440,7 @@ def test_dcp_files_are_summed_as_they_are_written(tmp_path: Path) -> None:
 
     state = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(7, 3), "n": 5}
     writer = FileSystemWriter(tmp_path, sync_files=False, thread_count=2)
-    writer.fs = sums = SummingFileSystem()
+    writer.fs = sums = SummingFileSystem(chunk=1000)  # "a" (4000 bytes) summed in pieces beside its write
     dcp_save(state, storage_writer=writer, no_dist=True)
     on_disk = {p.name: (zlib.crc32(p.read_bytes()), p.stat().st_size) for p in tmp_path.iterdir()}
     assert ".metadata" in on_disk and len(on_disk) >= 3, on_disk

@@ -31,23 +31,36 @@ CHUNK = 8 << 20
 
 
 class _Summing(io.RawIOBase):
-    """A write stream that computes the CRC32 of what passes through it, on the writing thread."""
+    """A write stream that computes the CRC32 of what passes through it: a large write is summed piece by
+    piece on ``pool``'s one thread while this thread writes the pieces (each summed before the call returns,
+    since the caller's buffer is only lent for the call); a small one on the writing thread."""
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, pool: ThreadPoolExecutor, chunk: int = CHUNK) -> None:
         super().__init__()
         self.raw = raw
+        self.pool = pool
+        self.chunk = chunk
         self.crc = 0
         self.size = 0
+
+    def _sum(self, piece: memoryview) -> None:
+        self.crc = zlib.crc32(piece, self.crc)
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        for offset in range(0, len(view), CHUNK):  # each piece summed and written while in the cache
-            piece = view[offset : offset + CHUNK]
-            self.crc = zlib.crc32(piece, self.crc)
-            self.raw.write(piece)
+        if len(view) <= self.chunk:
+            self._sum(view)
+            self.raw.write(view)
+        else:
+            pieces = [view[o : o + self.chunk] for o in range(0, len(view), self.chunk)]
+            summed = [self.pool.submit(self._sum, piece) for piece in pieces]  # in order: one thread
+            for piece in pieces:
+                self.raw.write(piece)
+            for future in summed:
+                future.result()
         self.size += len(view)
         return len(view)
 
@@ -63,11 +76,13 @@ class _Summing(io.RawIOBase):
 
 class SummingFileSystem(FileSystem):
     """DCP's local file system, except that every file written whole through it gets its CRC32 and size
-    recorded by name (``sums``) as it is written: nobody reads the files back to checksum them."""
+    recorded by name (``sums``) as it is written, beside the write: nobody reads the files back to
+    checksum them."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunk: int = CHUNK) -> None:
         super().__init__()
         self.sums: dict[str, tuple[int, int]] = {}  # name → (CRC32, size)
+        self.chunk = chunk
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -76,8 +91,8 @@ class SummingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, "wb") as raw:
-            summing = _Summing(raw)
+        with open(path, "wb") as raw, ThreadPoolExecutor(1, thread_name_prefix="evacuate-sum") as pool:
+            summing = _Summing(raw, pool, self.chunk)
             yield summing
         with self._lock:
             self.sums[Path(path).name] = (summing.crc, summing.size)
