@@ -3,9 +3,9 @@ tensors: no new listener), and DCP's file system with a CRC32 of every file comp
 
 Files cross in chunks through two small buffers on each side: the sender reads the next chunk on a thread
 while this one is sent (and checksums it only when its CRC32 was not summed as the file was written); the
-receiver checksums and writes each chunk on a thread while the next one arrives. (Mapping the files instead
-was measured slower: a page fault per 4 KiB page costs more than the copy on a VM.) Part of
-:mod:`agent.client.evacuate`.
+receiver checksums each chunk on one thread and writes it on another while the next one arrives.
+(Mapping the files instead was measured slower: a page fault per 4 KiB page costs more than the copy on a
+VM.) Part of :mod:`agent.client.evacuate`.
 """
 
 from __future__ import annotations
@@ -156,8 +156,8 @@ def receive_file(
 ) -> tuple[int, str | None]:
     """Receive what :func:`send_file` sends into ``path``: (its CRC32, None) or (…, the problem: a write
     that failed, a CRC32 that does not match). Receives every byte whatever happens, since the sender is
-    blocked until they are read. Each chunk is checksummed and written on a thread while the next one
-    arrives."""
+    blocked until they are read. Each chunk is checksummed on one thread and written on another while the
+    next one arrives."""
     src = _global(group, sender)
     piece = min(chunk, max(size, 1))
     buffers = (torch.empty(piece, dtype=torch.uint8), torch.empty(piece, dtype=torch.uint8))
@@ -169,26 +169,31 @@ def receive_file(
         handle = None
         problem.append(f"cannot write {path}: {exc}")
 
-    def consume(part: torch.Tensor) -> None:
-        view = part.numpy().data
-        crc[0] = zlib.crc32(view, crc[0])
+    def checksum(part: torch.Tensor) -> None:
+        crc[0] = zlib.crc32(part.numpy().data, crc[0])
+
+    def write(part: torch.Tensor) -> None:
         if handle is not None and not problem:
             try:
-                handle.write(view)
+                handle.write(part.numpy().data)
             except OSError as exc:
                 problem.append(f"cannot write {path}: {exc}")
 
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="evacuate-write") as writer:
-            pending: list[Future[None] | None] = [None, None]
+        with (
+            ThreadPoolExecutor(1, thread_name_prefix="evacuate-crc") as summer,
+            ThreadPoolExecutor(1, thread_name_prefix="evacuate-write") as writer,
+        ):
+            pending: list[tuple[Future[None], Future[None]] | None] = [None, None]
             for index, offset in enumerate(range(0, size, piece)):
                 slot = index % 2
                 earlier = pending[slot]
-                if earlier is not None:  # that buffer's earlier chunk is written first
-                    earlier.result()
+                if earlier is not None:  # that buffer's earlier chunk is summed and written first
+                    earlier[0].result()
+                    earlier[1].result()
                 part = buffers[slot][: min(piece, size - offset)]
                 dist.recv(part, src, group=group)
-                pending[slot] = writer.submit(consume, part)
+                pending[slot] = (summer.submit(checksum, part), writer.submit(write, part))
     finally:
         if handle is not None:
             handle.close()
