@@ -79,6 +79,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             for name in sorted(fixtures & SHARED_FIXTURES):
                 item.add_marker(pytest.mark.xdist_group(name))
     if not config.getoption("fast"):
+        # The long tests first (stable: each kind keeps its order): on parallel workers they start together
+        # and the short ones fill in around them, rather than a long one drawn last running on alone.
+        items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in NOT_FAST))
         return
     if grouped:
         # The fast lane's tests of modules that resolve torch on first use (tests/lazy.py) run on one worker,
