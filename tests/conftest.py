@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 NOT_FAST = frozenset({"slow", "service", "torch_mp"})
 # Fixtures that start an external service: a test that takes one is marked ``service`` here, in one place.
 SERVICE_FIXTURES = frozenset({"slurm", "ray_cluster", "kube", "pair"})
-# Fixtures that are slow to build (the session's Slurm, a Ray cluster, two ranks' checkpoints): the tests
-# that share one run on the same parallel worker (``--dist loadgroup``), which builds it once.
-SHARED_FIXTURES = frozenset({"slurm", "ray_cluster", "two_steps"})
+# Fixtures that are slow to build (the session's Slurm, a Ray cluster, two ranks' checkpoints, an evacuation
+# on three hosts): the tests that share one run on the same parallel worker (``--dist loadgroup``), which
+# builds it once.
+SHARED_FIXTURES = frozenset({"slurm", "ray_cluster", "two_steps", "evacuated"})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

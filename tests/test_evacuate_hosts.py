@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from agent.client import EXIT_PREEMPTED
 from agent.ramtier import RamTierComponent
@@ -198,57 +199,84 @@ async def _evacuated(three: list[Host], ckpt: Path) -> tuple[list[HostRun], list
     return runs, [await run.finish() for run in runs], before
 
 
+@dataclass
+class Evacuation:
+    """One evacuation on hosts 0-2 (a drill on host 1), as the tests below find it: what it left right after
+    the exits, and the hosts (a fourth, new and empty, idles for the resume at world size 3)."""
+
+    every: list[Host]
+    ckpt: Path
+    runs: list[HostRun]
+    codes: list[int]
+    before: dict[str, Any]
+    held: list[list[Any]]
+    left: list[bool]
+    tier_files: list[dict[str, Any]]
+    saved: tuple[int, str]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def evacuated(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Evacuation]:
+    """The evacuation the tests of this module share (each costs ~30 s of nine processes starting, six of
+    them importing torch): what it left is read at once, then host 1 is gone (its agent stopped, its RAM tier
+    deleted). The resumes that follow add to hosts 0 and 2's tiers (a host receives the files its ranks
+    lack) but leave the evacuated step the newest one, so each resumes from it whatever ran before."""
+    ckpt = tmp_path_factory.mktemp("evacuated") / "ckpt"
+    async with hosts(4) as every:
+        runs, codes, before = await _evacuated(every[:3], ckpt)
+        steps = {(e["step"], e["digest"]) for run in runs for e in run.of("checkpoint")}
+        assert len(steps) == 1, steps
+        [saved] = steps
+        held = [host.tier.holdings.steps_of(JOB) for host in every[:3]]
+        left = [host.step_dir(saved[0]).exists() for host in every[:3]]
+        tier_files = [json.loads((every[i].step_dir(saved[0]) / "tier.json").read_text()) for i in (0, 2)]
+        await every[1].stop()
+        shutil.rmtree(every[1].ram)
+        yield Evacuation(every, ckpt, runs, codes, before, held, left, tier_files, saved)
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_drill_on_one_host_moves_its_shard_into_the_next_hosts_ram_and_every_exec_exits_75(
-    tmp_path: Path,
+    evacuated: Evacuation,
 ) -> None:
     """3 hosts of 1 rank, a drill on host 1: its shard is in host 2's RAM tier (the next host in the ring
     without a notice), host 0 keeps its own shard and DCP's .metadata, host 1's RAM copy is freed, each
     surviving host's tier.json is committed to its agent, the durable root is untouched, every exec exits 75."""
-    ckpt = tmp_path / "ckpt"
-    async with hosts(3) as three:
-        runs, codes, before = await _evacuated(three, ckpt)
-        held = [host.tier.holdings.steps_of(JOB) for host in three]
-        [step] = {event["step"] for run in runs for event in run.of("checkpoint")}
-        left = [host.step_dir(step).exists() for host in three]
-        tier_files = [json.loads((three[i].step_dir(step) / "tier.json").read_text()) for i in (0, 2)]
-    assert [EXIT_PREEMPTED] * 3 == codes, [run.stderr[-3000:] for run in runs]
-    assert before == _tree(ckpt)
-    assert [[step], [], [step]] == [[record.step for record in records] for records in held]
-    assert {".metadata", "__0_0.distcp"} == set(held[0][0].files)
-    assert {"__1_0.distcp", "__2_0.distcp"} == set(held[2][0].files)
-    assert [True, False, True] == left
-    assert [True, True] == [doc["complete"] for doc in tier_files]
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"} == set(tier_files[0]["step_files"])
+    e = evacuated
+    step = e.saved[0]
+    assert [EXIT_PREEMPTED] * 3 == e.codes, [run.stderr[-3000:] for run in e.runs]
+    assert e.before == _tree(e.ckpt)
+    assert [[step], [], [step]] == [[record.step for record in records] for records in e.held]
+    assert {".metadata", "__0_0.distcp"} == set(e.held[0][0].files)
+    assert {"__1_0.distcp", "__2_0.distcp"} == set(e.held[2][0].files)
+    assert [True, False, True] == e.left
+    assert [True, True] == [doc["complete"] for doc in e.tier_files]
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"} == set(e.tier_files[0]["step_files"])
 
 
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize(("new_hosts", "restart"), [(0, False), (1, False), (0, True)])
 async def test_with_the_notified_host_gone_the_job_resumes_from_the_other_hosts_ram_at_the_next_step(
-    tmp_path: Path, new_hosts: int, restart: bool
+    evacuated: Evacuation, new_hosts: int, restart: bool
 ) -> None:
     """After the evacuation, host 1 is gone (its agent stopped, its RAM tier deleted): the job resumes on
     hosts 0 and 2 (world size 2), or on them and a new empty host (world size 3), from their RAM tiers
     (each host receives the files its ranks need) at the next step with the checkpoint's full-state digest;
     the durable root holds no step. With ``restart``, host 2's agent restarts before the resume: it reads its
     inventory back (CRCs checked) and the resume finds the step there."""
-    ckpt = tmp_path / "ckpt"
-    async with hosts(3 + new_hosts) as every:
-        runs, codes, _before = await _evacuated(every[:3], ckpt)
-        assert [EXIT_PREEMPTED] * 3 == codes, [run.stderr[-3000:] for run in runs]
-        [saved] = {(e["step"], e["digest"]) for run in runs for e in run.of("checkpoint")}
-        await every[1].stop()
-        shutil.rmtree(every[1].ram)
-        if restart:
-            await every[2].stop()
-            await every[2].start()
-        group = [every[0], every[2], *every[3:]]
-        resumed = await _train(group, ckpt, "--steps", str(saved[0] + 2))
-        codes = [await run.finish() for run in resumed]
+    e = evacuated
+    if restart:
+        await e.every[2].stop()
+        await e.every[2].start()
+    group = [e.every[0], e.every[2], *e.every[3 : 3 + new_hosts]]
+    resumed = await _train(group, e.ckpt, "--steps", str(e.saved[0] + 2))
+    codes = [await run.finish() for run in resumed]
     assert [0] * len(group) == codes, [run.stderr[-3000:] for run in resumed]
     starts = [event for run in resumed for event in run.of("resumed")]
-    assert [(saved[0], len(group), saved[1])] * len(group) == [
+    assert [(e.saved[0], len(group), e.saved[1])] * len(group) == [
         (s["next_step"], s["world_size"], s["digest"]) for s in starts
     ]
-    assert [] == list(ckpt.glob("step-*"))
+    assert [] == list(e.ckpt.glob("step-*"))
 
 
 # Run the example with the evacuation's sender replaced by a death: the rank dies as its transfer starts.
