@@ -13,6 +13,13 @@ describes the protocol between the hosts:
 3. whichever host then finds every rank's data and ``.metadata`` among the parts writes ``manifest.json`` and
    renames the directory to ``step-<N>`` (the commit); hosts that find parts missing leave it ("waiting"): the
    last host to finish commits.
+
+A full-state step (``"layout": "full"`` in ``tier.json``: one host's files are the whole step, every surviving
+host holds a copy) is drained by one host alone (:func:`drain_full`): it claims the step with
+``.drain-step-<N>.claim``, copies its files into its own ``.drain-step-<N>.<host>`` and commits them as an
+ordinary ``CheckpointStore`` step (the same :func:`~agent.client.durable.seal`); the other hosts wait while
+the claim is alive and then find the step committed, or take over when the claim is released without a commit
+(a damaged copy) or stops moving (a host lost mid-copy).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -29,12 +37,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from agent.client.durable import fsync_dir, fsync_file, write_durably
-from agent.client.manifest import FORMAT, FORMAT_VERSION, MANIFEST, Checkpoint, CheckpointError
+from agent.client.durable import fsync_dir, fsync_file, seal, write_durably
+from agent.client.manifest import FORMAT, FORMAT_VERSION, MANIFEST, Checkpoint, CheckpointError, FileEntry
 
 DCP_METADATA = ".metadata"
 PART_PREFIX = ".drain-part-"
 CHUNK = 4 * 1024 * 1024
+FULL = "full"  # tier.json's layout of a full-state step
+# A full-state drain's claim: touched every HEARTBEAT_S while its holder copies; one that has not changed for
+# CLAIM_STALE_S (by the waiting host's own clock: hosts' clocks may differ) is taken over.
+HEARTBEAT_S = 1.0
+CLAIM_STALE_S = 30.0
+POLL_S = 0.2
 
 
 class DrainError(Exception):
@@ -161,6 +175,8 @@ def gathered(staging: Path, world_size: int) -> dict[str, Mapping[str, Any]]:
 
 def drain(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Run one host's drain of one step; the final state."""
+    if plan.get("layout") == FULL:
+        return drain_full(plan, say)
     root = Path(plan["durable_root"])
     step = int(plan["step"])
     world_size = int(plan["world_size"])
@@ -201,6 +217,122 @@ def drain(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -> dic
         return {"state": "committed", "path": str(final), "already": True}
     fsync_dir(root)
     return {"state": "committed", "path": str(final)}
+
+
+def committed(final: Path) -> bool:
+    try:
+        Checkpoint.load(final)
+    except CheckpointError:
+        return False
+    return True
+
+
+def claim_file(root: Path, step: int) -> Path:
+    return root / f".drain-step-{step:012d}.claim"
+
+
+def take_claim(claim: Path, host: str, stale_s: float, done: Callable[[], bool]) -> bool:
+    """Wait until this host holds ``claim`` (True), or the step is committed meanwhile (False). A claim whose
+    name, size and time have not changed for ``stale_s`` is moved aside and taken over."""
+    seen: tuple[int, int, int] | None = None
+    since = time.monotonic()
+    while not done():
+        try:
+            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                st = os.stat(claim)
+            except FileNotFoundError:  # released just now: try again
+                continue
+            mark = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if mark != seen:
+                seen, since = mark, time.monotonic()
+            elif time.monotonic() - since >= stale_s:
+                aside = claim.with_name(f"{claim.name}.stale-{host}")
+                with contextlib.suppress(FileNotFoundError):  # another host may have taken it first
+                    os.rename(claim, aside)
+                    os.unlink(aside)
+                continue
+            time.sleep(POLL_S)
+            continue
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps({"host": host, "pid": os.getpid()}))
+        return True
+    return False
+
+
+def release_claim(claim: Path, host: str) -> None:
+    """Remove ``claim`` if this host still holds it (another may have taken it over)."""
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(claim.read_text()).get("host") == host:
+            os.unlink(claim)
+
+
+def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Drain a full-state step that this host holds whole: under the step's claim, its files into this host's
+    own staging directory, sealed and renamed to ``step-<N>`` as CheckpointStore.save does. A host that finds
+    the step committed (before or after waiting for another host's claim) copies nothing."""
+    root, step, host = Path(plan["durable_root"]), int(plan["step"]), str(plan["host"])
+    files: Mapping[str, Mapping[str, Any]] = plan["files"]
+    whole = plan.get("step_files")
+    if not isinstance(whole, Mapping) or not whole:
+        raise DrainError(f"tier.json of step {step} lists no step_files: not a full-state step")
+    lacking = [n for n, size in sorted(whole.items()) if int(files.get(n, {}).get("size", -1)) != int(size)]
+    if lacking:
+        raise DrainError(f"this host's copy of step {step} lacks {', '.join(lacking)}: it is not whole")
+    final = final_dir(root, step)
+    already = {"state": "committed", "path": str(final), "already": True}
+    if committed(final):
+        return already
+    root.mkdir(parents=True, exist_ok=True)
+    claim = claim_file(root, step)
+    if not take_claim(
+        claim, host, float(plan.get("claim_stale_s") or CLAIM_STALE_S), lambda: committed(final)
+    ):
+        return already
+    staging = root / f".drain-step-{step:012d}.{host}"
+    try:
+        if committed(final):  # committed between the last look and the claim
+            return already
+        shutil.rmtree(staging, ignore_errors=True)  # an earlier try of this host's
+        staging.mkdir()
+        pace = Pace(float(plan.get("rate_mb_s") or 0), sum(int(size) for size in whole.values()), say)
+        beat = [time.monotonic()]
+
+        def progress(nbytes: int) -> None:
+            pace(nbytes)
+            if time.monotonic() - beat[0] >= HEARTBEAT_S:  # the claim is alive: the waiting hosts wait
+                beat[0] = time.monotonic()
+                with contextlib.suppress(OSError):
+                    os.utime(claim)
+
+        entries = {}
+        for name in sorted(whole):
+            size, crc = int(files[name]["size"]), int(files[name]["crc32"])
+            copy_file(Path(plan["source"]) / name, staging / name, size, crc, progress, host)
+            entries[name] = FileEntry(name, size, crc)
+        pace.report()
+        metadata = plan.get("metadata")
+        notice = plan.get("notice_id")
+        run = plan.get("run")
+        seal(  # the manifest CheckpointStore.save writes; the files are fsynced and their CRCs checked already
+            staging, step, emergency=True, notice_id=notice if isinstance(notice, str) else None,
+            metadata={**(metadata if isinstance(metadata, dict) else {}), "drained_from": "ram_tier"},
+            presealed=entries, run=run if isinstance(run, int) and not isinstance(run, bool) and run >= 0 else 0,
+        )  # fmt: skip
+        try:
+            os.rename(staging, final)
+        except OSError as exc:
+            if committed(final):  # another host committed it after all (a claim taken over as stale)
+                return already
+            raise DrainError(
+                f"{final} is there and is not a committed step ({exc}): nothing replaced it"
+            ) from exc
+        fsync_dir(root)
+        return {"state": "committed", "path": str(final)}
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        release_claim(claim, host)
 
 
 def become(uid: int, gid: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.ramtier.holdings import Holdings
-from agent.ramtier.inventory import step_dir
+from agent.ramtier.inventory import MANIFEST, MAX_MANIFEST_BYTES, step_dir
 
 # A drain's states: queued -> copying -> committed (this host made the step durable, or found it so),
 # waiting (its part is in, other hosts' parts are not yet: the last host commits), failed.
@@ -35,6 +35,7 @@ class Drain:
     error: str | None = None
     path: str | None = None
     missing: list[str] = field(default_factory=list)
+    already: bool = False  # committed by another host (this one copied nothing, or its copy was not used)
     done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -49,6 +50,8 @@ class Drain:
                 doc[key] = getattr(self, key)
         if self.missing:
             doc["missing"] = self.missing
+        if self.already:
+            doc["already"] = True
         return doc
 
 
@@ -123,6 +126,7 @@ class Drains:
             "files": {name: entry.to_json() for name, entry in record.files.items()},
             "rate_mb_s": self._rate,
             "host": self._host_id(),
+            **await asyncio.to_thread(_full_state, source),
         }
         drain.state, drain.total_bytes = "copying", sum(e.size for e in record.files.values())
         self._log.info(
@@ -136,6 +140,7 @@ class Drains:
         drain.error = outcome.get("error")
         drain.path = outcome.get("path")
         drain.missing = list(outcome.get("missing") or [])
+        drain.already = outcome.get("already") is True
         self.drained_bytes += drain.copied_bytes
         event = "ram_tier_drain_failed" if drain.state == "failed" else f"ram_tier_drain_{drain.state}"
         (self._log.error if drain.state == "failed" else self._log.info)(
@@ -185,3 +190,18 @@ class Drains:
             tail = " | ".join(other[-5:]) or "no output"
             outcome = {"state": "failed", "error": f"the drain exited with status {proc.returncode}: {tail}"}
         return outcome
+
+
+def _full_state(source: Path) -> dict[str, Any]:
+    """What the drain of a full-state step (tier.json's ``"layout": "full"``: this host's files are the whole
+    step) needs beyond the inventory: the layout, the step's files, its notice and metadata; {} for a sharded
+    step (or a tier.json that cannot be read: the drain reads the files it names anyway)."""
+    try:  # the job's file, read by the agent: never through a link
+        fd = os.open(source / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as handle:
+            doc = json.loads(handle.read(MAX_MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("layout") != "full":
+        return {}
+    return {key: doc.get(key) for key in ("layout", "step_files", "notice_id", "metadata")}
