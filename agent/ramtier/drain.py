@@ -39,6 +39,7 @@ from typing import Any
 
 from agent.client.durable import fsync_dir, fsync_file, seal, write_durably
 from agent.client.manifest import FORMAT, FORMAT_VERSION, MANIFEST, Checkpoint, CheckpointError, FileEntry
+from agent.ramtier import identity
 
 DCP_METADATA = ".metadata"
 PART_PREFIX = ".drain-part-"
@@ -336,11 +337,9 @@ def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -
 
 
 def become(uid: int, gid: int) -> None:
-    """Drop to the job's user (after the imports: the interpreter may be readable by root alone)."""
-    if os.geteuid() == 0 and uid != 0:
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
+    """Take the job's user and drop every capability (after the imports: the interpreter may be readable by
+    the agent's user alone); :mod:`agent.ramtier.identity` says how, and what fails when it may not."""
+    identity.become(uid, gid)
 
 
 def main() -> int:
@@ -351,6 +350,7 @@ def main() -> int:
     try:
         plan = json.loads(sys.stdin.read())
         become(int(plan["uid"]), int(plan["gid"]))
+        identity.check_writable(Path(plan["durable_root"]))
         outcome = drain(plan, say)
     except (OSError, DrainError, CheckpointError, ValueError, KeyError, TypeError) as exc:
         outcome = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
