@@ -36,6 +36,7 @@ _RANK = textwrap.dedent(
     import json, os, sys, warnings, zlib
     import torch, torch.distributed as dist
     from agent.client.manifest import CheckpointError
+    from agent.client.ramtier import RamTier
     from agent.client.store_peer import PeerCheckpointStore
     from agent.client.torch import load_torch, torch_writer
 
@@ -49,16 +50,35 @@ _RANK = textwrap.dedent(
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        store = PeerCheckpointStore(root, socket_path=sock, job=job)
+        drain = RamTier(sock, drain_to=root) if os.environ.get("DRAIN") else None  # the agents drain to root
+        store = PeerCheckpointStore(root, socket_path=sock, job=job, ram_tier=drain)
         out = {"rank": rank}
-        if mode in ("save", "stale"):
+        if mode in ("save", "stale", "twice"):
             torch.manual_seed(0)
             state = {"w": torch.randn(256, 1024), "step": step}
-            saved = store.save(state["step"], torch_writer(state), emergency=True, notice_id="n-1", noticed=noticed)
+            for at in (step, step + 1) if mode == "twice" else (step,):  # "twice": a newer peer step after it
+                state["step"] = at
+                saved = store.save(at, torch_writer(state), emergency=True, notice_id="n-1", noticed=noticed)
+                out.setdefault("digests", {})[at] = digest(state)
             out.update(step=saved.step, path=str(saved.path), tier=saved.metadata.get("tier"), digest=digest(state))
             if mode == "stale":  # a newer durable step after it
                 state["step"] += 1
                 store.save(state["step"], torch_writer(state))
+        if mode == "damaged":  # each copy loses a byte after its CRC32 was taken (RAM gone bad before the drain)
+            torch.manual_seed(0)
+            state = {"w": torch.randn(256, 1024), "step": step}
+
+            def damaged(directory, write=torch_writer(state)):
+                written = write(directory)
+                with open(directory / "state.pt", "r+b") as handle:
+                    handle.seek(1000)
+                    byte = handle.read(1)[0]
+                    handle.seek(1000)
+                    handle.write(bytes([byte ^ 0xFF]))
+                return written
+
+            saved = store.save(step, damaged, emergency=True, notice_id="n-1", noticed=noticed)
+            out.update(step=saved.step, tier=saved.metadata.get("tier"))
         if mode == "die":  # a durable step, then the notified rank dies as the emergency save starts
             torch.manual_seed(0)
             state = {"w": torch.randn(256, 1024), "step": step - 1}
@@ -102,16 +122,21 @@ def test_a_ram_step_not_newer_than_the_durable_one_is_never_chosen_newer_being_b
 
 
 async def _ranks(
-    group: Sequence[Host], tmp: Path, mode: str, noticed: Sequence[int] = (), dies: Sequence[int] = ()
+    group: Sequence[Host],
+    tmp: Path,
+    mode: str,
+    noticed: Sequence[int] = (),
+    dies: Sequence[int] = (),
+    drain: bool = False,
 ) -> list[dict[str, Any]]:
     """One rank per host of ``group`` (rank i on host i) running ``mode``; each rank's JSON line (none for
-    the ranks in ``dies``, which must fail)."""
+    the ranks in ``dies``, which must fail). ``drain``: the store's RamTier drains to the root."""
     script = tmp / "rank.py"
     script.write_text(_RANK)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "TORCHELASTIC_"))}
     env.update(PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), WORLD_SIZE=str(len(group)))  # fmt: skip
+               MASTER_PORT=str(port), WORLD_SIZE=str(len(group)), **({"DRAIN": "1"} if drain else {}))  # fmt: skip
     procs = []
     for rank, host in enumerate(group):
         args = (mode, str(tmp / "ckpt"), str(host.socket), json.dumps(list(noticed)), JOB, str(STEP))

@@ -3,7 +3,7 @@ for a job whose every rank holds the whole state (DDP), used by every rank toget
 emergency save puts one copy of the step into the RAM tier of each host *without* a notice, written by the
 host's lowest rank: nothing is sent, and a notified host writes nothing. A resume takes the newest step a host
 holds whole (CRC-checked) when it is newer than the root's; a host without it receives it through the group.
-"""
+The agents drain a step into the root when the store's RamTier has ``drain_to`` (agent/ramtier/drain.py)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ class PeerCheckpointStore(CheckpointStore):
     ``tier="peer"``: an emergency save with ``noticed`` (``decision.noticed``) goes into the RAM tier of each
     host without a notice (``writer`` runs there on the host's lowest rank), or to the root with a
     :class:`CheckpointWarning` saying why. Other saves go to ``root``, written by rank 0. ``job``: see
-    :func:`~agent.client.ramtier.job_id`; ``ram_tier``: the tier's client; the rest is CheckpointStore's."""
+    :func:`~agent.client.ramtier.job_id`; ``ram_tier``: the tier's client (``RamTier(drain_to=root)``: the agents
+    then drain each peer step into ``root`` as an ordinary step); the rest is CheckpointStore's."""
 
     def __init__(
         self,
@@ -83,10 +84,8 @@ class PeerCheckpointStore(CheckpointStore):
         socket_path: str | Path | None = None,
         **options: Any,
     ) -> None:
-        if tier not in ("durable", "peer") or (ram_tier is not None and ram_tier.drain_to is not None):
-            raise ValueError(  # the agents' drain commits sharded (DCP) steps only
-                f"tier must be 'durable' or 'peer' (got {tier!r}); a full-state store's RamTier has no drain_to"
-            )
+        if tier not in ("durable", "peer"):
+            raise ValueError(f"tier must be 'durable' or 'peer', got {tier!r}")
         super().__init__(root, keep, socket_path=socket_path, **options)
         self.tier = tier
         self.job = job_id(job) if tier == "peer" else job  # no id: an error before training
@@ -135,7 +134,7 @@ class PeerCheckpointStore(CheckpointStore):
             run = int(self.ranks.from_zero(self.run_for(step) if self.ranks.rank == 0 else 0))
             if noticed is None:
                 raise PeerTierUnusable("the ranks with a notice are unknown: pass noticed=decision.noticed")
-            path, entries = _Evacuation(self, step, run, notice_id).run(writer, noticed)
+            path, entries = _Evacuation(self, step, run, notice_id, metadata).run(writer, noticed)
         except PeerTierUnusable as exc:
             why = f"step {step} was not saved into the RAM of the hosts without a notice ({exc})"
             warnings.warn(f"{why}; saving it to {self.root} instead", CheckpointWarning, stacklevel=3)
@@ -173,8 +172,10 @@ class PeerCheckpointStore(CheckpointStore):
 class _Evacuation:
     """One peer save of a full-state step (a collective of the store's group)."""
 
-    def __init__(self, store: PeerCheckpointStore, step: int, run: int, notice_id: str | None) -> None:
+    def __init__(self, store: PeerCheckpointStore, step: int, run: int, notice_id: str | None,
+                 metadata: Mapping[str, Any] | None) -> None:  # fmt: skip
         self.store, self.step, self.run_, self.notice_id = store, step, run, notice_id
+        self.metadata = dict(metadata or {})  # the drained step's manifest carries it, as the root's would
         self.ranks = store.ranks
 
     def run(self, writer: Writer, noticed: Collection[int]) -> tuple[Path, dict[str, tuple[int, int]]]:
@@ -222,7 +223,7 @@ class _Evacuation:
             write_tier_file(
                 reservation.path, job=job, step=self.step, run=self.run_, world_size=self.ranks.world_size,
                 files=files, complete=True,
-                extra={"layout": LAYOUT, "step_files": every, "notice_id": self.notice_id},
+                extra={"layout": LAYOUT, "step_files": every, "notice_id": self.notice_id, "metadata": self.metadata},
             )  # fmt: skip
             store.tiers.commit(job, self.step, reservation.id)
         except Exception as exc:  # the writer's, the tier's (full) or tmpfs's failure: the root may take it
