@@ -53,7 +53,7 @@ from agent.client.dcp_peer import PeerTier
 from agent.client.dcp_state import Progress, TrainState, layout
 from agent.client.durable import ChecksumThreads
 from agent.client.preempted import record_emergency
-from agent.client.ramtier import RamTier, job_id
+from agent.client.ramtier import RamTier, resolve_job_id
 from agent.client.reporting import Reporter
 from agent.client.store import (
     Checkpoint,
@@ -92,7 +92,7 @@ class ShardedStore:
     before training starts, not at the emergency. ``keep`` newest steps are kept (0: all).
 
     ``tier="peer"``: emergency saves go into the RAM of the hosts without a notice, resumes look there first
-    (:mod:`agent.client.dcp_peer`; ``job`` or :func:`~agent.client.ramtier.job_id` names the job); ``"auto"``:
+    (:mod:`agent.client.dcp_peer`; ``job`` or :func:`.ramtier.resolve_job_id` names the job); ``"auto"``:
     to the root when the durable save's predicted duration times ``margin`` fits the time left, else as "peer".
     """
 
@@ -116,9 +116,9 @@ class ShardedStore:
     ) -> None:
         if tier not in ("durable", "peer", "auto"):
             raise ValueError(f"tier must be 'durable', 'peer' or 'auto', got {tier!r}")
-        self.tier, job = tier, job_id(job) if tier != "durable" else job  # no id: an error before training
-        # The step directories, their listing, replacing and pruning are the plain store's; so are the
-        # checks of the arguments they share and the reporter.
+        tiers = ram_tier or RamTier(socket_path)  # no job id: an error before training, not at the emergency
+        self.tier, job = tier, resolve_job_id(job, tiers.socket) if tier != "durable" else job
+        # The plain store's: step directories, listing, replacing, pruning, shared argument checks, reporter.
         self._local = CheckpointStore(
             root,
             keep,
@@ -157,7 +157,7 @@ class ShardedStore:
         )
         self._checksummers = ChecksumThreads()
         self.last_save: ShardedCheckpoint | None = None
-        tiers, auto = ram_tier or RamTier(socket_path), margin if tier == "auto" else None
+        auto = margin if tier == "auto" else None
         peer = PeerTier(
             self.ranks, self._local, tiers, str(job), thread_count, self._report, self._budget, auto
         )

@@ -1,8 +1,9 @@
 """The client of the agent's RAM tier: a directory on tmpfs that the agent owns, where a job's ranks put the
 files of a checkpoint step to outlive their processes (not the host), reserving room first and committing the
 step once the host's part is complete (``tier.json``, written here). The paths come from the agent, never
-from a guess; :func:`job_id` names the job so that two jobs on the same hosts never mix. Standard library
-only (over :mod:`agent.client.transport`); the contract is docs/ram-tier.md's.
+from a guess; :func:`job_id` (or :func:`resolve_job_id`, which asks the agent too) names the job so that two
+jobs on the same hosts never mix. Standard library only (over :mod:`agent.client.transport`); the contract is
+docs/ram-tier.md's.
 """
 
 from __future__ import annotations
@@ -50,11 +51,16 @@ class Reservation:
     bytes: int
 
 
+class NoJobId(ValueError):
+    """Nothing names the job: no explicit id, none in the environment (and, from :func:`resolve_job_id`, none
+    the agent knows)."""
+
+
 def job_id(explicit: str | None = None, env: Mapping[str, str] | None = None) -> str:
     """The id of this job for the RAM tier: ``explicit``, else ``PREEMPTD_JOB_ID``, else torchrun's
     ``TORCHELASTIC_RUN_ID`` (unless ``none``, its default), else ``SLURM_JOB_ID`` (with ``_`` and
-    ``SLURM_ARRAY_TASK_ID`` for an array task). ValueError saying how to set one when there is none or it
-    is not ``[A-Za-z0-9._-]{1,128}``."""
+    ``SLURM_ARRAY_TASK_ID`` for an array task). :class:`NoJobId` saying how to set one when there is none,
+    ValueError when it is not ``[A-Za-z0-9._-]{1,128}``."""
     environ = os.environ if env is None else env
     found: list[tuple[str, str]] = []
     if explicit is not None:
@@ -68,7 +74,7 @@ def job_id(explicit: str | None = None, env: Mapping[str, str] | None = None) ->
         task = environ.get("SLURM_ARRAY_TASK_ID")
         found.append(("SLURM_JOB_ID", environ["SLURM_JOB_ID"] + (f"_{task}" if task else "")))
     if not found:
-        raise ValueError(
+        raise NoJobId(
             "no job id for the RAM tier: pass job=... to the store, or set PREEMPTD_JOB_ID (torchrun's "
             "--rdzv-id and Slurm's SLURM_JOB_ID are used when present); the same on every rank of the job "
             "and different from every other job on these hosts"
@@ -78,6 +84,33 @@ def job_id(explicit: str | None = None, env: Mapping[str, str] | None = None) ->
         raise ValueError(
             f"{where} {value!r} is not a valid RAM-tier job id: use 1 to 128 characters of A-Z a-z 0-9 . _ -"
         )
+    return value
+
+
+def resolve_job_id(
+    explicit: str | None = None, socket: str | Path | None = None, timeout: float = _TIMEOUT_S
+) -> str:
+    """:func:`job_id`, else the job the agent at ``socket`` knows this process by (``GET
+    /v1/ram-tier/job-id``: the owner of the pod it runs in, with the Kubernetes bridge on). :class:`NoJobId`
+    saying what each said when neither names one."""
+    try:
+        return job_id(explicit)
+    except NoJobId as exc:
+        unnamed = exc
+    try:
+        body = request_json("GET", "/v1/ram-tier/job-id", None, socket_path=socket, timeout=timeout)
+    except AgentUnavailable as exc:
+        raise NoJobId(f"{unnamed} (and the agent could not be asked: {exc})") from None
+    except AgentHTTPError as exc:
+        said = exc.body.get("error") if isinstance(exc.body, Mapping) else exc.body
+        if exc.status == 404 and said is None:
+            said = "the agent's RAM tier is off"
+        raise NoJobId(f"{unnamed} (and the agent knows none: {said})") from None
+    except (OSError, ValueError) as exc:
+        raise NoJobId(f"{unnamed} (and the agent could not be asked: {exc})") from None
+    value = body.get("job") if isinstance(body, Mapping) else None
+    if not isinstance(value, str) or not _JOB_ID.match(value):
+        raise NoJobId(f"{unnamed} (and the agent's answer names no valid job: {body!r})")
     return value
 
 

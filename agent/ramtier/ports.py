@@ -42,6 +42,8 @@ class RamTierHost(Protocol):
 
     def add_metrics_collector(self, collector: Any) -> None: ...
 
+    def capability(self, name: str) -> Any | None: ...
+
 
 class TierView(Protocol):
     """What the routes use of the component."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from agent.core.jobs import JOB_NAMES, JobNameRegistry
 from agent.core.peers import is_admin, peer_credentials
 from agent.ramtier.inventory import (
     Root,
@@ -52,6 +53,7 @@ def routes(tier: TierView) -> list[tuple[str, str, Route]]:
     step = base + "/jobs/{job}/steps/{step}"
     return [
         ("GET", base, bind(info)),
+        ("GET", base + "/job-id", bind(job_id)),
         ("GET", base + "/jobs/{job}", bind(job)),
         ("DELETE", base + "/jobs/{job}", bind(free)),
         ("POST", base + "/jobs/{job}/reserve", bind(reserve)),
@@ -111,6 +113,27 @@ async def _owner_only(tier: TierView, request: web.Request, root: Root, job: str
 async def info(tier: TierView, request: web.Request) -> web.StreamResponse:
     await tier.ready_root()
     return web.json_response(tier.summary())
+
+
+async def job_id(tier: TierView, request: web.Request) -> web.StreamResponse:
+    """The job of the asking process, as the agent's parts know it (agent/core/jobs.py: the pod's owner),
+    for a client whose environment names none."""
+    creds = peer_credentials(request)
+    if creds is None:
+        raise TierError(
+            403, "a job id is found only for clients on the agent's Unix socket (peer credentials)"
+        )
+    registry = tier.host.capability(JOB_NAMES)
+    if not isinstance(registry, JobNameRegistry) or not registry.sources:
+        raise TierError(
+            404,
+            "no part of this agent knows which job a process belongs to (the Kubernetes bridge does, with "
+            "[actions.kubernetes] on)",
+        )
+    found, why = await registry.name_of(creds[0])
+    if found is None:
+        raise TierError(404, f"no job found for pid {creds[0]}: " + "; ".join(why))
+    return web.json_response({"job": found.job, "source": found.source, "pid": creds[0]})
 
 
 async def job(tier: TierView, request: web.Request) -> web.StreamResponse:

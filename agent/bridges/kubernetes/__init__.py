@@ -65,7 +65,8 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
         with contextlib.suppress(TypeError):
             _collectors[host] = collector
     collector.bridge = bridge
-    from agent.bridges.kubernetes.window import offer
+    from agent.bridges.kubernetes import jobname, window
 
-    offer(host, bridge)  # the training pods' grace, for the window (agent/core/window.py)
+    window.offer(host, bridge)  # the training pods' grace, for the window (agent/core/window.py)
+    jobname.offer(host, bridge)  # the pods' owners, for the RAM tier's job ids (agent/core/jobs.py)
     return bridge
