@@ -10,12 +10,15 @@ zero writes the checkpoint (``trainer.save_checkpoint``, the usual case for sing
 Under a strategy that writes a sharded checkpoint on every rank (``FSDPStrategy(state_dict_type="sharded")``,
 ``ModelParallelStrategy``) every rank writes its shard in Lightning's own format into one shared step
 directory, committed once for all ranks by :class:`~agent.client.dcp.ShardedStore`; ``ckpt_path`` resumes it,
-at any world size. ``tier="peer"`` is passed to the store: a full-state emergency save goes into the RAM of
-the hosts without a notice (:class:`~agent.client.store_peer.PeerCheckpointStore`, docs/client.md).
+at any world size. ``tier="peer"``: a full-state emergency save goes into the RAM of the hosts without a
+notice (:class:`~agent.client.store_peer.PeerCheckpointStore`, docs/client.md); under a sharded strategy it
+does not apply (a warning says so): Lightning writes its sharded checkpoint into the one directory rank 0
+names for every rank (``strategy.save_checkpoint`` broadcasts the path), not into each host's own RAM.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,8 +100,16 @@ class PreemptdCallback(FollowsNotices, Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.start_watching().mark_handled(self._handled)
         if self.sharded_store is None and writes_on_every_rank(trainer.strategy):
+            if self.tier == "peer" and trainer.is_global_zero:
+                warnings.warn(
+                    f"tier='peer' does not apply under {type(trainer.strategy).__name__}: Lightning writes its "
+                    "sharded checkpoint into one directory that rank 0 names for every rank, not into each "
+                    f"host's RAM tier, so emergency checkpoints go to {self.store.root} (docs/client.md)",
+                    UserWarning,
+                    stacklevel=2,
+                )
             self.sharded_store = ShardedStore(
-                self.store.root, self.keep, socket_path=self.socket_path, tier=self.tier, job=self.job
+                self.store.root, self.keep, socket_path=self.socket_path
             )  # a collective on every rank; checks that the directory is shared
         elif self.peer_store is None and self.tier == "peer":
             self.peer_store = PeerCheckpointStore(
