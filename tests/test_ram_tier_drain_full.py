@@ -66,6 +66,7 @@ def listing(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
+@pytest.mark.slow
 async def test_two_hosts_holding_the_same_full_state_step_commit_it_once_as_a_checkpoint_store_step(
     base: Path, other: Path
 ) -> None:
@@ -94,6 +95,7 @@ async def test_two_hosts_holding_the_same_full_state_step_commit_it_once_as_a_ch
     assert [f"step-{STEP:012d}"] == listing(durable)
 
 
+@pytest.mark.slow
 async def test_a_damaged_copy_is_not_committed_and_the_other_hosts_good_copy_is(
     base: Path, other: Path
 ) -> None:
@@ -164,3 +166,28 @@ def test_a_host_that_finds_the_step_committed_while_it_waits_copies_nothing(tmp_
     assert alone
     assert [{"state": "committed", "path": str(final_dir(durable, STEP)), "already": True}] == outcome
     assert [claim.name, f"step-{STEP:012d}"] == listing(durable)
+
+
+@pytest.mark.slow
+def test_a_claim_kept_alive_by_a_slow_copy_is_waited_for_not_taken_over(tmp_path: Path) -> None:
+    """Host A copies slowly (rate-limited past the claim's stale time): its claim keeps moving, so host B waits
+    and finds the step committed by A instead of copying it a second time."""
+    source = tmp_path / "ram"
+    source.mkdir()
+    (source / "state.pt").write_bytes(STATE)
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    outcomes: dict[str, dict[str, Any]] = {}
+
+    def run(host: str, rate_mb_s: float) -> None:
+        plan = {**_plan(source, durable, host, 2.5), "rate_mb_s": rate_mb_s}
+        outcomes[host] = drain(plan, lambda doc: None)
+
+    slow = threading.Thread(target=run, args=("a", len(STATE) / 5e6))  # ~5 s
+    slow.start()
+    time.sleep(0.3)
+    run("b", 0)
+    slow.join(30)
+    assert ("committed", None) == (outcomes["a"]["state"], outcomes["a"].get("already"))
+    assert ("committed", True) == (outcomes["b"]["state"], outcomes["b"].get("already"))
+    assert [f"step-{STEP:012d}"] == listing(durable)

@@ -30,6 +30,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -292,25 +293,19 @@ def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -
     ):
         return already
     staging = root / f".drain-step-{step:012d}.{host}"
+    stop = threading.Event()
+    # The claim is alive while this host holds it, through long fsyncs too: the waiting hosts wait.
+    threading.Thread(target=_heartbeat, args=(claim, stop), name="drain-claim", daemon=True).start()
     try:
         if committed(final):  # committed between the last look and the claim
             return already
         shutil.rmtree(staging, ignore_errors=True)  # an earlier try of this host's
         staging.mkdir()
         pace = Pace(float(plan.get("rate_mb_s") or 0), sum(int(size) for size in whole.values()), say)
-        beat = [time.monotonic()]
-
-        def progress(nbytes: int) -> None:
-            pace(nbytes)
-            if time.monotonic() - beat[0] >= HEARTBEAT_S:  # the claim is alive: the waiting hosts wait
-                beat[0] = time.monotonic()
-                with contextlib.suppress(OSError):
-                    os.utime(claim)
-
         entries = {}
         for name in sorted(whole):
             size, crc = int(files[name]["size"]), int(files[name]["crc32"])
-            copy_file(Path(plan["source"]) / name, staging / name, size, crc, progress, host)
+            copy_file(Path(plan["source"]) / name, staging / name, size, crc, pace, host)
             entries[name] = FileEntry(name, size, crc)
         pace.report()
         metadata = plan.get("metadata")
@@ -332,8 +327,15 @@ def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -
         fsync_dir(root)
         return {"state": "committed", "path": str(final)}
     finally:
+        stop.set()
         shutil.rmtree(staging, ignore_errors=True)
         release_claim(claim, host)
+
+
+def _heartbeat(claim: Path, stop: threading.Event) -> None:
+    while not stop.wait(HEARTBEAT_S):
+        with contextlib.suppress(OSError):
+            os.utime(claim)
 
 
 def become(uid: int, gid: int) -> None:
