@@ -98,6 +98,10 @@ if [ "$mode" = debootstrap ]; then
   [ -L "$root/etc/systemd/system/multi-user.target.wants/preemptd.service" ] || fail "preemptd.service is not enabled"
   in_root dpkg-query -W -f='${Conffiles}' preemptd | grep -q /etc/preemptd/config.toml || fail "conffile not registered"
   in_root preemptd run --help >/dev/null || fail "preemptd run --help"
+  # The installed /etc/preemptd/config.toml loads, and it turns the RAM tier on.
+  in_root preemptd run --print-config >"$work/config.json" || fail "preemptd run --print-config"
+  python3 -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))["ram_tier"]["enabled"] is not True)' \
+    "$work/config.json" || fail "the packaged config.toml does not turn the RAM tier on"
   (cd "$root" && systemd-analyze verify --root="$root" preemptd.socket preemptd.service) || fail "systemd-analyze verify"
   echo "ok: units verify in the root"
   in_root apt-get purge -y -qq preemptd >"$work/purge.log" 2>&1 || { tail -20 "$work/purge.log"; fail "purge"; }

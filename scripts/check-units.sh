@@ -2,7 +2,7 @@
 # Check the systemd units in systemd/ on a machine where preemptd is not installed (CI):
 #
 #  1. `systemd-analyze verify` must print nothing at all: any warning fails the check.
-#  2. `systemd-analyze security --offline=yes` must rate the service at or below MAX_EXPOSURE.
+#  2. `systemd-analyze security --offline=yes` must rate the service at or below MAX_EXPOSURE (default 3.0).
 #  3. The sysusers and tmpfiles snippets must apply cleanly (tmpfiles only when run as root: it chowns).
 #  4. MemoryDenyWriteExecute=yes must not break the agent: scripts/check_mdwe.py runs it under the kernel's
 #     equivalent (prctl PR_SET_MDWE, Linux >= 6.3; skipped with a note on older kernels).
@@ -17,7 +17,9 @@
 # $VENV/bin/python (VENV as in scripts/setup, default .venv); SKIP_MDWE=1 skips it.
 set -euo pipefail
 
-MAX_EXPOSURE="${MAX_EXPOSURE:-2.5}"
+# 2.9 as shipped: the RAM tier's CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_SETUID and CAP_SETGID cost 0.7 over the 2.2 of
+# the unit without them (docs/systemd.md says why each is there); 3.0 leaves no room for anything else.
+MAX_EXPOSURE="${MAX_EXPOSURE:-3.0}"
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 units="$repo/systemd"

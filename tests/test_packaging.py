@@ -4,10 +4,12 @@ configuration key is documented. The package builds themselves run in packaging/
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,21 @@ def test_the_guides_example_configuration_loads_and_builds(tmp_path: Path) -> No
 def test_the_packaged_default_configuration_loads() -> None:
     config = load_config(PACKAGING / "config.toml", env={})
     assert config.actions == Config().actions
+
+
+def test_the_packaged_configuration_prints_with_the_ram_tier_on(tmp_path: Path) -> None:
+    """``preemptd run --print-config`` with the shipped file, as the packaged unit starts the agent: the RAM
+    tier is on (the unit grants what it needs: tests/test_ram_tier_unit.py), every other key at its default."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "agent", "run", "--config", str(PACKAGING / "config.toml"), "--print-config"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path, env={**env, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert 0 == done.returncode, done.stderr
+    shown = json.loads(done.stdout)["ram_tier"]
+    assert {"enabled": True, "path": "/dev/shm/preemptd", "cap_bytes": 0, "cap_fraction": 0.25} == {
+        key: shown[key] for key in ("enabled", "path", "cap_bytes", "cap_fraction")
+    }
 
 
 @pytest.mark.parametrize(

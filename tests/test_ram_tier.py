@@ -109,15 +109,11 @@ def test_a_bad_ram_tier_value_is_refused_when_the_configuration_loads(
     assert expected in str(caught.value)
 
 
-def test_the_packaged_configuration_shows_the_table_and_keeps_the_tier_off(tmp_path: Path) -> None:
-    """Uncommented, the packaged [ram_tier] block loads, and it leaves the tier off: the evacuation's tests
-    pass, but the packaged systemd unit does not give the agent what the tier needs (docs/ram-tier.md)."""
-    text = (REPO / "packaging" / "config.toml").read_text()
-    block = text[text.index("# [ram_tier]") :].splitlines()
-    lines = [line[2:] for line in block if line.startswith("# ") and not line.startswith("#  ")]
-    (tmp_path / "config.toml").write_text("\n".join(lines) + "\n")
-    config = load_config(tmp_path / "config.toml", env={}).table("ram_tier", RamTierConfig)
-    assert (False, Path("/dev/shm/preemptd")) == (config.enabled, config.path)
+def test_the_packaged_configuration_turns_the_tier_on_with_its_defaults() -> None:
+    """The packaged unit gives the agent what the tier needs (tests/test_ram_tier_unit.py), so the packaged
+    configuration turns it on; every other key of the table keeps its default."""
+    config = load_config(REPO / "packaging" / "config.toml", env={}).table("ram_tier", RamTierConfig)
+    assert RamTierConfig(enabled=True) == config
 
 
 async def test_a_disabled_tier_answers_404_saying_how_to_turn_it_on(base: Path) -> None:

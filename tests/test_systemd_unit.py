@@ -1,5 +1,6 @@
-"""The shipped service unit as systemd reads it: ``systemd-analyze verify`` accepts it, and the exit status
-``preemptd run`` gives a bad configuration is one the unit does not restart on."""
+"""The shipped service unit as systemd reads it: ``systemd-analyze verify`` accepts it (the RAM tier's
+capabilities and system calls included), and the exit status ``preemptd run`` gives a bad configuration is one
+the unit does not restart on."""
 
 from __future__ import annotations
 
@@ -81,6 +82,21 @@ def test_systemd_analyze_verify_would_catch_a_bad_restart_prevent_status(tmp_pat
     broken = re.sub(r"^RestartPreventExitStatus=.*$", "RestartPreventExitStatus=config", service, flags=re.M)
     line = 1 + broken.splitlines().index("RestartPreventExitStatus=config")
     assert f"preemptd.service:{line}: Failed to parse value" in verify(throwaway_root(tmp_path, broken))
+
+
+@pytest.mark.skipif(
+    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (apt-get install systemd)"
+)
+def test_systemd_analyze_verify_reads_the_system_calls_the_ram_tier_lets_through(tmp_path: Path) -> None:
+    """The SystemCallFilter= line that lets the RAM tier's calls back in is read: a group systemd does not
+    know is reported (tests/test_ram_tier_unit.py checks what the groups hold)."""
+    service = (UNITS / "preemptd.service").read_text()
+    [tier_line] = [v for v in unit_values(UNITS / "preemptd.service", "SystemCallFilter") if "@setuid" in v]
+    broken = service.replace(f"SystemCallFilter={tier_line}", "SystemCallFilter=@chown @setuidd capset")
+    line = 1 + broken.splitlines().index("SystemCallFilter=@chown @setuidd capset")
+    assert f"preemptd.service:{line}: Unknown system call group, ignoring: @setuidd" in verify(
+        throwaway_root(tmp_path, broken)
+    )
 
 
 def test_config_error_exit_status_is_not_restarted(tmp_path: Path) -> None:

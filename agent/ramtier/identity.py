@@ -100,7 +100,8 @@ def drop_capabilities(libc: ctypes.CDLL | None = None) -> None:
 def become(uid: int, gid: int) -> None:
     """Take the job's uid and gid (when they are not already this process's) and drop every capability.
 
-    Call it after the imports: the interpreter's files may be readable by the agent's user alone."""
+    Call it after the imports (the interpreter's files may be readable by the agent's user alone) and before
+    any thread starts: capabilities are per thread, and a new thread takes its creator's."""
     libc = _libc()
     _drop_bounding(libc)  # before the switch: a root process loses CAP_SETPCAP with it
     if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):

@@ -372,6 +372,8 @@ def _give(path: Path, uid: int, gid: int) -> None:
         remove_tree(path)
         raise TierError(
             403,
-            f"the agent runs as uid {os.geteuid()} and cannot give {path} to uid {uid}: run the agent as root "
-            "(docs/ram-tier.md: under the packaged systemd unit) or the job as the agent's user",
+            f"the agent runs as uid {os.geteuid()} and cannot give {path} to uid {uid}: it needs CAP_CHOWN, and "
+            "a system call filter that lets @chown through (the packaged systemd unit grants both; "
+            'docs/ram-tier.md, "Under the packaged systemd unit"), or to run as root; or run the job as the '
+            "agent's user",
         ) from None
