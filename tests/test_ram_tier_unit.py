@@ -188,9 +188,10 @@ async def unit_agent(base: Path, caps: list[str]) -> AsyncIterator[Path]:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "NOTIFY_SOCKET", "LISTEN_"))}
     sock = base / "a.sock"
+    [umask] = unit_values("UMask")
     with (base / "agent.log").open("ab") as log:
         proc = await asyncio.create_subprocess_exec(
-            *as_unit_user(caps), sys.executable, "-m", "agent", "run", "--config", str(config),
+            "sh", "-c", f'umask {umask} && exec "$@"', "sh", *as_unit_user(caps), sys.executable, "-m", "agent", "run", "--config", str(config),
             "--socket", str(sock), "--state-dir", str(base / "state"), "--cloud", "none", "--log-format", "json",
             env={**env, "PYTHONPATH": str(REPO)}, stdout=log, stderr=log, cwd=REPO,
         )  # fmt: skip
@@ -263,6 +264,7 @@ async def test_an_agent_with_the_units_capabilities_serves_a_job_of_another_user
         drain = drain_of(await until(finished, sock, None, base))
         committed = durable / "ckpt" / f"step-{STEP:012d}"
         owners = {p.stat().st_uid for p in [committed, *committed.iterdir()]}
+        modes = {p.name: oct(p.stat().st_mode & 0o777) for p in committed.iterdir()}
         # The same step drained again to a root the job's user may not write: the drain holds no
         # CAP_DAC_OVERRIDE (the agent does), so it fails, and the step stays in RAM.
         again, answer = await request_as(
@@ -280,6 +282,12 @@ async def test_an_agent_with_the_units_capabilities_serves_a_job_of_another_user
         )
     assert (JOB_UID, JOB_UID) == (step.parent.stat().st_uid, step.stat().st_uid)
     assert ("committed", {JOB_UID}) == (drain["state"], owners), drain
+    # As the job's own save would leave them, not with the agent's UMask=0077.
+    assert ({"0o644"}, True) == (
+        set(modes.values()),
+        {"__0_0.distcp", ".metadata", "manifest.json"} <= set(modes),
+    )
+    assert 0o755 == committed.stat().st_mode & 0o777
     assert "failed" == refused["state"]
     assert f"Permission denied: '{locked / 'ckpt'}'" in refused["error"]
     assert not (locked / "ckpt").exists()

@@ -25,6 +25,7 @@ _PR_SET_NO_NEW_PRIVS = 38
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _CAPABILITY_VERSION_3 = 0x20080522
+DRAIN_UMASK = 0o022
 SETS = ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")
 
 
@@ -112,6 +113,9 @@ def become(uid: int, gid: int) -> None:
         except PermissionError as exc:
             raise IdentityError(_refused(uid, gid, exc)) from None
     drop_capabilities(libc)
+    # What the job's own saves get with the usual umask: readable checkpoint files, whatever the agent's
+    # (the packaged unit's UMask=0077 is for the agent's state, not for the jobs' checkpoints).
+    os.umask(DRAIN_UMASK)
 
 
 def _refused(uid: int, gid: int, exc: OSError) -> str:
