@@ -36,7 +36,7 @@ pytestmark = [
 # (the test drills host 1 once both nodes said "reached"), "resume" starts from resume_path().
 _NODE = textwrap.dedent(
     """
-    import json, sys, warnings, zlib
+    import json, os, sys, warnings, zlib
     import torch
     from lightning.pytorch import Callback, LightningModule, Trainer
     from lightning.pytorch.strategies import DDPStrategy
@@ -81,7 +81,7 @@ _NODE = textwrap.dedent(
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(64, 4, generator=generator)
     data = DataLoader(TensorDataset(x, x.sum(dim=1, keepdim=True)), batch_size=4)
-    preemptd = PreemptdCallback(root, socket_path=sock, tier="peer", job=job)
+    preemptd = PreemptdCallback(root, socket_path=sock, tier="peer", job=job, drain=bool(os.environ.get("DRAIN")))
     trainer = Trainer(
         max_steps=100 if mode == "save" else 6, callbacks=[Pause(), preemptd], accelerator="cpu", devices=1,
         num_nodes=nodes, strategy=DDPStrategy(process_group_backend="gloo") if nodes > 1 else "auto",
@@ -121,12 +121,13 @@ class Node:
         return self.proc.returncode, {e["event"]: e for e in self.events}
 
 
-async def _nodes(group: Sequence[Host], tmp: Path, mode: str) -> list[Node]:
+async def _nodes(group: Sequence[Host], tmp: Path, mode: str, drain: bool = False) -> list[Node]:
     script = tmp / "node.py"
     script.write_text(_NODE)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "TORCHELASTIC_", "SLURM_"))}
     env.update(PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), LOCAL_RANK="0", WORLD_SIZE=str(len(group)))  # fmt: skip
+               MASTER_PORT=str(_free_port()), LOCAL_RANK="0", WORLD_SIZE=str(len(group)),
+               **({"DRAIN": "1"} if drain else {}))  # fmt: skip
     nodes = []
     for index, host in enumerate(group):
         args = (mode, str(tmp / "ckpt"), str(host.socket), JOB, str(len(group)))
@@ -177,3 +178,38 @@ async def test_a_drill_keeps_lightnings_checkpoint_in_the_other_hosts_ram_and_th
         (code, events["start"]["step"], events["start"]["digest"], events["end"]["step"])
         for code, events in resumed
     ]
+
+
+async def test_with_drain_lightnings_peer_checkpoint_becomes_a_durable_step_that_a_new_host_resumes_at_once(
+    tmp_path: Path,
+) -> None:
+    """PreemptdCallback(tier="peer", drain=True): after the drill on host 1, host 0's agent drains Lightning's
+    checkpoint into the root as an ordinary step; host 0 and a new host 2 then both take it in resume_path()
+    and resume it in one start (no stop to spread the RAM copy)."""
+    async with hosts(3) as every:
+        two = every[:2]
+        saving = await _nodes(two, tmp_path, "save", drain=True)
+        for node in saving:
+            await node.until("reached")
+        status, body = await http_json(
+            two[1].socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60}
+        )
+        assert status == 201, body
+        saved = [await node.finish() for node in saving]
+        drain = every[0].tier.drains.records[(JOB, 3)] if every[0].tier.drains else None
+        assert drain is not None
+        await asyncio.wait_for(drain.done.wait(), 120)
+        await every[1].stop()
+        resumed = [await node.finish() for node in await _nodes([every[0], every[2]], tmp_path, "resume")]
+    step_dir = tmp_path / "ckpt" / f"step-{3:012d}"
+    assert [0, 0] == [code for code, _ in saved]
+    assert ("committed", ["lightning.ckpt", "manifest.json"]) == (
+        drain.state,
+        sorted(p.name for p in step_dir.iterdir()),
+    )
+    end = saved[0][1]["end"]["digest"]
+    assert [(0, 3, end, 6, str(step_dir / "lightning.ckpt"))] * 2 == [
+        (code, events["start"]["step"], events["start"]["digest"], events["end"]["step"],
+         events["done"]["resumed_from"])
+        for code, events in resumed
+    ]  # fmt: skip

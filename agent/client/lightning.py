@@ -45,7 +45,9 @@ class PreemptdCallback(FollowsNotices, Callback):
     Options (:class:`~agent.client.callbacks.WatchOptions`): ``every``, ``interval_s`` (None turns periodic
     checkpoints off), ``stop_on_notice`` (sets ``trainer.should_stop``), ``socket_path``, ``watcher``
     (otherwise one is started in ``setup`` and stopped in ``teardown``), ``policy``. ``tier`` (``"durable"``
-    or ``"peer"``) and ``job`` are passed to the store made in ``setup`` (see the module's docstring).
+    or ``"peer"``) and ``job`` are passed to the store made in ``setup`` (see the module's docstring);
+    ``drain=True`` (full-state, ``tier="peer"``): the agents then drain each peer step into ``dirpath`` as an
+    ordinary step, which ``resume_path()`` finds on any host.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class PreemptdCallback(FollowsNotices, Callback):
         filename: str = CHECKPOINT_FILE,
         tier: str = "durable",
         job: str | None = None,
+        drain: bool = False,
         **options: Unpack[WatchOptions],
     ) -> None:
         Callback.__init__(self)
@@ -67,7 +70,10 @@ class PreemptdCallback(FollowsNotices, Callback):
         self.peer_store: PeerCheckpointStore | None = None
         if tier not in ("durable", "peer"):
             raise ValueError(f"tier must be 'durable' or 'peer', got {tier!r}")
+        if drain and tier != "peer":
+            raise ValueError("drain=True drains the peer tier's steps: it needs tier='peer'")
         self.tier, self.job = tier, job_id(job) if tier == "peer" else job  # no id: an error before training
+        self.drain = drain
         self._resumed: tuple[int, int] | None = None  # (run, step) resume_path() chose
         self.filename = filename
         self.saved: list[Checkpoint] = []
@@ -112,8 +118,9 @@ class PreemptdCallback(FollowsNotices, Callback):
                 self.store.root, self.keep, socket_path=self.socket_path
             )  # a collective on every rank; checks that the directory is shared
         elif self.peer_store is None and self.tier == "peer":
+            tiers = RamTier(self.socket_path, drain_to=self.store.root) if self.drain else None
             self.peer_store = PeerCheckpointStore(
-                self.store.root, self.keep, job=self.job, socket_path=self.socket_path
+                self.store.root, self.keep, job=self.job, socket_path=self.socket_path, ram_tier=tiers
             )  # a collective on every rank
             self._agree_on_resume(self.peer_store)
 
