@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes.util
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -102,42 +102,81 @@ def expand(token: str, seen: dict[str, set[str]]) -> set[str]:
     return seen[token]
 
 
-@pytest.mark.service
-@pytest.mark.skipif(
-    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (apt-get install systemd)"
-)
-def test_the_units_system_call_filter_lets_the_tiers_calls_through_and_no_more() -> None:
-    """systemd's rule: the first SystemCallFilter= is an allow list; later ~lists remove, later lists add."""
+def unit_filter(lines: list[str]) -> set[str]:
+    """The system calls ``SystemCallFilter=`` lines allow, by systemd's rule: the first line is an allow list;
+    later ~lines remove from it, later plain lines add to it."""
     seen: dict[str, set[str]] = {}
     allowed: set[str] = set()
-    for number, value in enumerate(unit_values("SystemCallFilter")):
+    for number, value in enumerate(lines):
         deny = value.startswith("~")
         names = set().union(*(expand(token, seen) for token in value.lstrip("~").split()))
         assert not (number == 0 and deny), "the first SystemCallFilter= must be an allow list"
         allowed = allowed - names if deny else allowed | names
+    return allowed
+
+
+needs_analyze = pytest.mark.skipif(
+    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (apt-get install systemd)"
+)
+
+
+@pytest.mark.service
+@needs_analyze
+def test_the_units_system_call_filter_lets_the_tiers_calls_through_and_no_more() -> None:
+    allowed = unit_filter(unit_values("SystemCallFilter"))
     assert set() == TIER_CALLS - allowed
     assert set() == STILL_DENIED & allowed
 
 
-def drain_probe(uid: int, caps: list[str]) -> dict[str, Any]:
-    """What the drain's identity switch leaves: ids and capability sets, read from /proc inside the child."""
-    code = f"""
-        import ctypes, json, os
-        from agent.ramtier import identity
-        # MemoryDenyWriteExecute=yes as the kernel's own prctl (Linux >= 6.3): the drop's ctypes calls work.
-        mdwe = ctypes.CDLL(None).prctl(65, 1, 0, 0, 0) == 0
-        try:
-            identity.become({uid}, {uid})
-        except PermissionError as exc:
-            print(json.dumps({{"error": f"{{type(exc).__name__}}: {{exc}}"}}))
-        else:
-            status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
-            print(json.dumps({{"ids": [os.getresuid(), os.getresgid(), os.getgroups()],
-                              "no_new_privs": status["NoNewPrivs"].strip(), "mdwe": mdwe,
-                              **identity.capabilities()}}))
-        """
+# In the child: the unit's system call filter as a real seccomp filter (libseccomp through ctypes; a call not
+# allowed fails with EPERM, as SystemCallErrorNumber=EPERM says), then the agent's chown of a job's directory
+# (inventory._give), then the drain's identity switch; what is left, read from /proc.
+PROBE = """
+import ctypes, errno, json, os, sys
+from pathlib import Path
+from agent.ramtier import identity
+from agent.ramtier.inventory import TierError, _give
+uid, give, allowed = json.loads(sys.stdin.read())
+# MemoryDenyWriteExecute=yes as the kernel's own prctl (Linux >= 6.3): the drop's ctypes calls work.
+mdwe = ctypes.CDLL(None).prctl(65, 1, 0, 0, 0) == 0
+if allowed is not None:
+    lib = ctypes.CDLL("libseccomp.so.2")
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(0x00050000 | errno.EPERM)
+    for name in allowed:
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number >= 0:
+            assert lib.seccomp_rule_add(ctx, 0x7FFF0000, number, 0) == 0, name
+    assert lib.seccomp_load(ctx) == 0
+out = {"mdwe": mdwe}
+if give is not None:
+    try:
+        _give(Path(give), uid, uid)
+    except TierError as exc:
+        out["give_error"] = str(exc)
+    out["given_to"] = os.stat(give).st_uid if os.path.exists(give) else None
+try:
+    identity.become(uid, uid)
+except PermissionError as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}"
+else:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    out.update(ids=[os.getresuid(), os.getresgid(), os.getgroups()], no_new_privs=status["NoNewPrivs"].strip())
+    out.update(identity.capabilities())
+print(json.dumps(out))
+"""
+
+
+def drain_probe(
+    uid: int, caps: list[str], give: Path | None = None, allowed: set[str] | None = None
+) -> dict[str, Any]:
+    """Run PROBE as the unit runs the agent (``caps``), under the system call filter ``allowed`` if given."""
     done = subprocess.run(
-        [*as_unit_user(caps), sys.executable, "-c", textwrap.dedent(code)],
+        [*as_unit_user(caps), sys.executable, "-c", PROBE],
+        input=json.dumps([uid, str(give) if give else None, sorted(allowed) if allowed is not None else None]),
         capture_output=True, text=True, timeout=60, check=False, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
     assert 0 == done.returncode, done.stderr
@@ -166,6 +205,50 @@ def test_without_setuid_the_drain_refuses_naming_the_capability() -> None:
         f"as uid {AGENT_UID} without CAP_SETUID and CAP_SETGID"
     )
     assert 'docs/ram-tier.md, "Under the packaged systemd unit"' in probe["error"]
+
+
+needs_seccomp = pytest.mark.skipif(
+    ctypes.util.find_library("seccomp") is None,
+    reason="libseccomp is not installed (apt-get install libseccomp2)",
+)
+
+
+def given_directory(tmp_path: Path) -> Path:
+    """A job's directory as the agent has just made it: its own."""
+    job = tmp_path / "job"
+    job.mkdir(mode=0o700)
+    os.chown(job, AGENT_UID, AGENT_UID)
+    return job
+
+
+@pytest.mark.service
+@needs_root
+@needs_analyze
+@needs_seccomp
+def test_under_the_units_system_call_filter_a_directory_is_given_and_the_drain_switches(
+    tmp_path: Path,
+) -> None:
+    allowed = unit_filter(unit_values("SystemCallFilter"))
+    probe = drain_probe(JOB_UID, unit_capabilities(), given_directory(tmp_path), allowed)
+    job = [JOB_UID] * 3
+    assert (JOB_UID, None, [job, job, []]) == (probe["given_to"], probe.get("give_error"), probe.get("ids"))
+    assert (0, 0, 0, 0) == (probe["CapEff"], probe["CapPrm"], probe["CapInh"], probe["CapAmb"])
+
+
+@pytest.mark.service
+@needs_root
+@needs_analyze
+@needs_seccomp
+def test_without_the_filters_ram_tier_line_chown_and_the_switch_fail_saying_so(tmp_path: Path) -> None:
+    """The unit's filter less the line that lets @chown @setuid capset back: what the errors say."""
+    lines = [line for line in unit_values("SystemCallFilter") if "@chown" not in line]
+    probe = drain_probe(JOB_UID, unit_capabilities(), given_directory(tmp_path), unit_filter(lines))
+    assert None is probe["given_to"]  # not left behind as the agent's
+    assert "needs CAP_CHOWN, and a system call filter that lets @chown through" in probe["give_error"]
+    assert (
+        "switching was refused (Operation not permitted) although it holds CAP_SETUID and CAP_SETGID: a system "
+        "call filter must let @setuid through"
+    ) in probe["error"]
 
 
 @contextlib.contextmanager
