@@ -128,18 +128,16 @@ def test_the_units_system_call_filter_lets_the_tiers_calls_through_and_no_more()
     assert set() == STILL_DENIED & allowed
 
 
-# In the child: the unit's system call filter as a real seccomp filter (libseccomp through ctypes; a call not
-# allowed fails with EPERM, as SystemCallErrorNumber=EPERM says), then the agent's chown of a job's directory
+# In the child: the unit's system call filter as a real seccomp filter (libseccomp through ctypes), then the
+# agent's chown of a job's directory
 # (inventory._give), then the drain's identity switch; what is left, read from /proc.
-PROBE = """
-import ctypes, errno, json, os, sys
-from pathlib import Path
-from agent.ramtier import identity
-from agent.ramtier.inventory import TierError, _give
-uid, give, allowed = json.loads(sys.stdin.read())
-# MemoryDenyWriteExecute=yes as the kernel's own prctl (Linux >= 6.3): the drop's ctypes calls work.
-mdwe = ctypes.CDLL(None).prctl(65, 1, 0, 0, 0) == 0
-if allowed is not None:
+# The unit's SystemCallFilter= as seccomp applies it: every call not allowed fails with EPERM
+# (SystemCallErrorNumber=EPERM); it stays across exec, as systemd's does.
+LOAD_FILTER = """
+import ctypes, errno
+
+
+def load_filter(allowed):
     lib = ctypes.CDLL("libseccomp.so.2")
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
@@ -151,6 +149,28 @@ if allowed is not None:
         if number >= 0:
             assert lib.seccomp_rule_add(ctx, 0x7FFF0000, number, 0) == 0, name
     assert lib.seccomp_load(ctx) == 0
+"""
+# Loads the filter given as JSON in argv[1], then runs argv[2:].
+UNDER_FILTER = (
+    LOAD_FILTER
+    + """
+import json, os, sys
+load_filter(json.loads(sys.argv[1]))
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+)
+PROBE = (
+    LOAD_FILTER
+    + """
+import json, os, sys
+from pathlib import Path
+from agent.ramtier import identity
+from agent.ramtier.inventory import TierError, _give
+uid, give, allowed = json.loads(sys.stdin.read())
+# MemoryDenyWriteExecute=yes as the kernel's own prctl (Linux >= 6.3): the drop's ctypes calls work.
+mdwe = ctypes.CDLL(None).prctl(65, 1, 0, 0, 0) == 0
+if allowed is not None:
+    load_filter(allowed)
 out = {"mdwe": mdwe}
 if give is not None:
     try:
@@ -168,6 +188,7 @@ else:
     out.update(identity.capabilities())
 print(json.dumps(out))
 """
+)
 
 
 def drain_probe(
@@ -263,8 +284,10 @@ def as_job_user() -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def unit_agent(base: Path, caps: list[str]) -> AsyncIterator[Path]:
-    """``preemptd run`` as AGENT_UID with ``caps``, its RAM tier in ``base/ram``; its socket path."""
+async def unit_agent(base: Path, caps: list[str], allowed: set[str] | None = None) -> AsyncIterator[Path]:
+    """``preemptd run`` as AGENT_UID with ``caps`` and the unit's umask, under the system call filter
+    ``allowed`` if given, its RAM tier in ``base/ram``; its socket path."""
+    under = [] if allowed is None else [sys.executable, "-c", UNDER_FILTER, json.dumps(sorted(allowed))]
     config = base / "config.toml"
     config.write_text(
         f'socket_mode = 0o666\n[ram_tier]\nenabled = true\npath = "{base / "ram"}"\ncap_bytes = 1048576\n'
@@ -274,12 +297,16 @@ async def unit_agent(base: Path, caps: list[str]) -> AsyncIterator[Path]:
     [umask] = unit_values("UMask")
     with (base / "agent.log").open("ab") as log:
         proc = await asyncio.create_subprocess_exec(
-            "sh", "-c", f'umask {umask} && exec "$@"', "sh", *as_unit_user(caps), sys.executable, "-m", "agent", "run", "--config", str(config),
-            "--socket", str(sock), "--state-dir", str(base / "state"), "--cloud", "none", "--log-format", "json",
+            "sh", "-c", f'umask {umask} && exec "$@"', "sh", *as_unit_user(caps), *under,
+            sys.executable, "-m", "agent", "run", "--config", str(config), "--socket", str(sock), "--state-dir", str(base / "state"), "--cloud", "none", "--log-format", "json",
             env={**env, "PYTHONPATH": str(REPO)}, stdout=log, stderr=log, cwd=REPO,
         )  # fmt: skip
     try:
         await until(lambda doc: doc["ram_tier"]["state"] == "ready", sock, proc, base)
+        # sh, setpriv and the loader exec'd into it
+        status = await asyncio.to_thread(Path(f"/proc/{proc.pid}/status").read_text)
+        assert "NoNewPrivs:\t1" in status
+        assert ("Seccomp:\t2" in status) is (allowed is not None)
         yield sock
     finally:
         if proc.returncode is None:
@@ -334,15 +361,26 @@ def base() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def shipped_filter() -> set[str] | None:
+    """The unit's system call filter, where this machine can expand and load it (else none: the test then
+    checks the capabilities alone)."""
+    if SYSTEMD_ANALYZE is None or ctypes.util.find_library("seccomp") is None:
+        return None
+    return unit_filter(unit_values("SystemCallFilter"))
+
+
 @needs_root
 @pytest.mark.slow
+@pytest.mark.service
 async def test_an_agent_with_the_units_capabilities_serves_a_job_of_another_user(base: Path) -> None:
+    """As the unit runs it: its own user, the unit's capabilities, umask, no_new_privs and system call filter
+    (the drain, its child, inherits them)."""
     durable = base / "job-owned"
     durable.mkdir()
     os.chown(durable, JOB_UID, JOB_UID)
     locked = base / "root-owned"  # 0755 root: the job's user may not write there; CAP_DAC_OVERRIDE could
     locked.mkdir(mode=0o755)
-    async with unit_agent(base, unit_capabilities()) as sock:
+    async with unit_agent(base, unit_capabilities(), shipped_filter()) as sock:
         step = await hold(sock, durable / "ckpt")
         drain = drain_of(await until(finished, sock, None, base))
         committed = durable / "ckpt" / f"step-{STEP:012d}"
@@ -375,7 +413,7 @@ async def test_an_agent_with_the_units_capabilities_serves_a_job_of_another_user
     assert f"Permission denied: '{locked / 'ckpt'}'" in refused["error"]
     assert not (locked / "ckpt").exists()
     # The tier outlives the agent: a new one reads the job's files back (CRC-checked).
-    async with unit_agent(base, unit_capabilities()) as sock:
+    async with unit_agent(base, unit_capabilities(), shipped_filter()) as sock:
         _, job = await http_json(sock, "GET", f"/v1/ram-tier/jobs/{JOB}")
     assert [STEP] == [s["step"] for s in job["steps"]]
 
