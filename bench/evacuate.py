@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Evacuation benchmark (issue 24): from the agreed emergency decision to "every shard is safe on a host
-without a notice", for the peer tier (``ShardedStore(tier="peer")``: into the RAM tiers of the other hosts)
-and for the durable tier (the same store's emergency save to a disk root), with the floors measured beside
+without a notice", for the peer tier (``ShardedStore(tier="peer")``: into the RAM tiers of the other hosts; **peer** streams the
+notified rank's shard to its buddy as DCP writes it, **peer_files** is the earlier path, kept for the A/B: the
+notified rank writes its shard into its own RAM tier and sends the files afterwards) and for the durable tier (the same store's emergency save to a disk root), with the floors measured beside
 them in the same run: a bare process-group send of the bytes the notified host must move, and a bare write of
 each rank's shard to tmpfs.
 
@@ -160,7 +161,8 @@ def instrument() -> dict[str, float]:
 
     wrap(evacuate.Evacuation, "_place", "ask the agent (info)")
     wrap(evacuate.Evacuation, "_reserve", "reserve (and its gather)")
-    wrap(evacuate, "dcp_save", "DCP save into tmpfs, CRC32 as it writes")
+    wrap(evacuate, "dcp_save", "DCP save into tmpfs (peer: the notified shard streamed), CRC32 as written")
+    wrap(evacuate.Streams, "__exit__", "end of the stream (buddy: its receivers joined)")
     wrap(evacuate.Evacuation, "_transfer", "transfer (send / receive, CRC, write)")
     wrap(evacuate.Evacuation, "_held", "CRC of the files kept (their sums)")
     wrap(evacuate.Evacuation, "_commit", "tier.json, commit (and its gather)")
@@ -197,6 +199,11 @@ def run_rank(args: argparse.Namespace) -> int:
     tier = RamTier(sock)
     root = Path(args.data) / "root"
     peer = ShardedStore(root, keep=1, report=False, socket_path=sock, tier="peer", job=JOB)
+    files = ShardedStore(root, keep=1, report=False, socket_path=sock, tier="peer", job=JOB)
+    assert peer.peer is not None and files.peer is not None
+    if peer.peer.stream is None:  # a store that makes no stream group: one made here
+        peer.peer.stream = dist.new_group(backend="gloo")
+    files.peer.stream = None  # the earlier path: the notified shard written to tmpfs, then sent by file
     durable = ShardedStore(root, keep=1, report=False, socket_path=sock)
     received = [torch.empty_like(t) for t in local] if rank == buddy else []
     shm = Path(args.shm)
@@ -224,9 +231,9 @@ def run_rank(args: argparse.Namespace) -> int:
 
     step = [0]
 
-    def peer_save() -> None:
+    def peer_save(store: Any = peer) -> None:
         step[0] += 1
-        saved = peer.save(step[0], state, emergency=True, noticed={notified})
+        saved = store.save(step[0], state, emergency=True, noticed={notified})
         assert saved.checkpoint.metadata.get("tier") == "peer", "the peer tier fell back"
 
     def durable_save() -> None:
@@ -234,9 +241,10 @@ def run_rank(args: argparse.Namespace) -> int:
         durable.save(step[0], state, emergency=True)
         durable.wait_checksums()  # the CRCs come after the step is durable; not timed, but not left running
 
-    results: dict[str, list[float]] = {"peer": [], "durable": [], "send": [], "tmpfs": []}
-    breakdown: list[dict[str, float]] = []  # this rank's phases, each peer round
-    measures = {"peer": peer_save, "durable": durable_save, "send": bare_send, "tmpfs": bare_tmpfs}
+    results: dict[str, list[float]] = {"peer": [], "peer_files": [], "durable": [], "send": [], "tmpfs": []}
+    breakdown: dict[str, list[dict[str, float]]] = {"peer": [], "peer_files": []}  # this rank's phases
+    measures = {"peer": peer_save, "peer_files": lambda: peer_save(files), "durable": durable_save,
+                "send": bare_send, "tmpfs": bare_tmpfs}  # fmt: skip
     timed(bare_tmpfs)  # the first touch of tmpfs and the allocator, counted against nothing
     (shm / f"floor-{rank}").unlink()
     for round_ in range(args.rounds):
@@ -244,10 +252,10 @@ def run_rank(args: argparse.Namespace) -> int:
         for name in order:
             phases.clear()
             results[name].append(timed(measures[name]))
-            if name == "peer":
-                breakdown.append(dict(phases))
+            if name in breakdown:
+                breakdown[name].append(dict(phases))
             # Cleaning up, untimed: the RAM step freed, the durable step and the floor's file removed.
-            if name == "peer" and rank != notified:  # the notified host freed its copy itself
+            if name in breakdown and rank != notified:  # the notified host freed its copy itself
                 tier.free(JOB, step[0])
             elif name == "durable" and rank == 0:
                 shutil.rmtree(durable.path_of(step[0]), ignore_errors=True)
@@ -261,13 +269,16 @@ def run_rank(args: argparse.Namespace) -> int:
     dist.all_gather_object(every, breakdown)
     if rank == 0:
         median = {k: statistics.median(v) for k, v in results.items()}
-        labels = sorted({label for rounds in every for spent in rounds for label in spent})
+        labels = sorted({label for mine in every for rounds in mine.values() for s in rounds for label in s})
         where = {
-            f"rank {r}{' (notified)' if r == notified else ' (buddy)' if r == buddy else ''}": {
-                label: round(statistics.median(spent.get(label, 0.0) for spent in rounds), 3)
-                for label in labels
+            measure: {
+                f"rank {r}{' (notified)' if r == notified else ' (buddy)' if r == buddy else ''}": {
+                    label: round(statistics.median(s.get(label, 0.0) for s in mine[measure]), 3)
+                    for label in labels
+                }
+                for r, mine in enumerate(every)
             }
-            for r, rounds in enumerate(every)
+            for measure in breakdown
         }
         floor = [s + w for s, w in zip(results["send"], results["tmpfs"], strict=True)]
         overlapped = [max(s, w) for s, w in zip(results["send"], results["tmpfs"], strict=True)]
@@ -288,6 +299,13 @@ def run_rank(args: argparse.Namespace) -> int:
             "peer_over_overlapped_floor": round(
                 statistics.median(p / f for p, f in zip(results["peer"], overlapped, strict=True)), 3
             ),
+            "peer_files_over_floor": round(
+                statistics.median(p / f for p, f in zip(results["peer_files"], floor, strict=True)), 3
+            ),
+            "peer_over_peer_files": round(
+                statistics.median(p / f for p, f in zip(results["peer"], results["peer_files"], strict=True)),
+                3,
+            ),
             "peer_over_send": round(median["peer"] / median["send"], 3),
             "peer_over_durable": round(
                 statistics.median(p / d for p, d in zip(results["peer"], results["durable"], strict=True)), 3
@@ -300,6 +318,7 @@ def run_rank(args: argparse.Namespace) -> int:
         }
         print(json.dumps(result), flush=True)
     peer.close()
+    files.close()
     durable.close()
     dist.destroy_process_group()
     return 0

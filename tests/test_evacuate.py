@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -492,3 +493,151 @@ async def test_a_replica_held_by_a_host_without_a_notice_is_not_sent(tmp_path: P
     assert (set(sizes), []) == (set(doc["step_files"]), left)
     assert sizes["__0_0.distcp"] >= 2 * (4 << 16)
     assert sizes.get("__1_0.distcp", 0) < 1024, sizes
+
+
+_STREAM = textwrap.dedent(
+    """
+    import json, sys, zlib
+    from pathlib import Path
+    import torch.distributed as dist
+    from agent.client.evacuate_stream import StreamingFileSystem, Streams
+
+    dist.init_process_group("gloo")
+    group = dist.new_group(backend="gloo")  # the stream's own, as the store makes it
+    where = Path(sys.argv[1]) / str(dist.get_rank())
+    where.mkdir()
+    data = bytes(range(256)) * 17 + b"x" * 50  # 4402 bytes: one large write, sent in 5 pieces
+    if dist.get_rank() == 0:
+        fs = StreamingFileSystem(group, 1, chunk=1000)
+        with fs.create_stream(where / "__0_0.distcp", "wb") as stream:
+            for small in (b"head", b"er"):  # small writes are gathered into one piece
+                stream.write(small)
+            stream.write(data)  # read-only bytes, sent from the caller's buffer
+            stream.write(b"tail")
+        with fs.create_stream(where / ".metadata", "wb") as stream:  # not a shard: written here
+            stream.write(b"meta")
+        fs.end(True)
+        wrong = StreamingFileSystem(group, 1, chunk=1000)
+        index = wrong.sender.open("__0_1.distcp")
+        wrong.sender.piece(index, memoryview(data))
+        wrong.sender.close(index, zlib.crc32(data) ^ 1, len(data))
+        wrong.end(True)
+        cut = StreamingFileSystem(group, 1, chunk=1000)
+        cut.sender.piece(cut.sender.open("__0_2.distcp"), memoryview(data[:10]))
+        cut.end(False)  # the sender's save failed: the file is never closed
+        print(json.dumps({"sent": fs.sent, "sums": {k: list(v) for k, v in fs.sums.items()},
+                          "here": sorted(p.name for p in where.iterdir())}))
+    else:
+        outcome = []
+        for _ in range(3):
+            with Streams(group, None, [0], where) as streams:
+                pass  # a buddy's own DCP write would run here
+            outcome.append([{k: list(v) for k, v in streams.received.items()}, streams.problem])
+        whole = (where / "__0_0.distcp").read_bytes()
+        print(json.dumps({"outcome": outcome, "whole": whole == b"header" + data + b"tail",
+                          "crc": zlib.crc32(whole), "size": len(whole)}))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.torch_mp
+@pytest.mark.timeout(120)
+def test_a_streamed_shard_arrives_whole_with_its_crc_and_a_damaged_or_cut_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The notified rank's file system streams a shard file to its buddy on a group of its own as it is
+    written (small writes gathered, a large one in pieces), then its CRC32 and size: the buddy's receiver
+    writes it byte for byte and reports its CRC32; .metadata is written on the sender, not streamed. A file
+    whose CRC32 does not match is refused, and so is a stream its sender ends as failed."""
+    script = tmp_path / "stream.py"
+    script.write_text(_STREAM)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run(
+        [*command, str(script), str(tmp_path)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert 0 == done.returncode, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    sender = next(r for r in reports if "sent" in r)
+    buddy = next(r for r in reports if "outcome" in r)
+    crc, size = buddy["crc"], buddy["size"]
+    assert ({"__0_0.distcp": size}, [".metadata"]) == (sender["sent"], sender["here"])
+    assert [crc, size] == sender["sums"]["__0_0.distcp"]
+    assert [zlib.crc32(b"meta"), 4] == sender["sums"][".metadata"]
+    (intact, clean), (damaged, wrong), (cut, cut_short) = buddy["outcome"]
+    assert (True, {"__0_0.distcp": [crc, size]}, None) == (buddy["whole"], intact, clean)
+    assert ({}, {}) == (damaged, cut)
+    assert "__0_1.distcp from rank 0 arrived damaged" in wrong
+    assert "rank 0's save failed: its stream was cut short" in cut_short
+
+
+_DIES_STREAMING = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import agent.client.evacuate_stream as evacuate_stream
+    from agent.client.dcp_commit import Ranks
+    from agent.client.evacuate import Evacuation
+    from agent.client.ramtier import RamTier
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ranks = Ranks()
+    stream = dist.new_group(backend="gloo")
+    if rank == 1:  # the notified rank dies once its shard file is open and a first piece went
+        original, frames = evacuate_stream.send_piece, [0]
+
+        def die(*args):
+            frames[0] += 1
+            if frames[0] > 2:
+                os._exit(9)
+            original(*args)
+
+        evacuate_stream.send_piece = die
+    tier = RamTier(sys.argv[1 + rank])
+    state = {f"w{rank}": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB: one large write
+    try:
+        Evacuation(ranks, ranks.group, tier, "dies", stream=stream).run(1, 0, state, noticed={1})
+        outcome = "evacuated"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    print(json.dumps({"outcome": outcome, "steps": tier.job("dies")["steps"]}), flush=True)
+    os._exit(0)  # its peer is gone: no clean shutdown of the group
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.torch_mp
+@pytest.mark.timeout(120)
+async def test_a_sender_that_dies_mid_stream_leaves_its_buddy_with_an_error_and_nothing_committed(
+    tmp_path: Path,
+) -> None:
+    """Two hosts, each with its agent; the notified rank dies in the middle of streaming its shard: the
+    buddy's evacuation raises the group's error (it does not wait for the rest, and it is not a
+    PeerTierUnusable: no durable save is tried on a broken group), and nothing is left in its RAM tier."""
+    script = tmp_path / "dies.py"
+    script.write_text(_DIES_STREAMING)
+    async with tier_agent() as (sock_a, _), tier_agent() as (sock_b, _):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}  # fmt: skip
+        pipe = asyncio.subprocess.PIPE
+        args = (sys.executable, str(script), str(sock_a), str(sock_b))
+        procs = [
+            await asyncio.create_subprocess_exec(*args, env={**env, "RANK": str(r)}, stdout=pipe, stderr=pipe)
+            for r in (0, 1)
+        ]
+        outs = [await asyncio.wait_for(proc.communicate(), 100) for proc in procs]
+    assert (0, 9) == (procs[0].returncode, procs[1].returncode), outs[0][1].decode()[-3000:]
+    report = json.loads(outs[0][0].decode().strip().splitlines()[-1])
+    assert ("RuntimeError", []) == (report["outcome"].split(":")[0], report["steps"]), report

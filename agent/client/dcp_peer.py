@@ -67,6 +67,10 @@ class PeerTier:
         self.job = job
         self.thread_count = thread_count
         self._report = report
+        # The gloo group a notified rank streams its shard to its buddy on, beside DCP's collectives on
+        # ranks.group (made with the store, never inside the window); None: the shard is written into the
+        # notified host's RAM tier and its files are sent afterwards.
+        self.stream: Any = None
 
     def save(
         self,
@@ -105,7 +109,9 @@ class PeerTier:
                 raise PeerTierUnusable(
                     "the ranks with a notice are unknown: pass noticed=decision.noticed", "noticed_unknown"
                 )
-            evacuation = Evacuation(self.ranks, self.ranks.group, self.tiers, self.job, self.thread_count)
+            evacuation = Evacuation(
+                self.ranks, self.ranks.group, self.tiers, self.job, self.thread_count, self.stream
+            )
             done = evacuation.run(step, run, state, noticed, notice_id)
         except PeerTierUnusable as exc:
             warnings.warn(

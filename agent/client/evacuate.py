@@ -1,8 +1,9 @@
 """Evacuate, don't flush: an emergency sharded save into the RAM tiers of the hosts that stay.
 
-Every rank writes its DCP shard into its own host's RAM tier (tmpfs, reserved from the agent first); each rank
-of a host with a notice then sends its files through the store's process group (gloo: no new listener) to a
-buddy rank on the next host in the ring that has none, which writes them into its own RAM tier; one gather
+Every rank of a host without a notice writes its DCP shard into its own host's RAM tier (tmpfs, reserved from
+the agent first); each rank of a host with a notice streams its shard, as DCP writes it, through a gloo group
+of the store's own (no new listener; :mod:`agent.client.evacuate_stream`) to a buddy rank on the next host in
+the ring that has none, which writes it into its own RAM tier beside its own DCP write; one gather
 confirms that every file of the step is in some surviving host's RAM with its CRC32; each surviving host
 writes ``tier.json`` and commits the step to its agent; the notified hosts free their copy. Nothing is written
 under the durable root. When the peer tier cannot be used (every host has a notice, an agent is unreachable or
@@ -18,7 +19,7 @@ import contextlib
 import os
 import socket
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from agent.client.dcp_commit import Ranks, owner, zip_crc_off
-from agent.client.evacuate_transfer import SummingFileSystem, file_crc, receive_file, send_file
+from agent.client.evacuate_plan import PeerTierUnusable, Place, Plan, fallback_reason, plan
+from agent.client.evacuate_stream import Streams
+from agent.client.evacuate_transfer import file_crc, receive_file, send_file
 from agent.client.manifest import Checkpoint, FileEntry
 from agent.client.ramtier import TIER_FILE, RamTier, RamTierError, write_tier_file
 from agent.client.store_failure import convertible, summary
@@ -56,84 +59,6 @@ __all__ = [  # send_file and receive_file: re-exported from evacuate_transfer, w
     "resolve",
     "send_file",
 ]
-
-
-class PeerTierUnusable(Exception):
-    """The step cannot be evacuated into the peers' RAM tiers (why: the message; ``reason``, as reports say
-    it: ``all_hosts_noticed``, ``no_room``, ``agent_unreachable``, ``tier_unavailable`` (off, being read back,
-    refused), ``evacuation_failed`` (a write or a transfer failed)); raised on every rank alike, before anything
-    is committed, so the store can save to the durable root instead."""
-
-    def __init__(self, message: str, reason: str = "evacuation_failed") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:  # gathered over the group with its reason
-        return (type(self), (str(self), self.reason))
-
-
-def fallback_reason(error: RamTierError) -> str:
-    """A RAM tier's refusal as a :class:`PeerTierUnusable` reason."""
-    return {"unreachable": "agent_unreachable", "full": "no_room"}.get(error.reason, "tier_unavailable")
-
-
-@dataclass(frozen=True)
-class Place:
-    """What one rank tells the others before an evacuation."""
-
-    rank: int
-    host: str  # the RAM tier it writes into: host name and tier path
-    noticed: bool
-    estimate: int  # bytes its shard should take
-    problem: str | None = None  # why its host's RAM tier cannot be used
-    reason: str = "tier_unavailable"  # that, as PeerTierUnusable's reason
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Who holds what: the hosts in ring order (by lowest rank), those with a notice, and each sending
-    rank's buddy."""
-
-    hosts: tuple[tuple[str, tuple[int, ...]], ...]
-    notified: frozenset[str]
-    buddy: Mapping[int, int] = field(default_factory=dict)
-
-    def host_of(self, rank: int) -> str:
-        return next(host for host, ranks in self.hosts if rank in ranks)
-
-    def leader(self, host: str) -> int:
-        """The rank that reserves, commits and frees for its host: the lowest one."""
-        return dict(self.hosts)[host][0]
-
-    def senders_to(self, rank: int) -> list[int]:
-        return sorted(sender for sender, receiver in self.buddy.items() if receiver == rank)
-
-
-def plan(places: Sequence[Place]) -> Plan:
-    """The evacuation plan every rank computes alike from the gathered places; PeerTierUnusable when a rank
-    cannot use its host's tier or when every host has a notice. The k-th rank of a notified host sends to the
-    (k mod n)-th rank of the next host in the ring without a notice."""
-    problems = [f"rank {p.rank}: {p.problem}" for p in places if p.problem]
-    if problems:
-        raise PeerTierUnusable("; ".join(problems), next(p.reason for p in places if p.problem))
-    grouped: dict[str, list[int]] = {}
-    for place in sorted(places, key=lambda p: p.rank):
-        grouped.setdefault(place.host, []).append(place.rank)
-    hosts = tuple((host, tuple(ranks)) for host, ranks in grouped.items())
-    notified = frozenset(p.host for p in places if p.noticed)
-    if len(notified) == len(hosts):
-        raise PeerTierUnusable(
-            f"every host of the job has a notice ({len(hosts)} of {len(hosts)})", "all_hosts_noticed"
-        )
-    buddy: dict[int, int] = {}
-    for index, (host, ranks) in enumerate(hosts):
-        if host not in notified:
-            continue
-        after = [hosts[(index + step) % len(hosts)] for step in range(1, len(hosts))]
-        _, survivors = next(h for h in after if h[0] not in notified)
-        for k, rank in enumerate(ranks):
-            buddy[rank] = survivors[k % len(survivors)]
-    return Plan(hosts, notified, buddy)
 
 
 @dataclass(frozen=True)
@@ -216,9 +141,14 @@ def resolve(state: Mapping[str, Any]) -> dict[str, Any]:
 class Evacuation:
     """One emergency step evacuated by every rank of the store's group (a collective throughout)."""
 
-    def __init__(self, ranks: Ranks, group: Any, tier: RamTier, job: str, thread_count: int = 1) -> None:
+    def __init__(
+        self, ranks: Ranks, group: Any, tier: RamTier, job: str, thread_count: int = 1, stream: Any = None
+    ) -> None:
+        """``stream``: the gloo group the notified ranks stream their shards on (never ``group``, where DCP's
+        collectives run); None: they write them into their own RAM tier and send the files afterwards."""
         self.ranks = ranks
         self.group = group
+        self.stream = stream
         self.tier = tier
         self.job = job
         self.thread_count = thread_count
@@ -239,26 +169,19 @@ class Evacuation:
         host = the_plan.host_of(self.ranks.rank)
         directory, reservation = self._reserve(the_plan, step, places, host)
         try:
-            try:
-                with zip_crc_off():
-                    writer = FileSystemWriter(directory, sync_files=False, thread_count=self.thread_count)
-                    writer.fs = sums = SummingFileSystem()  # each file's CRC32 as it is written
-                    planner = SurvivorsKeep(the_plan.buddy)
-                    dcp_save(resolved, storage_writer=writer, planner=planner, process_group=self.group)
-            except BaseException as exc:
-                if not convertible(exc):
-                    raise
-                raise PeerTierUnusable(
-                    f"writing step {step} into the RAM tier failed: {summary(exc)}"
-                ) from exc
-            described = self._agree(self._own_files(directory), "listing the shard files")
-            received = self._transfer(the_plan, directory, described, sums.sums)
+            streams = self._save(the_plan, step, resolved, directory)
+            sums = streams.fs
+            listed = self._agree(self._own_files(directory, streams.sent), "listing the shard files")
+            described = [files for files, _ in listed]
+            streamed = [sent for _, sent in listed]
+            received = self._transfer(the_plan, directory, described, streamed, sums.sums)
+            received = self._streamed(the_plan, described, streamed, streams, received)
             kept = self._held(the_plan, directory, described, received, sums.sums)
             held = self._agree(kept, "confirming the copies")
             files, holders = self._confirm(the_plan, held, described)
             extra = {"step_files": {n: int(e["size"]) for n, e in files.items()}, "notice_id": notice_id}
             self._commit(the_plan, step, run, host, directory, reservation, files, holders, extra)
-        except PeerTierUnusable:
+        except Exception:  # nothing committed: the host's reservation goes
             if self.ranks.rank == the_plan.leader(host):
                 self._free(step)
             raise
@@ -270,6 +193,24 @@ class Evacuation:
         return Evacuated(step, self.job, Path(directories[the_plan.leader(holder)]), files, holders, sent)
 
     # -- the phases, each ending in one collective every rank takes part in -------------------------------
+
+    def _save(self, the_plan: Plan, step: int, state: dict[str, Any], directory: Path) -> Streams:
+        """DCP's save of every rank's shard, each file's CRC32 summed as it is written: a notified rank's
+        shard files streamed to its buddy (with a stream group), the others' into their RAM tier."""
+        rank = self.ranks.rank
+        buddy = the_plan.buddy.get(rank) if self.stream is not None else None
+        senders = the_plan.senders_to(rank) if self.stream is not None else []
+        try:
+            with zip_crc_off(), Streams(self.stream, buddy, senders, directory) as streams:
+                writer = FileSystemWriter(directory, sync_files=False, thread_count=self.thread_count)
+                writer.fs = streams.fs  # each file's CRC32 as it is written (or streamed)
+                planner = SurvivorsKeep(the_plan.buddy)
+                dcp_save(state, storage_writer=writer, planner=planner, process_group=self.group)
+        except BaseException as exc:
+            if not convertible(exc) or isinstance(exc, RuntimeError):  # DCP gathers its own failures:
+                raise  # a bare one is the group failing under the save (a rank died mid-stream)
+            raise PeerTierUnusable(f"writing step {step} into the RAM tier failed: {summary(exc)}") from exc
+        return streams
 
     def _place(self, noticed: Collection[int], nbytes: int) -> Place:
         rank = self.ranks.rank
@@ -286,6 +227,8 @@ class Evacuation:
         answer: tuple[str, str] | PeerTierUnusable = ("", "")  # (path, reservation), or the refusal
         if self.ranks.rank == the_plan.leader(host):
             ranks = set(dict(the_plan.hosts)[host])
+            if host in the_plan.notified and self.stream is not None:  # its shards are streamed to buddies:
+                ranks = set()  # at most a .metadata lands here
             ranks |= {s for s, r in the_plan.buddy.items() if r in ranks}
             need = sum(int(places[r].estimate * _SLACK) for r in ranks) + _SLACK_BYTES
             try:
@@ -302,10 +245,12 @@ class Evacuation:
         mine = everyone[the_plan.leader(host)]
         return Path(mine[0]), str(mine[1])
 
-    def _own_files(self, directory: Path) -> dict[str, int] | str:
+    def _own_files(self, directory: Path, sent: dict[str, int]) -> tuple[dict[str, int], list[str]] | str:
+        """This rank's files of the step (name → size), those in ``directory`` and those it streamed
+        (``sent``), and the names of the streamed ones."""
         world = self.ranks.world_size
         try:
-            return {
+            written = {
                 p.name: p.stat().st_size
                 for p in sorted(directory.iterdir())
                 if p.is_file()
@@ -315,6 +260,7 @@ class Evacuation:
             }
         except OSError as exc:
             return f"rank {self.ranks.rank}: cannot list {directory}: {exc}"
+        return {**written, **sent}, sorted(sent)
 
     def _agree(self, mine: Any, what: str) -> list[Any]:
         """Gather every rank's value; PeerTierUnusable on every rank when one of them is a problem."""
@@ -329,14 +275,17 @@ class Evacuation:
         the_plan: Plan,
         directory: Path,
         described: list[dict[str, int]],
+        streamed: list[list[str]],
         sums: Mapping[str, tuple[int, int]],
     ) -> dict[str, int] | str:
-        """Senders send their files, chunk by chunk, then each file's CRC32 (``sums``: as it was written);
-        receivers write them into their RAM tier and check the CRC. Returns the files received (name →
-        CRC32), or a problem."""
+        """Senders send the files they did not stream, chunk by chunk, then each file's CRC32 (``sums``: as
+        it was written); receivers write them into their RAM tier and check the CRC. Returns the files
+        received (name → CRC32), or a problem."""
         rank = self.ranks.rank
         if rank in the_plan.buddy:
             for name, size in sorted(described[rank].items()):
+                if name in streamed[rank]:
+                    continue
                 crc, written = sums.get(name, (None, -1))
                 known = crc if written == size else None
                 send_file(self.group, the_plan.buddy[rank], directory / name, size, crc=known)
@@ -345,12 +294,35 @@ class Evacuation:
         problems: list[str] = []
         for sender in the_plan.senders_to(rank):
             for name, size in sorted(described[sender].items()):
+                if name in streamed[sender]:
+                    continue
                 crc, problem = receive_file(self.group, sender, directory / name, size)
                 if problem:
                     problems.append(f"rank {rank}: {problem}")
                 else:
                     received[name] = crc
         return "; ".join(problems) if problems else received
+
+    def _streamed(
+        self,
+        the_plan: Plan,
+        described: list[dict[str, int]],
+        streamed: list[list[str]],
+        streams: Streams,
+        received: dict[str, int] | str,
+    ) -> dict[str, int] | str:
+        """``received`` with the files streamed to this rank, each whole (the size its sender lists) and
+        with its CRC32; a problem when one is missing or the stream broke."""
+        problems = [received] if isinstance(received, str) else []
+        problems += [f"rank {self.ranks.rank}: {streams.problem}"] if streams.problem else []
+        got = dict(received) if isinstance(received, dict) else {}
+        for sender in the_plan.senders_to(self.ranks.rank):
+            for name in streamed[sender]:
+                crc, size = streams.received.get(name, (0, -1))
+                if size != described[sender][name]:
+                    problems.append(f"rank {self.ranks.rank}: {name} from rank {sender} did not arrive whole")
+                got[name] = crc
+        return "; ".join(problems) if problems else got
 
     def _held(
         self,
