@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 from agent.client.callbacks import FollowsNotices, WatchOptions
 from agent.client.dcp import ShardedStore, latest_committed
 from agent.client.manifest import CheckpointError
-from agent.client.ramtier import RamTier, RamTierError, job_id
+from agent.client.ramtier import RamTier, RamTierError, resolve_job_id
 from agent.client.store import Checkpoint, CheckpointStore
 from agent.client.store_peer import PeerCheckpointStore, newest_held
 
@@ -72,7 +72,8 @@ class PreemptdCallback(FollowsNotices, Callback):
             raise ValueError(f"tier must be 'durable' or 'peer', got {tier!r}")
         if drain and tier != "peer":
             raise ValueError("drain=True drains the peer tier's steps: it needs tier='peer'")
-        self.tier, self.job = tier, job_id(job) if tier == "peer" else job  # no id: an error before training
+        # No job id: an error before training, not at the emergency.
+        self.tier, self.job = tier, resolve_job_id(job, self.socket_path) if tier == "peer" else job
         self.drain = drain
         self._resumed: tuple[int, int] | None = None  # (run, step) resume_path() chose
         self.filename = filename

@@ -29,8 +29,8 @@ from agent.client.ramtier import (
     RamTierError,
     Reservation,
     file_entry,
-    job_id,
     read_tier_file,
+    resolve_job_id,
     write_tier_file,
 )
 from agent.client.store import CheckpointStore, Writer
@@ -69,7 +69,7 @@ class PeerCheckpointStore(CheckpointStore):
     ``tier="peer"``: an emergency save with ``noticed`` (``decision.noticed``) goes into the RAM tier of each
     host without a notice (``writer`` runs there on the host's lowest rank), or to the root with a
     :class:`CheckpointWarning` saying why. Other saves go to ``root``, written by rank 0. ``job``: see
-    :func:`~agent.client.ramtier.job_id`; ``ram_tier``: the tier's client (``RamTier(drain_to=root)``: the agents
+    :func:`.ramtier.resolve_job_id`; ``ram_tier``: the tier's client (``RamTier(drain_to=root)``: the agents
     then drain each peer step into ``root`` as an ordinary step); the rest is CheckpointStore's."""
 
     def __init__(
@@ -88,8 +88,8 @@ class PeerCheckpointStore(CheckpointStore):
             raise ValueError(f"tier must be 'durable' or 'peer', got {tier!r}")
         super().__init__(root, keep, socket_path=socket_path, **options)
         self.tier = tier
-        self.job = job_id(job) if tier == "peer" else job  # no id: an error before training
         self.tiers = ram_tier or RamTier(socket_path)
+        self.job = resolve_job_id(job, self.tiers.socket) if tier == "peer" else job
         self.ranks = Ranks(group)
 
     def save(
