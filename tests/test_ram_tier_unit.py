@@ -454,3 +454,23 @@ def test_a_durable_root_on_a_read_only_mount_names_the_drop_in_line(tmp_path: Pa
     assert outcome["error"].startswith(
         f"ReadOnlyRootError: the durable root {ro / 'job-1'} is on a read-only"
     )
+
+
+@needs_root
+@pytest.mark.slow
+async def test_an_agent_without_dac_override_refuses_another_users_step_saying_what_it_lacks(
+    base: Path,
+) -> None:
+    """The job's directory is given to its user (0700): an agent that may chown but not override permissions
+    cannot make the step directory inside it. A 503 that says so (the client falls back), not a 500."""
+    caps = [cap for cap in unit_capabilities() if cap != "CAP_DAC_OVERRIDE"]
+    async with unit_agent(base, caps) as sock:
+        status, answer = await request_as(
+            sock, JOB_UID, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": STEP, "bytes": 8}
+        )
+    assert 503 == status, answer
+    assert (
+        f"the agent (uid {AGENT_UID}) may not use {base / 'ram' / JOB / str(STEP)} (Permission denied)"
+        in (answer["error"])
+    )
+    assert "needs CAP_DAC_OVERRIDE beside CAP_CHOWN" in answer["error"]

@@ -1,9 +1,11 @@
 """The drain: copies one host's part of a RAM-tier step into the job's durable root, and commits the step there
 as an ordinary ``ShardedStore`` step (``step-<N>`` with its ``manifest.json``) once every host's part is in.
 
-It runs as a child process of the agent under the job's own user (started by a root agent, it takes the
-job's uid and gid from the plan before it opens any file), so it can write only where the job itself could: a
-client names the durable root, and a root agent must not write there for it. The plan comes as one JSON object on stdin; progress goes out as JSON lines on stdout
+It runs as a child process of the agent under the job's own user: before it opens any file it takes the job's
+uid and gid from the plan (the agent is root, or holds CAP_SETUID and CAP_SETGID under the packaged unit) and
+drops every capability (:mod:`agent.ramtier.identity`), so it can write only where the job itself could: a
+client names the durable root, and the agent must not write there for it. The plan comes as one JSON object
+on stdin; progress goes out as JSON lines on stdout
 (``{"copied_bytes", "total_bytes"}``, then ``{"state": "committed" | "waiting", ...}``). docs/ram-tier.md
 describes the protocol between the hosts:
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -39,7 +40,10 @@ def routes(tier: TierView) -> list[tuple[str, str, Route]]:
         @functools.wraps(handler)
         async def serve(request: web.Request) -> web.StreamResponse:
             try:
-                return await handler(tier, request)
+                try:
+                    return await handler(tier, request)
+                except PermissionError as exc:
+                    raise _not_permitted(exc) from exc
             except TierError as exc:
                 level = "info" if exc.status in (404, 507) else "warning"
                 getattr(tier.host.log, level)(
@@ -61,6 +65,16 @@ def routes(tier: TierView) -> list[tuple[str, str, Route]]:
         ("DELETE", step, bind(free)),
         ("GET", step + "/files/{name}", bind(fetch)),
     ]
+
+
+def _not_permitted(exc: PermissionError) -> TierError:
+    """The agent's own file work refused (a job's directory belongs to the job's user, 0700): what it lacks."""
+    return TierError(
+        503,
+        f"the agent (uid {os.geteuid()}) may not use {exc.filename or 'a job directory'} ({exc.strerror}): a "
+        "job's directory belongs to the job's user, so an agent that is not root needs CAP_DAC_OVERRIDE beside "
+        'CAP_CHOWN (docs/ram-tier.md, "Under the packaged systemd unit")',
+    )
 
 
 async def _body(request: web.Request, fields: tuple[str, ...]) -> Mapping[str, Any]:
