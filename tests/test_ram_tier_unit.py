@@ -284,13 +284,16 @@ def as_job_user() -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def unit_agent(base: Path, caps: list[str], allowed: set[str] | None = None) -> AsyncIterator[Path]:
+async def unit_agent(
+    base: Path, caps: list[str], allowed: set[str] | None = None, more_config: str = ""
+) -> AsyncIterator[Path]:
     """``preemptd run`` as AGENT_UID with ``caps`` and the unit's umask, under the system call filter
-    ``allowed`` if given, its RAM tier in ``base/ram``; its socket path."""
+    ``allowed`` if given, its RAM tier in ``base/ram`` (and ``more_config`` in its file); its socket path."""
     under = [] if allowed is None else [sys.executable, "-c", UNDER_FILTER, json.dumps(sorted(allowed))]
     config = base / "config.toml"
     config.write_text(
         f'socket_mode = 0o666\n[ram_tier]\nenabled = true\npath = "{base / "ram"}"\ncap_bytes = 1048576\n'
+        + more_config
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "NOTIFY_SOCKET", "LISTEN_"))}
     sock = base / "a.sock"
@@ -474,3 +477,24 @@ async def test_an_agent_without_dac_override_refuses_another_users_step_saying_w
         in (answer["error"])
     )
     assert "needs CAP_DAC_OVERRIDE beside CAP_CHOWN" in answer["error"]
+
+
+# A hook that copies its capability sets into the file named after it (a system program: the hook runs without
+# CAP_DAC_OVERRIDE, so it must be reachable by the agent's user as such).
+CAPS_HOOK = 'grep ^Cap /proc/self/status > "$0"'
+
+
+@needs_root
+@pytest.mark.slow
+async def test_a_hook_starts_without_the_ram_tiers_capabilities(base: Path) -> None:
+    """Under the unit's capabilities the agent's hooks keep CAP_KILL and CAP_SYSLOG (as before the RAM tier)
+    but not the tier's CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_SETUID, CAP_SETGID, which together amount to root."""
+    seen = base / "hook-caps"
+    hook = f"[[actions.hooks]]\nargv = {json.dumps(['/bin/sh', '-c', CAPS_HOOK, str(seen)])}\n"
+    async with unit_agent(base, unit_capabilities(), more_config=hook) as sock:
+        status, body = await http_json(sock, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+        assert 201 == status, body
+        await until(lambda doc: seen.exists() and seen.stat().st_size > 0, sock, None, base)
+    sets = {k: int(v, 16) for k, v in (line.split(":") for line in seen.read_text().splitlines())}
+    kill_syslog = 1 << 5 | 1 << 34
+    assert (kill_syslog, kill_syslog, kill_syslog) == (sets["CapAmb"], sets["CapPrm"], sets["CapEff"]), sets

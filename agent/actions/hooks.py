@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -26,6 +28,7 @@ from agent.actions.common import (
 )
 from agent.config import HookConfig
 from agent.config.validate import check_hook
+from agent.core.caps import shed_argv
 from agent.core.errors import ConfigError
 from agent.core.notice import Notice, format_time, utcnow
 from agent.core.tasks import TaskSet
@@ -113,7 +116,13 @@ class HookEngine(RuleActions[HookConfig]):
         started = time.monotonic()
         env = hook_environment(self._base_env, doc, notice, hook.env)
         try:
+            # Without the RAM tier's capabilities (agent/core/caps.py): through setpriv, which then reports a
+            # missing program as its own exit 127, so that one is looked for first.
+            shed = shed_argv()
+            if shed and shutil.which(hook.argv[0], path=env.get("PATH", os.defpath)) is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), hook.argv[0])
             proc = await asyncio.create_subprocess_exec(
+                *shed,
                 *hook.argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
