@@ -208,12 +208,17 @@ def run_rank(args: argparse.Namespace) -> int:
     received = [torch.empty_like(t) for t in local] if rank == buddy else []
     shm = Path(args.shm)
 
-    def timed(fn: Any) -> float:
+    cpu: dict[str, list[float]] = {}  # CPU seconds of all ranks together (every thread), per round
+
+    def timed(fn: Any, name: str = "") -> float:
         dist.barrier()
-        start = time.perf_counter()
+        start, used = time.perf_counter(), time.process_time()
         fn()
         mine = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        spent = torch.tensor([time.process_time() - used], dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        dist.all_reduce(spent)
+        cpu.setdefault(name, []).append(float(spent.item()))
         return float(mine.item())
 
     def bare_send() -> None:
@@ -251,7 +256,7 @@ def run_rank(args: argparse.Namespace) -> int:
         order = list(measures) if round_ % 2 == 0 else list(reversed(measures))
         for name in order:
             phases.clear()
-            results[name].append(timed(measures[name]))
+            results[name].append(timed(measures[name], name))
             if name in breakdown:
                 breakdown[name].append(dict(phases))
             # Cleaning up, untimed: the RAM step freed, the durable step and the floor's file removed.
@@ -314,6 +319,8 @@ def run_rank(args: argparse.Namespace) -> int:
             "tmpfs_gb_s": round(nbytes / median["tmpfs"] / 1e9, 3),
             "durable_gb_s_per_host": round(nbytes / median["durable"] / 1e9, 3),
             "peer_phases_median_s": where,
+            # CPU seconds of the ranks' processes (all threads, not the agents'), all ranks together
+            "cpu_s_median": {k: round(statistics.median(cpu[k]), 3) for k in results},
             "load_average": os.getloadavg(),
         }
         print(json.dumps(result), flush=True)

@@ -591,7 +591,8 @@ _DIES_STREAMING = textwrap.dedent(
     rank = dist.get_rank()
     ranks = Ranks()
     stream = dist.new_group(backend="gloo")
-    if rank == 1:  # the notified rank dies once its shard file is open and a first piece went
+    dies = sys.argv[3] == "dies"
+    if rank == 1 and dies:  # the notified rank dies once its shard file is open and a first piece went
         original, frames = evacuate_stream.send_piece, [0]
 
         def die(*args):
@@ -602,16 +603,80 @@ _DIES_STREAMING = textwrap.dedent(
 
         evacuate_stream.send_piece = die
     tier = RamTier(sys.argv[1 + rank])
-    state = {f"w{rank}": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB: one large write
+    state = {f"w{rank}": torch.arange(1 << 20, dtype=torch.float32), f"v{rank}": torch.ones(1000) * rank}
+    threads = 1 if dies else 2  # two threads: the notified rank streams two files at once
     try:
-        Evacuation(ranks, ranks.group, tier, "dies", stream=stream).run(1, 0, state, noticed={1})
-        outcome = "evacuated"
+        evacuation = Evacuation(ranks, ranks.group, tier, "dies", thread_count=threads, stream=stream)
+        outcome = str(evacuation.run(1, 0, state, noticed={1}).path)
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {exc}"
     print(json.dumps({"outcome": outcome, "steps": tier.job("dies")["steps"]}), flush=True)
-    os._exit(0)  # its peer is gone: no clean shutdown of the group
+    if dies:
+        os._exit(0)  # its peer is gone: no clean shutdown of the group
+    dist.destroy_process_group()
     """
 )
+
+
+async def _two_hosts_evacuate(
+    tmp_path: Path, mode: str
+) -> tuple[list[Any], list[dict[str, Any]], dict[str, bytes], list[str]]:
+    """Two hosts with their agents and one rank each, rank 1's host noticed, launched without torchrun (whose
+    agent would stop the survivor when a rank dies): (the exit codes, what each rank printed, host 0's
+    RAM tier)."""
+    script = tmp_path / "evacuate.py"
+    script.write_text(_DIES_STREAMING)
+    async with tier_agent() as (sock_a, ram_a), tier_agent() as (sock_b, ram_b):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}  # fmt: skip
+        pipe = asyncio.subprocess.PIPE
+        args = (sys.executable, str(script), str(sock_a), str(sock_b), mode)
+        procs = [
+            await asyncio.create_subprocess_exec(*args, env={**env, "RANK": str(r)}, stdout=pipe, stderr=pipe)
+            for r in (0, 1)
+        ]
+        outs = [await asyncio.wait_for(proc.communicate(), 100) for proc in procs]
+        reports = [json.loads((out.decode().strip().splitlines() or ["{}"])[-1]) for out, _ in outs]
+        held = {p.name: p.read_bytes() for p in (ram_a / "dies" / "1").glob("*")}
+        left = list(ram_b.glob("dies/*/*"))
+    assert [] == left, left  # the notified host keeps nothing
+    codes = [proc.returncode for proc in procs]
+    return codes, reports, held, [err.decode()[-3000:] for _, err in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.torch_mp
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+async def test_a_notified_rank_writing_with_two_threads_streams_both_files_and_dcp_loads_the_step(
+    tmp_path: Path,
+) -> None:
+    """The notified rank's DCP writer with two threads streams two shard files at once; the buddy holds all
+    four files (its own two, the streamed two, .metadata), committed with their CRC32s, and DCP loads every
+    tensor of both ranks from its RAM tier."""
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    codes, reports, held, errs = await _two_hosts_evacuate(tmp_path, "two_threads")
+    assert [0, 0] == codes, errs
+    assert [True, True] == [r["outcome"].endswith("dies/1") for r in reports], reports
+    tier = json.loads(held["tier.json"])
+    assert {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp", ".metadata"} == set(tier["files"])
+    assert all(zlib.crc32(held[n]) == e["crc32"] for n, e in tier["files"].items())
+    step = tmp_path / "step"
+    step.mkdir()
+    for name, data in held.items():
+        (step / name).write_bytes(data)
+    into = {k: torch.zeros(n) for k, n in (("w0", 1 << 20), ("w1", 1 << 20), ("v0", 1000), ("v1", 1000))}
+    dcp_load(into, storage_reader=FileSystemReader(step), no_dist=True)
+    assert (float(into["w1"][-1]), float(into["v1"].sum()), float(into["v0"].sum())) == (
+        (1 << 20) - 1,
+        1000,
+        0,
+    )
 
 
 @pytest.mark.slow
@@ -620,24 +685,9 @@ _DIES_STREAMING = textwrap.dedent(
 async def test_a_sender_that_dies_mid_stream_leaves_its_buddy_with_an_error_and_nothing_committed(
     tmp_path: Path,
 ) -> None:
-    """Two hosts, each with its agent; the notified rank dies in the middle of streaming its shard: the
-    buddy's evacuation raises the group's error (it does not wait for the rest, and it is not a
-    PeerTierUnusable: no durable save is tried on a broken group), and nothing is left in its RAM tier."""
-    script = tmp_path / "dies.py"
-    script.write_text(_DIES_STREAMING)
-    async with tier_agent() as (sock_a, _), tier_agent() as (sock_b, _):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}  # fmt: skip
-        pipe = asyncio.subprocess.PIPE
-        args = (sys.executable, str(script), str(sock_a), str(sock_b))
-        procs = [
-            await asyncio.create_subprocess_exec(*args, env={**env, "RANK": str(r)}, stdout=pipe, stderr=pipe)
-            for r in (0, 1)
-        ]
-        outs = [await asyncio.wait_for(proc.communicate(), 100) for proc in procs]
-    assert (0, 9) == (procs[0].returncode, procs[1].returncode), outs[0][1].decode()[-3000:]
-    report = json.loads(outs[0][0].decode().strip().splitlines()[-1])
-    assert ("RuntimeError", []) == (report["outcome"].split(":")[0], report["steps"]), report
+    """The notified rank dies in the middle of streaming its shard: the buddy's evacuation raises the
+    group's error (it does not wait for the rest, and it is not a PeerTierUnusable: no durable save is
+    tried on a broken group), and nothing is left in its RAM tier."""
+    codes, reports, held, errs = await _two_hosts_evacuate(tmp_path, "dies")
+    assert [0, 9] == codes, errs
+    assert ("RuntimeError", [], {}) == (reports[0]["outcome"].split(":")[0], reports[0]["steps"], held)
