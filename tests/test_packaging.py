@@ -138,6 +138,34 @@ def test_the_kubernetes_configmap_is_a_valid_configuration(tmp_path: Path) -> No
     assert config.table(TABLE, KubernetesConfig).enabled is True  # the node termination handler
 
 
+def _mounted(spec: dict[str, Any], container: dict[str, Any], path: str) -> str:
+    """The node directory a pod's container sees at ``path`` (its hostPath volume's path)."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    [name] = [m["name"] for m in container["volumeMounts"] if m["mountPath"] == path]
+    return str(volumes[name]["hostPath"]["path"])
+
+
+def test_the_ram_tier_is_one_node_directory_at_the_agents_path_in_the_agent_and_the_training_pod(
+    tmp_path: Path,
+) -> None:
+    """Clients use the path the agent names: the agent's pod and a training pod must see the same node
+    directory there; the agent's container holds what serving other users' jobs and the drain need."""
+    from agent.ramtier import RamTierConfig
+
+    [cm] = load_yaml("configmap.yaml")
+    (tmp_path / "config.toml").write_text(cm["data"]["config.toml"])
+    tier = load_config(tmp_path / "config.toml", env={}).table("ram_tier", RamTierConfig)
+    [ds] = load_yaml("daemonset.yaml")
+    [agent] = ds["spec"]["template"]["spec"]["containers"]
+    [pod] = load_yaml("training-pod-example.yaml")
+    [train] = pod["spec"]["containers"]
+    assert tier.enabled and str(tier.path).startswith("/dev/shm/")
+    assert str(tier.path) == _mounted(ds["spec"]["template"]["spec"], agent, str(tier.path))
+    assert str(tier.path) == _mounted(pod["spec"], train, str(tier.path))
+    added = set(agent["securityContext"]["capabilities"]["add"])
+    assert {"CHOWN", "DAC_OVERRIDE", "SETUID", "SETGID", "KILL", "SYSLOG"} == added
+
+
 def test_the_kustomization_lists_every_manifest() -> None:
     [kustomization] = load_yaml("kustomization.yaml")
     manifests = {p.name for p in (PACKAGING / "kubernetes").glob("*.yaml")} - {"kustomization.yaml"}
