@@ -3,7 +3,9 @@
 Every rank of a host without a notice writes its DCP shard into its own host's RAM tier (tmpfs, reserved from
 the agent first); each rank of a host with a notice streams its shard, as DCP writes it, through a gloo group
 of the store's own (no new listener; :mod:`agent.client.evacuate_stream`) to a buddy rank on the next host in
-the ring that has none, which writes it into its own RAM tier beside its own DCP write; one gather
+the ring that has none, which writes it into its own RAM tier beside its own DCP write (without a stream
+group, it writes its shard into its own host's tier and sends the files through the store's group after the
+save); one gather
 confirms that every file of the step is in some surviving host's RAM with its CRC32; each surviving host
 writes ``tier.json`` and commits the step to its agent; the notified hosts free their copy. Nothing is written
 under the durable root. When the peer tier cannot be used (every host has a notice, an agent is unreachable or
