@@ -24,9 +24,9 @@ NOT_FAST = frozenset({"slow", "service", "torch_mp"})
 # Fixtures that start an external service: a test that takes one is marked ``service`` here, in one place.
 SERVICE_FIXTURES = frozenset({"slurm", "ray_cluster", "kube", "pair"})
 # Fixtures that are slow to build (the session's Slurm, a Ray cluster, two ranks' checkpoints, an evacuation
-# on three hosts): the tests that share one run on the same parallel worker (``--dist loadgroup``), which
-# builds it once.
-SHARED_FIXTURES = frozenset({"slurm", "ray_cluster", "two_steps", "evacuated"})
+# and a full-state peer save on three hosts): the tests that share one run on the same parallel worker
+# (``--dist loadgroup``), which builds it once.
+SHARED_FIXTURES = frozenset({"slurm", "ray_cluster", "two_steps", "evacuated", "saved_full"})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

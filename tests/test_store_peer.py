@@ -13,11 +13,13 @@ import os
 import shutil
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from tests.lazy import HAS_TORCH, Lazy
 from tests.support import REPO
@@ -163,60 +165,86 @@ def _durable(tmp: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
+@dataclass
+class Saved:
+    """One peer save on hosts 0-2 with a notice on host 1, as the tests below find it: what it left right
+    after, then host 1 gone (agent stopped, RAM deleted); a fourth host, new and empty, idles."""
+
+    every: list[Host]
+    tmp: Path
+    out: list[dict[str, Any]]
+    held: list[list[int]]
+    docs: list[dict[str, Any]]
+    notified_dir: bool
+    durable: list[str]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def saved_full(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Saved]:
+    """The save the tests of this module share (three ranks that each import torch). A resume adds a copy to a
+    host that lacked one and a damaged copy is repaired by the resume that finds it, so each test finds the
+    step whole on hosts 0 and 2 whatever ran before."""
+    tmp = tmp_path_factory.mktemp("saved")
+    async with hosts(4) as every:
+        out = await _ranks(every[:3], tmp, "save", noticed=[1])
+        held = [_held(host) for host in every[:3]]
+        docs = [json.loads((h.ram / JOB / str(STEP) / "tier.json").read_text()) for h in (every[0], every[2])]
+        notified_dir = (every[1].ram / JOB).exists()
+        durable = _durable(tmp)
+        await every[1].stop()
+        shutil.rmtree(every[1].ram)
+        yield Saved(every, tmp, out, held, docs, notified_dir, durable)
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_peer_save_leaves_one_whole_copy_on_each_host_without_a_notice_and_none_on_the_notified_one(
-    tmp_path: Path,
+    saved_full: Saved,
 ) -> None:
     """3 hosts, a notice on host 1: hosts 0 and 2 each hold the step whole (tier.json: the full-state layout,
     every file of the step), host 1 never reserved anything, nothing is under the durable root, and every
     rank's checkpoint is a peer one (host 1's rank names host 0's copy)."""
-    async with hosts(3) as three:
-        out = await _ranks(three, tmp_path, "save", noticed=[1])
-        held = [_held(host) for host in three]
-        docs = [json.loads((h.ram / JOB / str(STEP) / "tier.json").read_text()) for h in (three[0], three[2])]
-        notified_dir = (three[1].ram / JOB).exists()
-    assert [[STEP], [], [STEP]] == held
+    s, out = saved_full, saved_full.out
+    assert [[STEP], [], [STEP]] == s.held
     assert [("full", {"state.pt"}, {"state.pt"})] * 2 == [
-        (d["layout"], set(d["files"]), set(d["step_files"])) for d in docs
+        (d["layout"], set(d["files"]), set(d["step_files"])) for d in s.docs
     ]
-    assert (False, []) == (notified_dir, _durable(tmp_path))
+    assert (False, []) == (s.notified_dir, s.durable)
     assert [("peer", STEP)] * 3 == [(o["tier"], o["step"]) for o in out]
     assert out[0]["path"] == out[1]["path"] != out[2]["path"]
     assert [[]] * 3 == [o["warnings"] for o in out]
 
 
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("new_hosts", [0, 1])
 async def test_with_the_notified_host_gone_the_job_resumes_from_a_survivors_copy_at_another_world_size(
-    tmp_path: Path, new_hosts: int
+    saved_full: Saved, new_hosts: int
 ) -> None:
     """After the save, host 1 is gone (agent stopped, RAM deleted): the job resumes on hosts 0 and 2 (world
     size 2), or on them and a new empty host (world size 3) which receives the copy through the group and
     keeps it in its own tier; the saved step and digest on every rank, nothing under the durable root."""
-    async with hosts(3 + new_hosts) as every:
-        saved = await _ranks(every[:3], tmp_path, "save", noticed=[1])
-        await every[1].stop()
-        shutil.rmtree(every[1].ram)
-        group = [every[0], every[2], *every[3:]]
-        resumed = await _ranks(group, tmp_path, "resume")
-        held = [_held(host) for host in group]
-    assert [(STEP, saved[0]["digest"], "peer", [])] * len(group) == [
+    every = saved_full.every
+    group = [every[0], every[2], *every[3 : 3 + new_hosts]]
+    resumed = await _ranks(group, saved_full.tmp, "resume")
+    held = [_held(host) for host in group]
+    assert [(STEP, saved_full.out[0]["digest"], "peer", [])] * len(group) == [
         (o["step"], o["digest"], o["tier"], o["warnings"]) for o in resumed
     ]
     assert [[STEP]] * len(group) == held
-    assert [] == _durable(tmp_path)
+    assert [] == _durable(saved_full.tmp)
 
 
-async def test_a_damaged_copy_is_freed_and_its_host_receives_a_good_one(tmp_path: Path) -> None:
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_damaged_copy_is_freed_and_its_host_receives_a_good_one(saved_full: Saved) -> None:
     """Host 0's copy loses a byte after the save (CRC32 no longer matches tier.json): the resume on hosts 0
     and 2 loads host 2's copy on both, and host 0 holds a good copy again."""
-    async with hosts(3) as three:
-        saved = await _ranks(three, tmp_path, "save", noticed=[1])
-        state = three[0].ram / JOB / str(STEP) / "state.pt"
-        data = bytearray(state.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        state.write_bytes(bytes(data))
-        resumed = await _ranks([three[0], three[2]], tmp_path, "resume")
-        repaired = state.read_bytes() != bytes(data)
-    assert [(STEP, saved[0]["digest"])] * 2 == [(o["step"], o["digest"]) for o in resumed]
+    every = saved_full.every
+    state = every[0].ram / JOB / str(STEP) / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state.write_bytes(bytes(data))
+    resumed = await _ranks([every[0], every[2]], saved_full.tmp, "resume")
+    repaired = state.read_bytes() != bytes(data)
+    assert [(STEP, saved_full.out[0]["digest"])] * 2 == [(o["step"], o["digest"]) for o in resumed]
     assert repaired
 
 
