@@ -279,7 +279,8 @@ async def test_with_the_notified_host_gone_the_job_resumes_from_the_other_hosts_
     assert [] == list(e.ckpt.glob("step-*"))
 
 
-# Run the example with the evacuation's sender replaced by a death: the rank dies as its transfer starts.
+# Run the example with the evacuation's senders replaced by a death: the rank dies as its transfer starts
+# (the files sent after the save, or the shard streamed during it).
 _DIE_SENDING = textwrap.dedent(
     """
     import os, runpy, sys
@@ -289,6 +290,8 @@ _DIE_SENDING = textwrap.dedent(
         os._exit(9)
 
     evacuate.send_file = die
+    import agent.client.evacuate_stream as evacuate_stream
+    evacuate_stream.send_piece = die  # every frame a notified rank streams goes through it
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
     """

@@ -158,10 +158,8 @@ class ShardedStore:
         self._checksummers = ChecksumThreads()
         self.last_save: ShardedCheckpoint | None = None
         auto = margin if tier == "auto" else None
-        peer = PeerTier(
-            self.ranks, self._local, tiers, str(job), thread_count, self._report, self._budget, auto
-        )
-        self.peer = peer if tier != "durable" else None
+        args = (self.ranks, self._local, tiers, str(job), thread_count, self._report, self._budget, auto)
+        self.peer = PeerTier(*args) if tier != "durable" else None  # none for "durable": no stream group
         self.root.mkdir(parents=True, exist_ok=True)
         self.ranks.check_shared(self.root)
 
