@@ -15,6 +15,8 @@ from collections.abc import Callable, Collection, Mapping
 from datetime import datetime
 from typing import Any
 
+import torch.distributed as dist
+
 from agent.client.dcp_async import DeadlineBudget, seconds_to, with_slack
 from agent.client.dcp_commit import Ranks, ShardedCheckpoint
 from agent.client.evacuate import Evacuation, PeerTierUnusable
@@ -68,9 +70,9 @@ class PeerTier:
         self.thread_count = thread_count
         self._report = report
         # The gloo group a notified rank streams its shard to its buddy on, beside DCP's collectives on
-        # ranks.group (made with the store, never inside the window); None: the shard is written into the
-        # notified host's RAM tier and its files are sent afterwards.
-        self.stream: Any = None
+        # ranks.group: made here, with the store (a collective), never inside the window. (None: the shard
+        # would be written into the notified host's RAM tier and its files sent afterwards.)
+        self.stream: Any = dist.new_group(backend="gloo") if ranks.distributed else None
 
     def save(
         self,
