@@ -22,8 +22,10 @@ import agent.ramtier  # noqa: F401  (declares [ram_tier])
 from agent.bridges.kubernetes.jobname import JOBSET_UID, job_of_pod
 from agent.client.ramtier import NoJobId, job_id, resolve_job_id
 from agent.core.jobs import JobName, JobNameRegistry, UnknownJob
+from agent.core.window import WINDOW_LIMITS
+from agent.service.daemon import Agent
 from tests.k8s_fake import FakeKube
-from tests.support import REPO, http_json, running_agent
+from tests.support import REPO, agent_config, http_json, running_agent
 from tests.test_bridge_kubernetes_agent import pod_cgroup
 
 NODE = "gpu-node-1"
@@ -175,3 +177,28 @@ async def test_without_a_part_that_knows_the_job_the_agent_says_so(kube: FakeKub
         status, body = await http_json(base / "a.sock", "GET", "/v1/ram-tier/job-id")
     assert answer.startswith("no: ") and "no part of this agent knows which job" in answer
     assert 404 == status and "Kubernetes bridge" in body["error"]
+
+
+async def test_a_reload_that_turns_the_bridge_off_takes_its_job_names_and_window_limit_back(
+    kube: FakeKube, base: Path
+) -> None:
+    """The bridge's offers go with it: after a reload with ``[actions.kubernetes]`` off, the agent knows no
+    job for a process in a pod (and the window no longer asks the pods' grace); turned on again, it does."""
+    pod = kube.add_pod("ml", "train-0", node=NODE, owner="Job")
+    values = _settings(kube, base)
+    agent = Agent(agent_config(base, values), reload_config=lambda: agent_config(base, values))
+    await agent.start()
+    answers, limits = [], []
+    try:
+        with pod_cgroup(pod["metadata"]["uid"]) as join:
+            for enabled in (True, False, True):
+                values["actions.kubernetes.enabled"] = enabled
+                await agent.reload()
+                answers.append(await _ask(base / "a.sock", join))
+                limits.append(sorted(agent.capability(WINDOW_LIMITS).sources))
+    finally:
+        await agent.stop()
+    owner = pod["metadata"]["ownerReferences"][0]["uid"]
+    assert [f"job-{owner}", f"job-{owner}"] == [answers[0], answers[2]]
+    assert answers[1].startswith("no: ") and "no part of this agent knows which job" in answers[1]
+    assert ["kubernetes" in names for names in limits] == [True, False, True]

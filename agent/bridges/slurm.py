@@ -28,6 +28,7 @@ from agent.bridges.slurm_work import Work
 from agent.core.notice import Event, EventType, utcnow
 from agent.core.ports import Host
 from agent.core.tasks import TaskSet
+from agent.core.window import withdraw_limits
 
 log = structlog.get_logger("preemptd.slurm")
 
@@ -160,6 +161,7 @@ def build_reactor(host: Host) -> SlurmBridge | None:
     """The bridge for ``[actions.slurm]``, or None when it is not enabled."""
     config = host.config.table("actions.slurm", SlurmConfig)
     if not config.enabled:
+        withdraw_limits(host, "slurm")  # a reload that turns the bridge off takes its KillWait back
         return None
     bridge = SlurmBridge(config)
     register_metrics(host, "slurm", "Slurm", bridge)

@@ -49,6 +49,10 @@ class JobNameRegistry:
     def add(self, name: str, source: JobNameSource) -> None:
         self.sources[name] = source
 
+    def remove(self, name: str) -> None:
+        """Take a part's source back (a reload turned it off)."""
+        self.sources.pop(name, None)
+
     async def name_of(self, pid: int, timeout: float = SOURCE_TIMEOUT_S) -> tuple[JobName | None, list[str]]:
         """The first source's (by name) job for ``pid``, and why each source asked before it had none."""
         why: list[str] = []
@@ -75,6 +79,13 @@ class _Capabilities(Protocol):
     def capability(self, name: str) -> Any | None: ...
 
     def provide(self, name: str, fn: Any) -> None: ...
+
+
+def withdraw_job_names(host: _Capabilities, name: str) -> None:
+    """Take back the job-name source ``name`` offered, if the host has a registry."""
+    found = host.capability(JOB_NAMES)
+    if isinstance(found, JobNameRegistry):
+        found.remove(name)
 
 
 def job_name_registry(host: _Capabilities) -> JobNameRegistry:

@@ -77,11 +77,23 @@ class LimitRegistry:
         self.sources[name] = source
         self.changed()
 
+    def remove(self, name: str) -> None:
+        """Take a part's source back (a reload turned it off)."""
+        if self.sources.pop(name, None) is not None:
+            self.changed()
+
 
 class _Capabilities(Protocol):
     def capability(self, name: str) -> Any | None: ...
 
     def provide(self, name: str, fn: Any) -> None: ...
+
+
+def withdraw_limits(host: _Capabilities, name: str) -> None:
+    """Take back the limit source ``name`` offered, if the host has a registry (a bridge a reload turned off)."""
+    found = host.capability(WINDOW_LIMITS)
+    if isinstance(found, LimitRegistry):
+        found.remove(name)
 
 
 def limit_registry(host: _Capabilities) -> LimitRegistry:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from agent.bridges.kubernetes.config import NODE_NAME, TABLE, KubernetesConfig
 from agent.core.errors import ConfigError
+from agent.core.jobs import withdraw_job_names
+from agent.core.window import withdraw_limits
 
 if TYPE_CHECKING:
     from agent.bridges.kubernetes.bridge import Collector, KubernetesBridge
@@ -42,6 +44,9 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
     name, the client library missing)."""
     config = host.config.table(TABLE, KubernetesConfig)
     if not config.enabled:
+        # A reload that turns the bridge off takes back what the running one offered the other parts.
+        withdraw_limits(host, "kubernetes")
+        withdraw_job_names(host, "kubernetes")
         return None
     node = node_name(config)
     try:
