@@ -113,6 +113,14 @@ def test_periodic_checkpoints_keep_the_newest(base: Path) -> None:
     assert ([4, 3], [False] * 4) == (preemptd.store.steps(), [c.emergency for c in preemptd.saved])
 
 
+def test_a_callback_refuses_a_tier_it_does_not_know_and_a_drain_without_the_peer_tier(base: Path) -> None:
+    """Before training, not at the emergency: the arguments that cannot work say what would."""
+    with pytest.raises(ValueError, match="tier must be 'durable' or 'peer', got 'ram'"):
+        PreemptdCallback(base / "ckpt", tier="ram", socket_path=base / "none.sock")
+    with pytest.raises(ValueError, match="drain=True drains the peer tier's steps: it needs tier='peer'"):
+        PreemptdCallback(base / "ckpt", drain=True, socket_path=base / "none.sock")
+
+
 # -- a strategy that writes on every rank: ModelParallelStrategy (FSDP2) on CPU/gloo, two ranks
 
 
