@@ -155,8 +155,9 @@ def test_a_host_that_finds_the_step_committed_while_it_waits_copies_nothing(tmp_
     claim = claim_file(durable, STEP)
     claim.write_text(json.dumps({"host": "first"}))
     outcome: list[dict[str, Any]] = []
+    said: list[dict[str, Any]] = []  # its progress lines: the agent shows who holds the claim it waits for
     waiting = threading.Thread(
-        target=lambda: outcome.append(drain(_plan(source, durable, "second", 30), lambda doc: None))
+        target=lambda: outcome.append(drain(_plan(source, durable, "second", 30), said.append))
     )
     waiting.start()
     time.sleep(0.5)
@@ -165,6 +166,7 @@ def test_a_host_that_finds_the_step_committed_while_it_waits_copies_nothing(tmp_
     waiting.join(10)
     assert alone
     assert [{"state": "committed", "path": str(final_dir(durable, STEP)), "already": True}] == outcome
+    assert [{"claimed_by": "first"}] == said
     assert [claim.name, f"step-{STEP:012d}"] == listing(durable)
 
 

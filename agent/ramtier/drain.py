@@ -235,9 +235,16 @@ def claim_file(root: Path, step: int) -> Path:
     return root / f".drain-step-{step:012d}.claim"
 
 
-def take_claim(claim: Path, host: str, stale_s: float, done: Callable[[], bool]) -> bool:
+def take_claim(
+    claim: Path,
+    host: str,
+    stale_s: float,
+    done: Callable[[], bool],
+    waiting: Callable[[str], None] = lambda holder: None,
+) -> bool:
     """Wait until this host holds ``claim`` (True), or the step is committed meanwhile (False). A claim whose
-    name, size and time have not changed for ``stale_s`` is moved aside and taken over."""
+    name, size and time have not changed for ``stale_s`` is moved aside and taken over. ``waiting(holder)``
+    is told each new claim this host finds another host holding."""
     seen: tuple[int, int, int] | None = None
     since = time.monotonic()
     while not done():
@@ -249,6 +256,8 @@ def take_claim(claim: Path, host: str, stale_s: float, done: Callable[[], bool])
             except FileNotFoundError:  # released just now: try again
                 continue
             mark = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if seen is None or mark[0] != seen[0]:
+                waiting(_holder(claim))
             if mark != seen:
                 seen, since = mark, time.monotonic()
             elif time.monotonic() - since >= stale_s:
@@ -263,6 +272,15 @@ def take_claim(claim: Path, host: str, stale_s: float, done: Callable[[], bool])
             handle.write(json.dumps({"host": host, "pid": os.getpid()}))
         return True
     return False
+
+
+def _holder(claim: Path) -> str:
+    """The host named in a claim ("?" when it cannot be read: being written, or gone)."""
+    try:
+        doc = json.loads(claim.read_text())
+    except (OSError, ValueError):
+        return "?"
+    return str(doc.get("host", "?")) if isinstance(doc, dict) else "?"
 
 
 def release_claim(claim: Path, host: str) -> None:
@@ -290,10 +308,10 @@ def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -
         return already
     root.mkdir(parents=True, exist_ok=True)
     claim = claim_file(root, step)
-    if not take_claim(
-        claim, host, float(plan.get("claim_stale_s") or CLAIM_STALE_S), lambda: committed(final)
-    ):
+    stale_s = float(plan.get("claim_stale_s") or CLAIM_STALE_S)
+    if not take_claim(claim, host, stale_s, lambda: committed(final), lambda by: say({"claimed_by": by})):
         return already
+    say({"claimed_by": None})
     staging = root / f".drain-step-{step:012d}.{host}"
     stop = threading.Event()
     # The claim is alive while this host holds it, through long fsyncs too: the waiting hosts wait.

@@ -36,6 +36,7 @@ class Drain:
     path: str | None = None
     missing: list[str] = field(default_factory=list)
     already: bool = False  # committed by another host (this one copied nothing, or its copy was not used)
+    claimed_by: str | None = None  # a full-state step's claim another host holds: this one waits for it
     done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -45,7 +46,7 @@ class Drain:
             "copied_bytes": self.copied_bytes,
             "total_bytes": self.total_bytes,
         }
-        for key in ("error", "path"):
+        for key in ("error", "path", "claimed_by"):
             if getattr(self, key) is not None:
                 doc[key] = getattr(self, key)
         if self.missing:
@@ -141,6 +142,7 @@ class Drains:
         drain.path = outcome.get("path")
         drain.missing = list(outcome.get("missing") or [])
         drain.already = outcome.get("already") is True
+        drain.claimed_by = None
         self.drained_bytes += drain.copied_bytes
         event = "ram_tier_drain_failed" if drain.state == "failed" else f"ram_tier_drain_{drain.state}"
         (self._log.error if drain.state == "failed" else self._log.info)(
@@ -178,6 +180,9 @@ class Drains:
                     continue
                 if "state" in doc:
                     outcome = doc
+                elif "claimed_by" in doc:
+                    by = doc["claimed_by"]
+                    drain.claimed_by = None if by is None else str(by)
                 else:
                     drain.copied_bytes = int(doc.get("copied_bytes", drain.copied_bytes))
             await proc.wait()
