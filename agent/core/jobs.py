@@ -15,7 +15,8 @@ import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+
+from agent.core.offers import Capabilities, SourceRegistry, provided, withdraw
 
 JOB_NAMES = "job_names"
 # A source that takes longer than this (an API server that does not answer) is passed over.
@@ -39,19 +40,8 @@ class UnknownJob(Exception):
 JobNameSource = Callable[[int], Awaitable[JobName]]
 
 
-class JobNameRegistry:
-    """The sources parts offer, by name; a later source of a name replaces the earlier one (a reloaded
-    bridge)."""
-
-    def __init__(self) -> None:
-        self.sources: dict[str, JobNameSource] = {}
-
-    def add(self, name: str, source: JobNameSource) -> None:
-        self.sources[name] = source
-
-    def remove(self, name: str) -> None:
-        """Take a part's source back (a reload turned it off)."""
-        self.sources.pop(name, None)
+class JobNameRegistry(SourceRegistry[JobNameSource]):
+    """The sources parts offer, by name (agent/core/offers.py)."""
 
     async def name_of(self, pid: int, timeout: float = SOURCE_TIMEOUT_S) -> tuple[JobName | None, list[str]]:
         """The first source's (by name) job for ``pid``, and why each source asked before it had none."""
@@ -75,24 +65,11 @@ class JobNameRegistry:
         return None, why
 
 
-class _Capabilities(Protocol):
-    def capability(self, name: str) -> Any | None: ...
-
-    def provide(self, name: str, fn: Any) -> None: ...
-
-
-def withdraw_job_names(host: _Capabilities, name: str) -> None:
-    """Take back the job-name source ``name`` offered, if the host has a registry."""
-    found = host.capability(JOB_NAMES)
-    if isinstance(found, JobNameRegistry):
-        found.remove(name)
+def withdraw_job_names(host: Capabilities, name: str) -> None:
+    """Take back the job-name source ``name`` offered (a bridge a reload turned off)."""
+    withdraw(host, JOB_NAMES, name)
 
 
-def job_name_registry(host: _Capabilities) -> JobNameRegistry:
+def job_name_registry(host: Capabilities) -> JobNameRegistry:
     """The host's registry of job-name sources, provided now if nobody did yet."""
-    found = host.capability(JOB_NAMES)
-    if isinstance(found, JobNameRegistry):
-        return found
-    registry = JobNameRegistry()
-    host.provide(JOB_NAMES, registry)
-    return registry
+    return provided(host, JOB_NAMES, JobNameRegistry)

@@ -15,9 +15,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 from agent.core.notice import Kind, format_time
+from agent.core.offers import Capabilities, SourceRegistry, provided, withdraw
 from agent.core.reports import Report
 
 # The capability under which the LimitRegistry is shared.
@@ -65,45 +66,19 @@ class Limit:
 LimitSource = Callable[[], Awaitable[Sequence[Limit]]]
 
 
-class LimitRegistry:
-    """The limit sources parts offer, by name; a later source of a name replaces the earlier one (a reloaded
-    bridge). ``changed`` is called on each addition (the window component reads the limits again)."""
-
-    def __init__(self) -> None:
-        self.sources: dict[str, LimitSource] = {}
-        self.changed: Callable[[], None] = lambda: None
-
-    def add(self, name: str, source: LimitSource) -> None:
-        self.sources[name] = source
-        self.changed()
-
-    def remove(self, name: str) -> None:
-        """Take a part's source back (a reload turned it off)."""
-        if self.sources.pop(name, None) is not None:
-            self.changed()
+class LimitRegistry(SourceRegistry[LimitSource]):
+    """The limit sources parts offer, by name; ``changed`` (each addition or removal) makes the window
+    component read the limits again."""
 
 
-class _Capabilities(Protocol):
-    def capability(self, name: str) -> Any | None: ...
-
-    def provide(self, name: str, fn: Any) -> None: ...
-
-
-def withdraw_limits(host: _Capabilities, name: str) -> None:
-    """Take back the limit source ``name`` offered, if the host has a registry (a bridge a reload turned off)."""
-    found = host.capability(WINDOW_LIMITS)
-    if isinstance(found, LimitRegistry):
-        found.remove(name)
+def withdraw_limits(host: Capabilities, name: str) -> None:
+    """Take back the limit source ``name`` offered (a bridge a reload turned off)."""
+    withdraw(host, WINDOW_LIMITS, name)
 
 
-def limit_registry(host: _Capabilities) -> LimitRegistry:
+def limit_registry(host: Capabilities) -> LimitRegistry:
     """The host's registry of limit sources, provided now if nobody did yet."""
-    found = host.capability(WINDOW_LIMITS)
-    if isinstance(found, LimitRegistry):
-        return found
-    registry = LimitRegistry()
-    host.provide(WINDOW_LIMITS, registry)
-    return registry
+    return provided(host, WINDOW_LIMITS, LimitRegistry)
 
 
 @dataclass(frozen=True)
