@@ -201,9 +201,7 @@ def run_rank(args: argparse.Namespace) -> int:
     peer = ShardedStore(root, keep=1, report=False, socket_path=sock, tier="peer", job=JOB)
     files = ShardedStore(root, keep=1, report=False, socket_path=sock, tier="peer", job=JOB)
     assert peer.peer is not None and files.peer is not None
-    if peer.peer.stream is None:  # a store that makes no stream group: one made here
-        peer.peer.stream = dist.new_group(backend="gloo")
-    files.peer.stream = None  # the earlier path: the notified shard written to tmpfs, then sent by file
+    files.peer.streaming = False  # the earlier path: the notified shard written to tmpfs, then sent by file
     durable = ShardedStore(root, keep=1, report=False, socket_path=sock)
     received = [torch.empty_like(t) for t in local] if rank == buddy else []
     shm = Path(args.shm)

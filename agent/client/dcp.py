@@ -138,8 +138,6 @@ class ShardedStore:
         self.distributed = self.ranks.distributed
         self.rank = self.ranks.rank
         self.world_size = self.ranks.world_size
-        self.group = self.ranks.group
-        self.async_group = self.ranks.async_group
         self._budget = DeadlineBudget(self._local, self.world_size)
         self._background = BackgroundSaves(
             self.ranks,
@@ -153,7 +151,7 @@ class ShardedStore:
             finish=lambda checkpoint, blocked, total, flush: self._finished(
                 checkpoint, blocked, total, False, None, False, flush
             ),
-            fail=lambda exc, step, tmp, free: self._failure(exc, step, tmp, free, self.async_group),
+            fail=self._failure,
         )
         self._checksummers = ChecksumThreads()
         self.last_save: ShardedCheckpoint | None = None
@@ -171,6 +169,11 @@ class ShardedStore:
     @recent_s.setter
     def recent_s(self, value: float) -> None:
         self._background.recent_s = value
+
+    @property
+    def group(self) -> Any:
+        """The store's gloo group for its saves and loads (a writer given to :meth:`save_files` may use it)."""
+        return self.ranks.group
 
     @property
     def last_budget(self) -> Budget | None:
@@ -212,17 +215,10 @@ class ShardedStore:
 
         def write(directory: Path) -> None:
             writer = FileSystemWriter(directory, sync_files=True, thread_count=self.thread_count)
-            dcp_save(dict(state), storage_writer=writer, process_group=self.group)
+            dcp_save(dict(state), storage_writer=writer, process_group=self.ranks.group)
 
-        return self.save_files(
-            step,
-            write,
-            emergency=emergency,
-            notice_id=notice_id,
-            metadata=metadata,
-            deadline=deadline,
-            layout=layout(state),
-        )
+        return self.save_files(step, write, emergency=emergency, notice_id=notice_id, metadata=metadata,
+                               deadline=deadline, layout=layout(state))  # fmt: skip
 
     def save_files(
         self,
@@ -260,7 +256,7 @@ class ShardedStore:
         try:
             with zip_crc_off():
                 writer(tmp)
-            checkpoint = self._commit(self.group, tmp, what, self.checksum and not defer)
+            checkpoint = self._commit(self.ranks.group, tmp, what, self.checksum and not defer)
         except BaseException as exc:
             if not convertible(exc):
                 if self.rank == 0:
@@ -366,14 +362,18 @@ class ShardedStore:
 
     def close(self, timeout: float = 10.0) -> None:
         """Before exit: finish a background save, deferred checksums and queued reports, each bounded by
-        ``timeout``."""
+        ``timeout``; then destroy the store's process groups (see :class:`.dcp_commit.Ranks`): the store
+        saves and loads no more. Call it before ``destroy_process_group()``, or at least before exit."""
         try:
             self.wait_async(timeout)
+        except TimeoutError as exc:  # its group stays alive: released at exit
+            _log.warning("%s after %s s: closing without it", exc, timeout)
         except Exception as exc:  # reported as failed already; exiting must not raise it again
             _log.warning("background save failed: %s", exc)
         self.wait_checksums(timeout)
         if self.reporter is not None:
             self.reporter.close(timeout)
+        self.ranks.release()
 
     def _report(self, phase: str, step: int, **fields: Any) -> None:
         if self.reporter is not None:
@@ -423,7 +423,7 @@ class ShardedStore:
         before anything in ``state`` is overwritten (DCP plans the whole load before it reads). Files that
         cannot be read raise CheckpointError with the cause on every rank (DCP gathers the failures)."""
         try:
-            dcp_load(dict(state), checkpoint_id=checkpoint.path, process_group=self.group)
+            dcp_load(dict(state), checkpoint_id=checkpoint.path, process_group=self.ranks.group)
         except (CheckpointException, OSError) as exc:
             raise load_failure(checkpoint.path, exc) from exc
 

@@ -31,12 +31,12 @@ _log = logging.getLogger("agent.client.dcp")
 
 # The store's hooks: report a phase; commit a written directory (group, directory, what, checksum now);
 # finish a committed save (checkpoint, blocked_s, total_s, flush report) into what the caller gets; turn a
-# failure into the CheckpointError every rank raises (exception, step, directory, free bytes at the start)
-# and remove the directory.
+# failure into the CheckpointError every rank raises (exception, step, directory, free bytes at the start,
+# the group the save ran on) and remove the directory.
 Report = Callable[..., None]
 CommitHook = Callable[[Any, Path, Commit, bool], Checkpoint]
 FinishHook = Callable[[Checkpoint, float, float, dict[str, Any]], ShardedCheckpoint]
-FailHook = Callable[[BaseException, int, Path, "int | None"], CheckpointError]
+FailHook = Callable[[BaseException, int, Path, "int | None", Any], CheckpointError]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,7 @@ class BackgroundSaves:
         run = self.budget.local.run_for(step) if self.ranks.rank == 0 else 0  # rank 0 writes the manifest
         tmp = self.ranks.agree_tmp(self.root)
         what = Commit(step, layout(state), started, metadata=metadata, run=run)
+        group = self.ranks.async_group  # the thread keeps it: a close() that times out leaves it to it
         if self._writer is None:
             self._writer = FileSystemWriter(
                 tmp,
@@ -171,7 +172,7 @@ class BackgroundSaves:
                 dict(state),
                 checkpoint_id=tmp,
                 storage_writer=self._writer,
-                process_group=self.ranks.async_group,
+                process_group=group,
             )
         except BaseException:
             if self.ranks.rank == 0:
@@ -181,11 +182,12 @@ class BackgroundSaves:
         handle = AsyncSave(step=step, started=started, blocked_s=time.monotonic() - started)
         handle.thread = threading.Thread(
             target=self._complete,
-            args=(handle, future, tmp, what, flush, free_before),
+            args=(handle, future, group, tmp, what, flush, free_before),
             name=f"preemptd-async-save step {step}",
             daemon=True,
         )
         self.inflight = handle
+        self.ranks.worker = handle.thread
         handle.thread.start()
         return handle
 
@@ -193,6 +195,7 @@ class BackgroundSaves:
         self,
         handle: AsyncSave,
         future: Any,
+        group: Any,
         tmp: Path,
         what: Commit,
         flush: dict[str, Any],
@@ -200,12 +203,12 @@ class BackgroundSaves:
     ) -> None:
         try:
             future.result()
-            checkpoint = self._commit(self.ranks.async_group, tmp, what, self.checksum)
+            checkpoint = self._commit(group, tmp, what, self.checksum)
             total = time.monotonic() - handle.started
             handle.result = self._finish(checkpoint, handle.blocked_s, total, flush)
         except BaseException as exc:  # kept for the training thread, which raises it in wait()
             if convertible(exc):
-                handle.error = self._fail(exc, handle.step, tmp, free_before)
+                handle.error = self._fail(exc, handle.step, tmp, free_before, group)
                 handle.error.__cause__ = exc
             else:
                 handle.error = exc

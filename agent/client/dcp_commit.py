@@ -7,11 +7,15 @@ Part of :mod:`agent.client.dcp`; import from there.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import socket
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -42,6 +46,14 @@ DCP_METADATA = ".metadata"
 # Deferred CRCs of an emergency save: each rank adds its own file's sums here after the commit.
 CRC_SIDECAR = "crc32-rank-{rank}.json"
 _PROBE_PREFIX = ".preemptd-shared-"
+# Every Ranks whose groups are alive; a store never closed releases them at exit (see Ranks).
+_LIVE: weakref.WeakSet[Ranks] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    for ranks in list(_LIVE):
+        ranks.release()
 
 
 def zip_crc_off() -> AbstractContextManager[Any]:
@@ -86,17 +98,76 @@ class ShardedCheckpoint:
 class Ranks:
     """This process's place among the ranks, and the store's own gloo groups: ``group`` for saves and
     loads on the training thread, ``async_group`` for a background save's collectives, which run on another
-    thread while the training thread may need ``group`` for an emergency save. Saves never mix with the
-    training's own (NCCL or gloo) traffic. Constructing it is a collective when distributed."""
+    thread while the training thread may need ``group`` for an emergency save, and ``stream`` (made by
+    :meth:`add_stream` for the peer tier). Saves never mix with the training's own (NCCL or gloo) traffic.
+    Constructing it is a collective when distributed.
+
+    The groups it made are destroyed by :meth:`release` (the stores' ``close()``, and at exit for a store
+    never closed): a gloo group still alive when the interpreter finalizes can abort the process, as its
+    worker threads free a finished collective's tensors and need the GIL then ("terminate called without
+    an active exception"); ``destroy_process_group()`` alone does not join them while the store holds them.
+    """
 
     def __init__(self, group: Any = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
-        if self.distributed and group is None:
-            group = dist.new_group(backend="gloo")
-        self.group = group
-        self.async_group = dist.new_group(backend="gloo") if self.distributed else None
+        self._owned: list[Any] = []
+        self._groups: dict[str, Any] = {"group": group, "async_group": None, "stream": None}
+        self.released = False
+        # The thread running a background save on ``async_group``, if any: release() leaves that group alone
+        # while it runs (destroying a group under a collective in flight would hang its worker's join).
+        self.worker: threading.Thread | None = None
+        if self.distributed:
+            if group is None:
+                self._groups["group"] = self._new_group()
+            self._groups["async_group"] = self._new_group()
+            _LIVE.add(self)
+
+    def _new_group(self) -> Any:
+        made = dist.new_group(backend="gloo")
+        self._owned.append(made)
+        return made
+
+    def _get(self, name: str) -> Any:
+        if self.released:
+            raise RuntimeError("the checkpoint store is closed: close() released its process groups")
+        return self._groups[name]
+
+    @property
+    def group(self) -> Any:
+        return self._get("group")
+
+    @property
+    def async_group(self) -> Any:
+        return self._get("async_group")
+
+    @property
+    def stream(self) -> Any:
+        return self._get("stream")
+
+    def add_stream(self) -> None:
+        """Make ``stream``, the gloo group a notified rank streams its shard to its buddy on (a collective)."""
+        if self.distributed and self._groups["stream"] is None:
+            self._groups["stream"] = self._new_group()
+
+    def release(self) -> bool:
+        """Destroy the groups this object made (a group given to it is only let go) and drop every reference
+        to them; idempotent. False, with the background save's group kept, while that save still runs."""
+        busy = self.worker is not None and self.worker.is_alive()
+        kept = self._groups["async_group"] if busy else None
+        for made in self._owned:
+            if made is kept:
+                continue
+            # Already destroyed by destroy_process_group(), with the default group: only let go of it.
+            with contextlib.suppress(ValueError, RuntimeError, AssertionError):
+                dist.destroy_process_group(made)
+        self._owned = [kept] if busy else []
+        self._groups = {"group": None, "async_group": kept, "stream": None}
+        self.released = True
+        if not busy:
+            _LIVE.discard(self)
+        return not busy
 
     def gather(self, value: Any, group: Any = None) -> list[Any]:
         if not self.distributed:

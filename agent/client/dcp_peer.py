@@ -15,8 +15,6 @@ from collections.abc import Callable, Collection, Mapping
 from datetime import datetime
 from typing import Any
 
-import torch.distributed as dist
-
 from agent.client.dcp_async import DeadlineBudget, seconds_to, with_slack
 from agent.client.dcp_commit import Ranks, ShardedCheckpoint
 from agent.client.evacuate import Evacuation, PeerTierUnusable
@@ -70,9 +68,10 @@ class PeerTier:
         self.thread_count = thread_count
         self._report = report
         # The gloo group a notified rank streams its shard to its buddy on, beside DCP's collectives on
-        # ranks.group: made here, with the store (a collective), never inside the window. (None: the shard
-        # would be written into the notified host's RAM tier and its files sent afterwards.)
-        self.stream: Any = dist.new_group(backend="gloo") if ranks.distributed else None
+        # ranks.group: made here, with the store (a collective), never inside the window. (streaming False:
+        # the shard is written into the notified host's RAM tier and its files sent afterwards; bench/.)
+        ranks.add_stream()
+        self.streaming = True
 
     def save(
         self,
@@ -112,7 +111,12 @@ class PeerTier:
                     "the ranks with a notice are unknown: pass noticed=decision.noticed", "noticed_unknown"
                 )
             evacuation = Evacuation(
-                self.ranks, self.ranks.group, self.tiers, self.job, self.thread_count, self.stream
+                self.ranks,
+                self.ranks.group,
+                self.tiers,
+                self.job,
+                self.thread_count,
+                self.ranks.stream if self.streaming else None,
             )
             done = evacuation.run(step, run, state, noticed, notice_id)
         except PeerTierUnusable as exc:

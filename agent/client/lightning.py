@@ -130,7 +130,8 @@ class PreemptdCallback(FollowsNotices, Callback):
         self.store.close()
         for store in (self.sharded_store, self.peer_store):
             if store is not None:
-                store.close()
+                store.close()  # its process groups end with it: the next setup() makes a new one
+        self.sharded_store = self.peer_store = None
 
     def _agree_on_resume(self, store: PeerCheckpointStore) -> None:
         """Every rank chose in ``resume_path()``, alone, from its host's RAM and the root: when they chose

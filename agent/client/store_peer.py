@@ -156,6 +156,12 @@ class PeerCheckpointStore(CheckpointStore):
         record_emergency(step, path=path, notice_id=notice_id, tier="peer")
         return checkpoint
 
+    def close(self, timeout: float = 10.0) -> None:
+        """:meth:`CheckpointStore.close`, then the store's process group is destroyed (see
+        :class:`.dcp_commit.Ranks`): the store saves and loads no more."""
+        super().close(timeout)
+        self.ranks.release()
+
     def load_latest(
         self, load: Callable[[Checkpoint], _Loaded], verify: Verify = "checksum"
     ) -> tuple[Checkpoint, _Loaded] | None:
@@ -436,14 +442,7 @@ def _checkpoint(copy: Copy, directory: Path, moment: datetime | None = None) -> 
             moment = datetime.fromisoformat(str(copy.doc.get("time")).replace("Z", "+00:00"))
     notice = copy.doc.get("notice_id")
     entries = tuple(FileEntry(name, size, crc) for name, (size, crc) in sorted(copy.files.items()))
-    return Checkpoint(
-        step=copy.step,
-        path=directory,
-        time=moment,
-        bytes=sum(e.bytes for e in entries),
-        files=entries,
-        emergency=True,
-        notice_id=notice if isinstance(notice, str) else None,
-        metadata={"tier": "peer", "world_size": int(copy.doc.get("world_size", 0) or 0)},
-        run=copy.run,
-    )
+    return Checkpoint(step=copy.step, path=directory, time=moment, bytes=sum(e.bytes for e in entries),
+                      files=entries, emergency=True, notice_id=notice if isinstance(notice, str) else None,
+                      metadata={"tier": "peer", "world_size": int(copy.doc.get("world_size", 0) or 0)},
+                      run=copy.run)  # fmt: skip
