@@ -25,7 +25,6 @@ import ctypes
 import io
 import os
 import threading
-import zlib
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +34,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from agent.client.checksum import crc32
 from agent.client.evacuate_transfer import CHUNK, SummingFileSystem
 
 OPEN, PIECE, CLOSE, END = 1, 2, 3, 4
@@ -108,7 +108,7 @@ class _Sending(io.RawIOBase):
         self._gathered = bytearray()
 
     def _sum(self, piece: memoryview) -> None:
-        self.crc = zlib.crc32(piece, self.crc)
+        self.crc = crc32(piece, self.crc)
 
     def writable(self) -> bool:
         return True
@@ -315,7 +315,7 @@ class _Incoming:
             problems.append(f"cannot write {self.path}: {exc}")
 
     def sum(self, part: torch.Tensor) -> None:
-        self.crc = zlib.crc32(part.numpy().data, self.crc)
+        self.crc = crc32(part.numpy().data, self.crc)
 
     def write(self, part: torch.Tensor) -> None:
         self.size += part.numel()

@@ -14,7 +14,6 @@ import contextlib
 import io
 import os
 import threading
-import zlib
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +22,8 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from agent.client.checksum import crc32
 
 # Bytes per send and per CRC32 step: a bounded buffer on both sides whatever the size of a shard file, small
 # enough to stay in the cache between the socket, the CRC32 and the write, and for its two buffers' first
@@ -44,7 +45,7 @@ class _Summing(io.RawIOBase):
         self.size = 0
 
     def _sum(self, piece: memoryview) -> None:
-        self.crc = zlib.crc32(piece, self.crc)
+        self.crc = crc32(piece, self.crc)
 
     def writable(self) -> bool:
         return True
@@ -133,7 +134,7 @@ def send_file(group: Any, to: int, path: Path, size: int, chunk: int = CHUNK, cr
             view[got:] = bytes(len(view) - got)
             bad[0] = True
         if crc is None:
-            summed[0] = zlib.crc32(view, summed[0])
+            summed[0] = crc32(view, summed[0])
         return part
 
     try:
@@ -170,7 +171,7 @@ def receive_file(
         problem.append(f"cannot write {path}: {exc}")
 
     def checksum(part: torch.Tensor) -> None:
-        crc[0] = zlib.crc32(part.numpy().data, crc[0])
+        crc[0] = crc32(part.numpy().data, crc[0])
 
     def write(part: torch.Tensor) -> None:
         if handle is not None and not problem:
@@ -211,5 +212,5 @@ def file_crc(path: Path) -> int:
     crc = 0
     with open(path, "rb") as handle:
         while block := handle.read(CHUNK):
-            crc = zlib.crc32(block, crc)
+            crc = crc32(block, crc)
     return crc

@@ -10,13 +10,14 @@ import errno
 import json
 import math
 import os
-import zlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, TypeVar, cast
+
+from agent.client.checksum import crc32
 
 MANIFEST = "manifest.json"
 FORMAT = "preemptd-checkpoint"
@@ -255,7 +256,7 @@ def crc_range(path: Path, offset: int, length: int) -> int:
             got = handle.readinto(view[: min(left, len(buffer))])
             if not got:
                 raise CheckpointError(f"{path}: shorter than expected while checksumming")
-            crc = zlib.crc32(view[:got], crc)
+            crc = crc32(view[:got], crc)
             left -= got
     return crc
 
@@ -289,7 +290,7 @@ def crc_fd_range(fd: int, offset: int, length: int) -> int:
         got = os.preadv(fd, [view[: min(left, len(buffer))]], position)
         if not got:
             raise CheckpointError(f"file shrank while checksumming at offset {position}")
-        crc = zlib.crc32(view[:got], crc)
+        crc = crc32(view[:got], crc)
         position += got
         left -= got
     return crc

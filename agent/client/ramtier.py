@@ -13,13 +13,13 @@ import os
 import re
 import urllib.parse
 import uuid
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from agent.client.checksum import crc32
 from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
 
 TIER_FILE = "tier.json"
@@ -187,7 +187,7 @@ def file_entry(path: Path, rank: int) -> dict[str, int]:
     size = 0
     with open(path, "rb") as handle:
         while chunk := handle.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
     return {"size": size, "crc32": crc, "rank": rank}
 

@@ -34,12 +34,12 @@ import socket
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from agent.client.checksum import crc32
 from agent.client.durable import fsync_dir, fsync_file, seal, write_durably
 from agent.client.manifest import FORMAT, FORMAT_VERSION, MANIFEST, Checkpoint, CheckpointError, FileEntry
 from agent.ramtier import identity
@@ -76,7 +76,7 @@ def missing_ranks(files: Mapping[str, Mapping[str, Any]], world_size: int) -> li
 
 
 def copy_file(
-    source: Path, target: Path, size: int, crc32: int, pace: Callable[[int], None], host: str
+    source: Path, target: Path, size: int, expected_crc: int, pace: Callable[[int], None], host: str
 ) -> None:
     """``source`` to ``target`` through a temporary name, fsynced, its CRC checked on the way."""
     temporary = target.with_name(f".{target.name}.{host}.tmp")
@@ -84,29 +84,29 @@ def copy_file(
     done = 0
     with open(source, "rb", buffering=0) as reader, open(temporary, "wb", buffering=0) as writer:
         while chunk := reader.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             writer.write(chunk)
             done += len(chunk)
             pace(len(chunk))
         os.fsync(writer.fileno())
-    if done != size or crc != crc32:
+    if done != size or crc != expected_crc:
         os.unlink(temporary)
         raise DrainError(
-            f"{source}: {done} bytes with CRC32 {crc:#010x}, tier.json says {size} bytes {crc32:#010x}: the RAM "
-            "copy is damaged, nothing of it was drained"
+            f"{source}: {done} bytes with CRC32 {crc:#010x}, tier.json says {size} bytes {expected_crc:#010x}: "
+            "the RAM copy is damaged, nothing of it was drained"
         )
     os.rename(temporary, target)
 
 
-def already_there(target: Path, size: int, crc32: int) -> bool:
+def already_there(target: Path, size: int, expected_crc: int) -> bool:
     try:
         if target.stat().st_size != size:
             return False
         crc = 0
         with open(target, "rb", buffering=0) as handle:
             while chunk := handle.read(CHUNK):
-                crc = zlib.crc32(chunk, crc)
-        return crc == crc32
+                crc = crc32(chunk, crc)
+        return crc == expected_crc
     except OSError:
         return False
 
