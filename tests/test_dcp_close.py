@@ -18,8 +18,11 @@ from typing import Any
 import pytest
 
 from tests.lazy import HAS_TORCH
+from tests.store_fs import small_fs
 from tests.support import REPO
 from tests.test_evacuate_hosts import _free_port
+
+__all__ = ["small_fs"]  # the fixture, used by name
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,9 +41,12 @@ _RANK = textwrap.dedent(
         return len(os.listdir("/proc/self/task"))
 
     mode, root = sys.argv[1], sys.argv[2]
-    # Registered before the store's module is imported: runs after the store's own exit handler.
+    # Registered before the store's module is imported, so they run after the store's own exit handler (the
+    # last registered runs first): then the job's groups are destroyed ("exit"), then the threads counted.
     atexit.register(lambda: print(json.dumps({"at_exit": threads()}), flush=True))
     import torch, torch.distributed as dist
+    if mode == "exit":
+        atexit.register(dist.destroy_process_group)
     from agent.client.dcp import ShardedStore
 
     out = {"bare": threads()}
@@ -51,28 +57,40 @@ _RANK = textwrap.dedent(
                          socket_path=os.path.join(root, "no-agent.sock"))
     out["store"] = threads()
     state = {"w": torch.arange(4096.0)}
-    store.save_async(1, state)
-    store.save(2, state)
+    if mode == "failed":  # the root is a full file system: the background save fails on its thread
+        failed = store.save_async(1, {"w": torch.ones(1 << 20)})
+        try:
+            store.wait_async()
+        except Exception as exc:
+            out["error"] = str(exc)
+        mode = "close"
+    else:
+        store.save_async(1, state)
+        store.save(2, state)
     if mode == "close":
         store.close()
         out["closed"] = threads()
         try:
-            store.save(3, state)
+            store.save(3, {"w": torch.ones(1)})
         except RuntimeError as exc:
             out["save_after_close"] = str(exc)
         total = torch.ones(1)
         dist.all_reduce(total, group=given)  # the group it was given is let go, not destroyed
         out["given_group_sum"] = total.item()
-    del given
-    dist.destroy_process_group()
-    out["destroyed"] = threads()
+        del given
+        dist.destroy_process_group()
+        out["destroyed"] = threads()
+    else:  # a background save left running: its commit ends before the groups go
+        del given
+        store.save_async(3, state)
     print(json.dumps(out), flush=True)
     """
 )
 
 
-async def _job(tmp: Path, mode: str) -> list[dict[str, Any]]:
-    """Two ranks of ``mode``; each rank's JSON lines merged into one dict."""
+async def _job(tmp: Path, mode: str, root: Path | None = None) -> list[dict[str, Any]]:
+    """Two ranks of ``mode`` (the store's root: ``root``, else under ``tmp``); each rank's JSON lines merged
+    into one dict."""
     script = tmp / "rank.py"
     script.write_text(_RANK)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "TORCHELASTIC_"))}
@@ -81,7 +99,7 @@ async def _job(tmp: Path, mode: str) -> list[dict[str, Any]]:
     procs = []
     for rank in range(2):
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(script), mode, str(tmp / "ckpt"), env={**env, "RANK": str(rank)},
+            sys.executable, str(script), mode, str(root or tmp / "ckpt"), env={**env, "RANK": str(rank)},
             cwd=str(REPO), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         procs.append(proc)
@@ -105,8 +123,22 @@ async def test_close_destroys_the_stores_own_groups_and_lets_the_given_one_go(tm
         assert rank["destroyed"] == rank["at_exit"] == rank["bare"], rank
 
 
-async def test_a_store_never_closed_has_its_groups_destroyed_at_exit(tmp_path: Path) -> None:
+async def test_a_store_never_closed_waits_for_its_background_save_and_destroys_its_groups_at_exit(
+    tmp_path: Path,
+) -> None:
     for rank in await _job(tmp_path, "exit"):
-        # destroy_process_group() let the store's groups live on (the one given to it too, held by it).
-        assert rank["destroyed"] > rank["bare"], rank
         assert rank["at_exit"] == rank["bare"], rank
+    newest = max((tmp_path / "ckpt").glob("step-*"))  # committed: renamed from its temporary directory
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert (3, 2) == (manifest["step"], manifest["metadata"]["world_size"])
+
+
+async def test_a_failed_background_saves_error_does_not_keep_the_groups_alive(
+    tmp_path: Path,
+    small_fs: Path,
+) -> None:
+    # The error waits for wait_async(); its traceback's frames held the group it ran on.
+    for rank in await _job(tmp_path, "failed", root=small_fs):
+        assert "no space left" in rank["error"], rank
+        assert rank["closed"] == rank["job"], rank
+        assert rank["destroyed"] == rank["at_exit"] == rank["bare"], rank

@@ -11,6 +11,7 @@ import math
 import shutil
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -215,6 +216,14 @@ class BackgroundSaves:
                 if self.ranks.rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
             self._report("failed", handle.step, flush=flush)
+            # The error waits for wait(): its traceback keeps its lines but not the frames' locals (the group
+            # among them), so that a closed store's groups end (Ranks.release) even when its save failed.
+            cause: BaseException | None = exc
+            while cause is not None:
+                traceback.clear_frames(cause.__traceback__)
+                cause = cause.__cause__ or cause.__context__
+        finally:
+            del future, group
 
     def wait(self, timeout: float | None = None) -> ShardedCheckpoint | None:
         """Wait for the save in flight (if any) to be committed; its checkpoint, or None when none was in

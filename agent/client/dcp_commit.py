@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -37,6 +37,7 @@ from agent.client.manifest import (
     Verify,
     default_hash_workers,
     file_crc,
+    hash_pool,
     reason_of,
 )
 from agent.client.store import _TMP_PREFIX, CheckpointStore, valid_only
@@ -46,13 +47,17 @@ DCP_METADATA = ".metadata"
 # Deferred CRCs of an emergency save: each rank adds its own file's sums here after the commit.
 CRC_SIDECAR = "crc32-rank-{rank}.json"
 _PROBE_PREFIX = ".preemptd-shared-"
-# Every Ranks whose groups are alive; a store never closed releases them at exit (see Ranks).
+# Every Ranks whose groups are alive; a store never closed releases them at exit (see Ranks), after its
+# background save's commit has had up to this long to end (as close() would wait for it).
 _LIVE: weakref.WeakSet[Ranks] = weakref.WeakSet()
+EXIT_WAIT_S = 10.0
 
 
 @atexit.register
 def _release_at_exit() -> None:
     for ranks in list(_LIVE):
+        if ranks.worker is not None:
+            ranks.worker.join(EXIT_WAIT_S)
         ranks.release()
 
 
@@ -283,7 +288,7 @@ def describe_own(directory: Path, rank: int, world_size: int, checksum: bool) ->
         if p.is_file() and owner(p.relative_to(directory).as_posix(), world_size) == rank
     )
     entries: list[dict[str, Any]] = []
-    with ThreadPoolExecutor(max_workers=default_hash_workers() + 1) as pool:
+    with hash_pool(default_hash_workers() + 1) as pool:
         pending: list[tuple[str, int, Future[None], Callable[[], int] | None]] = []
         for path in mine:
             size = path.stat().st_size
@@ -367,7 +372,7 @@ def add_own_checksums(directory: Path, own: list[FileEntry], rank: int) -> None:
     """After an emergency commit: this rank's CRCs into its sidecar (atomic write), so later resumes can
     detect a corrupt shard. A step removed meanwhile is left alone."""
     try:
-        with ThreadPoolExecutor(max_workers=default_hash_workers()) as pool:
+        with hash_pool(default_hash_workers()) as pool:
             sums = {e.path: file_crc(pool, directory / e.path, e.bytes) for e in own}
             doc = {path: crc() for path, crc in sums.items()}
         target = directory / CRC_SIDECAR.format(rank=rank)

@@ -6,12 +6,13 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
@@ -245,6 +246,32 @@ def default_hash_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+class InlineExecutor(Executor):
+    """Runs each task at once on the calling thread: the pool of :func:`hash_pool` once the interpreter shuts
+    down (a background save that a store never closed commits from the exit handler, when
+    ``concurrent.futures`` takes no new work)."""
+
+    def submit(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> Future[_T]:
+        done: Future[_T] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # the caller's result() raises it, as a pool's would
+            done.set_exception(exc)
+        return done
+
+
+@contextlib.contextmanager
+def hash_pool(workers: int) -> Iterator[Executor]:
+    """A thread pool of ``workers`` for CRCs and fsyncs; at interpreter shutdown, an :class:`InlineExecutor`."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        try:
+            pool.submit(int).result()
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            yield InlineExecutor()
+            return
+        yield pool
+
+
 def crc_range(path: Path, offset: int, length: int) -> int:
     crc = 0
     buffer = bytearray(min(_READ_BLOCK, max(length, 1)))
@@ -261,7 +288,7 @@ def crc_range(path: Path, offset: int, length: int) -> int:
     return crc
 
 
-def file_crc(pool: ThreadPoolExecutor, path: Path, size: int) -> Callable[[], int]:
+def file_crc(pool: Executor, path: Path, size: int) -> Callable[[], int]:
     """Start the CRC32 of ``path`` piecewise on ``pool`` (zlib releases the GIL while it hashes); the
     returned function waits for the pieces and combines them."""
     pieces = [
