@@ -80,6 +80,11 @@ _RANK = textwrap.dedent(
         del given
         dist.destroy_process_group()
         out["destroyed"] = threads()
+    elif mode == "destroy_first":  # the job's groups destroyed before the store is closed
+        del given
+        dist.destroy_process_group()
+        store.close()
+        out["destroyed"] = threads()
     else:  # a background save left running: its commit ends before the groups go
         del given
         store.save_async(3, state)
@@ -141,4 +146,9 @@ async def test_a_failed_background_saves_error_does_not_keep_the_groups_alive(
     for rank in await _job(tmp_path, "failed", root=small_fs):
         assert "no space left" in rank["error"], rank
         assert rank["closed"] == rank["job"], rank
+        assert rank["destroyed"] == rank["at_exit"] == rank["bare"], rank
+
+
+async def test_close_after_destroy_process_group_lets_the_groups_go(tmp_path: Path) -> None:
+    for rank in await _job(tmp_path, "destroy_first"):
         assert rank["destroyed"] == rank["at_exit"] == rank["bare"], rank
