@@ -8,6 +8,7 @@ each rank's shard to tmpfs.
 
     .venv/bin/python bench/evacuate.py --hosts 2 --gib 2 --rounds 3 [--dir /var/tmp/preemptd-bench]
     .venv/bin/python bench/evacuate.py --full-state --hosts 3 --gib 1 --rounds 3
+    .venv/bin/python bench/evacuate.py --hosts 2 --gib 2 --rounds 5 --crc zlib   # the A/B's other half
 
 ``--full-state``: every rank holds the whole state (DDP) and saves through ``PeerCheckpointStore``: the peer
 tier (one copy written by each surviving host's rank, nothing sent) against the durable tier (rank 0 writes
@@ -85,6 +86,13 @@ def wait_for_tier(sock: Path, timeout: float = 60.0) -> None:
             time.sleep(0.2)
 
 
+def crc_implementation() -> str:
+    """Which CRC32 this process's checkpoint code uses (agent/client/checksum.py): "zlib-ng" or "zlib"."""
+    from agent.client.checksum import FAST
+
+    return "zlib-ng" if FAST else "zlib"
+
+
 def launch(args: argparse.Namespace) -> int:
     need = int(args.gib * 2**30 * 3.2)  # own shards, the received ones, the tmpfs floor's files
     free = shutil.disk_usage("/dev/shm").free
@@ -109,7 +117,7 @@ def launch(args: argparse.Namespace) -> int:
         for rank, base in enumerate(bases):
             command = [sys.executable, __file__, "--rank-of", str(base / "a.sock"), "--gib", str(args.gib),
                        "--rounds", str(args.rounds), "--data", str(data), "--shm", str(rams[rank].parent),
-                       *(["--full-state"] if args.full_state else [])]  # fmt: skip
+                       "--crc", args.crc, *(["--full-state"] if args.full_state else [])]  # fmt: skip
             ranks.append(
                 subprocess.Popen(
                     command, env={**env, "RANK": str(rank), "LOCAL_RANK": "0"}, stdout=subprocess.PIPE
@@ -320,6 +328,7 @@ def run_rank(args: argparse.Namespace) -> int:
             # CPU seconds of the ranks' processes (all threads, not the agents'), all ranks together
             "cpu_s_median": {k: round(statistics.median(cpu[k]), 3) for k in results},
             "load_average": os.getloadavg(),
+            "crc32": crc_implementation(),
         }
         print(json.dumps(result), flush=True)
     peer.close()
@@ -406,6 +415,7 @@ def run_full_state(args: argparse.Namespace) -> int:
                 statistics.median(p / d for p, d in zip(results["peer"], results["durable"], strict=True)), 3
             ),
             "load_average": os.getloadavg(),
+            "crc32": crc_implementation(),
         }
         print(json.dumps(result), flush=True)
     peer.close()
@@ -423,11 +433,20 @@ def main() -> int:
         "--dir", type=Path, default=Path("/var/tmp"), help="where the durable root goes (a disk)"
     )
     parser.add_argument("--full-state", action="store_true", help="every rank holds the whole state (DDP)")
+    parser.add_argument(
+        "--crc",
+        choices=("fast", "zlib"),
+        default="fast",
+        help="the ranks' CRC32: whatever agent/client/checksum.py picks (zlib-ng when installed), or the "
+        "standard library's zlib (zlib-ng hidden from the ranks), for an A/B in one session",
+    )
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # internal: run one rank against this socket
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--shm", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
+        if args.crc == "zlib":  # before anything imports agent.client.checksum: zlib-ng cannot be imported
+            sys.modules["zlib_ng"] = None  # type: ignore[assignment]
         return run_full_state(args) if args.full_state else run_rank(args)
     args.dir.mkdir(parents=True, exist_ok=True)
     return launch(args)
