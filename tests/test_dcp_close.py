@@ -93,11 +93,13 @@ _RANK = textwrap.dedent(
 )
 
 
-async def _job(tmp: Path, mode: str, root: Path | None = None) -> list[dict[str, Any]]:
-    """Two ranks of ``mode`` (the store's root: ``root``, else under ``tmp``); each rank's JSON lines merged
-    into one dict."""
+async def _job(
+    tmp: Path, mode: str, root: Path | None = None, rank_script: str = _RANK
+) -> list[dict[str, Any]]:
+    """Two ranks of ``rank_script`` in ``mode`` (its second argument: ``root``, else ``tmp``/ckpt); each
+    rank's JSON lines merged into one dict."""
     script = tmp / "rank.py"
-    script.write_text(_RANK)
+    script.write_text(rank_script)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREEMPTD_", "TORCHELASTIC_"))}
     env.update(PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()), WORLD_SIZE="2")  # fmt: skip

@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
+from agent.client import group_exit  # noqa: F401  (its exit handler: the job's destroyed groups released)
 from agent.client.durable import fsync_dir, fsync_file, write_durably
 from agent.client.manifest import (
     FORMAT,

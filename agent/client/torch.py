@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from agent.client.durable import DurableFile
+from agent.client.group_exit import hold
 from agent.client.manifest import reason_of
 from agent.client.reporting import CheckpointSchedule
 from agent.client.store import (
@@ -170,6 +171,7 @@ class Coordinator:
         emergency, periodic, deadline_ts = local_emergency, local_periodic, local_deadline
         noticed: tuple[int, ...] = (0,) if local_emergency else ()
         if self.distributed:
+            hold(self.group)  # its last reference dropped at exit, from Python (agent/client/group_exit.py)
             rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
             slots = [0.0] * world
             slots[rank] = float(local_emergency)
@@ -228,6 +230,7 @@ def agree_load(
     (newest run first, see :meth:`CheckpointStore.save`). A ``mismatch`` on any rank raises on every rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return store.load_latest(load, verify)
+    hold(group)
     local = store.steps()
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, local, group=group)
