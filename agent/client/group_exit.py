@@ -77,7 +77,6 @@ def unpin_default_groups(module: ModuleType) -> list[Any]:
 def _release_at_exit() -> None:
     if not dist.is_available():
         return
-    gc.collect()
     with _lock:
         released = [group for group in _held.values() if _destroyed(group)]
         for group in released:
@@ -85,5 +84,8 @@ def _release_at_exit() -> None:
     functional = sys.modules.get("torch.distributed.nn.functional")
     if functional is not None:
         released += unpin_default_groups(functional)
+    if not released:  # nothing of ours to release: spare the exit a full collection
+        return
+    gc.collect()  # a model in a cycle drops its reference to the group here, not the last one
     # The last references go here, each release joining its group's threads with the GIL released.
     released.clear()
