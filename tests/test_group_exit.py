@@ -7,7 +7,6 @@ process's native threads are counted in /proc."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -63,12 +62,8 @@ print(json.dumps(out), flush=True)
 """
 
 
-async def _ranks(tmp: Path, mode: str) -> list[dict[str, Any]]:
-    return await _job(tmp, mode, rank_script=_RANK)
-
-
 async def test_a_ddp_jobs_group_is_joined_at_exit_not_by_ddps_reducer(tmp_path: Path) -> None:
-    for rank in await _ranks(tmp_path, "late"):
+    for rank in await _job(tmp_path, "late", rank_script=_RANK):
         assert rank["job"] > rank["bare"], rank  # the default group's gloo threads
         # If this fails, torch no longer pins the group in nn.functional's defaults: the unpinning can go.
         assert rank["pinned"] > 0, rank
@@ -79,7 +74,7 @@ async def test_a_ddp_jobs_group_is_joined_at_exit_not_by_ddps_reducer(tmp_path: 
 
 async def test_the_group_is_held_past_ddp_when_nothing_pins_it(tmp_path: Path) -> None:
     # Without the hold, DDP's reducer dropped the last reference, and joined the threads holding the GIL.
-    for rank in await _ranks(tmp_path, "early"):
+    for rank in await _job(tmp_path, "early", rank_script=_RANK):
         assert rank["pinned"] == 0, rank
         assert rank["destroyed"] > rank["bare"], rank
         assert rank["at_exit"] == rank["bare"], rank
@@ -88,12 +83,12 @@ async def test_the_group_is_held_past_ddp_when_nothing_pins_it(tmp_path: Path) -
 async def test_a_group_held_only_by_a_cycle_is_released_before_the_interpreter_finalizes(
     tmp_path: Path,
 ) -> None:
-    for rank in await _ranks(tmp_path, "cycle"):
+    for rank in await _job(tmp_path, "cycle", rank_script=_RANK):
         assert rank["destroyed"] > rank["bare"], rank
         assert rank["at_exit"] == rank["bare"], rank  # the exit handler's collection freed the cycle
 
 
 async def test_a_job_that_uses_no_helper_has_its_pinned_group_released_at_exit(tmp_path: Path) -> None:
-    for rank in await _ranks(tmp_path, "no_helpers"):
+    for rank in await _job(tmp_path, "no_helpers", rank_script=_RANK):
         assert rank["pinned"] > 0, rank
         assert (rank["at_exit"], rank["pinned_at_exit"]) == (rank["bare"], 0), rank
