@@ -191,7 +191,7 @@ async def test_a_step_is_reserved_written_committed_listed_and_freed_through_the
             return reservation.path, listed, client.job(JOB)["steps"], read_tier_file(reservation.path)
 
         path, listed, after, tier_doc = await asyncio.to_thread(work)
-    assert ram / JOB / "5" == path
+    assert ram / str(os.getuid()) / JOB / "5" == path
     assert [(5, True, {"__0_0.distcp"})] == [
         (s["step"], s["complete"], set(s["files"])) for s in listed["steps"]
     ]
@@ -247,8 +247,8 @@ async def test_a_peer_save_without_a_notice_on_its_host_stays_in_its_ram_tier_an
             ShardedStore, tmp_path / "ckpt", report=False, socket_path=sock, tier="peer", job=JOB
         )
         saved = await asyncio.to_thread(lambda: store.save(3, _state(), emergency=True, noticed=()))
-        tier_doc = json.loads((ram / JOB / "3" / "tier.json").read_text())
-    assert (ram / JOB / "3", "peer") == (saved.path, saved.checkpoint.metadata["tier"])
+        tier_doc = json.loads((ram / str(os.getuid()) / JOB / "3" / "tier.json").read_text())
+    assert (ram / str(os.getuid()) / JOB / "3", "peer") == (saved.path, saved.checkpoint.metadata["tier"])
     assert [] == list((tmp_path / "ckpt").iterdir())
     assert {".metadata", "__0_0.distcp"} == set(tier_doc["files"]) == set(tier_doc["step_files"])
 
@@ -274,7 +274,7 @@ async def test_a_peer_save_that_cannot_evacuate_goes_to_the_durable_root_with_a_
         )
         with pytest.warns(CheckpointWarning, match=why):
             saved = await asyncio.to_thread(lambda: store.save(3, _state(), emergency=True, noticed=noticed))
-        held = list(ram.glob(f"{JOB}/*"))
+        held = list(ram.glob(f"{os.getuid()}/{JOB}/*"))
     assert (store.path_of(3), []) == (saved.path, held)
 
 
@@ -310,7 +310,7 @@ async def test_a_step_committed_with_drain_to_becomes_a_durable_step_that_plain_
             ShardedStore, ckpt, report=False, socket_path=sock, tier="peer", job=JOB, ram_tier=tiers
         )
         await asyncio.to_thread(lambda: store.save(3, _state(), emergency=True, noticed=()))
-        drain = await _drained(sock, f"{JOB}/3")
+        drain = await _drained(sock, f"{os.getuid()}/{JOB}/3")
     loaded = {"weights": torch.zeros(1 << 12)}
     dcp.load(loaded, checkpoint_id=str(store.path_of(3)))
     assert ("committed", [3]) == (drain["state"], store.steps()), drain
@@ -487,7 +487,7 @@ async def test_a_replica_held_by_a_host_without_a_notice_is_not_sent(tmp_path: P
         )  # fmt: skip
         _, err = await asyncio.wait_for(proc.communicate(), 100)
         assert 0 == proc.returncode, err.decode()[-3000:]
-        doc = json.loads((ram_a / "replicas" / "1" / "tier.json").read_text())
+        doc = json.loads((ram_a / str(os.getuid()) / "replicas" / "1" / "tier.json").read_text())
         left = list(ram_b.glob("replicas/*"))
     sizes = {name: entry["size"] for name, entry in doc["files"].items()}
     assert (set(sizes), []) == (set(doc["step_files"]), left)
@@ -640,8 +640,8 @@ async def _two_hosts_evacuate(
         ]
         outs = [await asyncio.wait_for(proc.communicate(), 100) for proc in procs]
         reports = [json.loads((out.decode().strip().splitlines() or ["{}"])[-1]) for out, _ in outs]
-        held = {p.name: p.read_bytes() for p in (ram_a / "dies" / "1").glob("*")}
-        left = list(ram_b.glob("dies/*/*"))
+        held = {p.name: p.read_bytes() for p in (ram_a / str(os.getuid()) / "dies" / "1").glob("*")}
+        left = list(ram_b.glob(f"{os.getuid()}/dies/*/*"))
     assert [] == left, left  # the notified host keeps nothing
     codes = [proc.returncode for proc in procs]
     return codes, reports, held, [err.decode()[-3000:] for _, err in outs]

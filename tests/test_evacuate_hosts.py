@@ -62,7 +62,7 @@ class Host:
         return next(c for c in self.agent.components if isinstance(c, RamTierComponent))
 
     def step_dir(self, step: int) -> Path:
-        return self.ram / JOB / str(step)
+        return self.ram / str(os.getuid()) / JOB / str(step)
 
     async def stop(self) -> None:
         if self.agent is not None:
@@ -227,7 +227,7 @@ async def evacuated(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[E
         steps = {(e["step"], e["digest"]) for run in runs for e in run.of("checkpoint")}
         assert len(steps) == 1, steps
         [saved] = steps
-        held = [host.tier.holdings.steps_of(JOB) for host in every[:3]]
+        held = [host.tier.holdings.steps_of(os.getuid(), JOB) for host in every[:3]]
         left = [host.step_dir(saved[0]).exists() for host in every[:3]]
         tier_files = [json.loads((every[i].step_dir(saved[0]) / "tier.json").read_text()) for i in (0, 2)]
         await every[1].stop()
@@ -318,7 +318,7 @@ async def test_a_notified_rank_that_dies_mid_transfer_commits_nothing_and_the_ot
         )
         assert status == 201, body
         codes = [await run.finish() for run in runs]
-        held = [host.tier.holdings.steps_of(JOB) for host in three]
+        held = [host.tier.holdings.steps_of(os.getuid(), JOB) for host in three]
         durable = [(c["step"], c["digest"]) for c in runs[0].of("checkpoint") if not c["emergency"]]
         drill = body["notice"]["id"]
         assert 200 == (await http_json(three[1].socket, "DELETE", f"/v1/drills/{drill}"))[0]  # host 1 stays
@@ -377,7 +377,7 @@ async def test_with_drain_the_evacuated_step_becomes_a_durable_step_that_plain_d
         assert status == 201, body
         codes = [await run.finish() for run in runs]
         [step] = {event["step"] for run in runs for event in run.of("checkpoint")}
-        await _drain_committed([three[0], three[2]], f"{JOB}/{step}")
+        await _drain_committed([three[0], three[2]], f"{os.getuid()}/{JOB}/{step}")
     assert [EXIT_PREEMPTED] * 3 == codes, [run.stderr[-3000:] for run in runs]
     drained = latest_committed(ckpt)
     assert drained is not None and (step, 3) == (drained.step, drained.world_size)

@@ -151,7 +151,7 @@ async def test_auto_picks_the_tier_and_every_report_and_status_say_which_with_th
     if tier == "durable":
         assert (store.path_of(2), [], [2, 1]) == (saved.path, held, store.steps())
     else:
-        assert (ram / JOB / "2", [2], [1]) == (saved.path, held, store.steps())
+        assert (ram / str(os.getuid()) / JOB / "2", [2], [1]) == (saved.path, held, store.steps())
 
 
 @pytest.mark.timeout(120)
@@ -184,7 +184,7 @@ async def test_when_the_peer_tier_cannot_be_used_the_durable_save_is_reported_wi
         with pytest.warns(CheckpointWarning, match="saving it to"):
             saved = await asyncio.to_thread(_emergency, store, 3, 60.0, noticed)
         doc = await _status(sock, store)
-        left = list(ram.glob(f"{JOB}/*"))
+        left = list(ram.glob(f"{os.getuid()}/{JOB}/*"))
         await asyncio.to_thread(store.close)
     assert (store.path_of(3), []) == (saved.path, left)
     finished = [r.flush for r in reports if r.step == 3 and r.phase == "finished"]
@@ -236,10 +236,12 @@ async def test_when_the_buddy_host_has_a_notice_too_the_next_host_without_one_ta
         )  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(), 150)
         assert 0 == proc.returncode, err.decode()[-3000:]
-        doc = json.loads((agents[0][1] / "buddy" / "2" / "tier.json").read_text())
-        left = [sorted(p.name for p in ram.glob("buddy/*")) for _, ram in agents]
+        doc = json.loads((agents[0][1] / str(os.getuid()) / "buddy" / "2" / "tier.json").read_text())
+        left = [sorted(p.name for p in ram.glob(f"{os.getuid()}/buddy/*")) for _, ram in agents]
     said = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-    assert [("peer", str(agents[0][1] / "buddy" / "2"))] * 3 == [(s["tier"], s["path"]) for s in said]
+    assert [("peer", str(agents[0][1] / str(os.getuid()) / "buddy" / "2"))] * 3 == [
+        (s["tier"], s["path"]) for s in said
+    ]
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"} == set(doc["files"])
     assert set(doc["files"]) == set(doc["step_files"])
     assert [["2"], [], []] == left

@@ -8,8 +8,8 @@ import asyncio
 import json
 import os
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from agent.service.daemon import Agent
 from tests.support import REPO, agent_config, http_json, running_agent
 
 JOB = "job-1"
+ME = str(os.getuid())  # the tier keeps a job under its uid: <root>/<uid>/<job>
 
 
 @asynccontextmanager
@@ -136,7 +137,7 @@ async def test_a_committed_step_is_listed_with_its_files_and_bytes(base: Path) -
     assert 200 == status, committed
     step_bytes = committed["bytes"]
     assert 110 < step_bytes  # the files and tier.json
-    assert (str(base / "ram" / JOB), [7], {"size": 100, "crc32": zlib.crc32(b"a" * 100), "rank": 0}) == (
+    assert (str(base / "ram" / ME / JOB), [7], {"size": 100, "crc32": zlib.crc32(b"a" * 100), "rank": 0}) == (
         job["path"],
         [s["step"] for s in job["steps"]],
         job["steps"][0]["files"]["__0_0.distcp"],
@@ -195,7 +196,7 @@ async def test_the_inventory_is_read_back_when_the_agent_starts_again(base: Path
 
 
 async def test_an_incomplete_step_is_removed_at_start_with_a_log_event(base: Path) -> None:
-    step = base / "ram" / JOB / "9"
+    step = base / "ram" / ME / JOB / "9"
     async with tier_agent(base):
         pass
     step.mkdir(parents=True)
@@ -212,7 +213,7 @@ async def test_an_incomplete_step_is_removed_at_start_with_a_log_event(base: Pat
 async def test_a_damaged_step_is_removed_at_start_naming_the_file_that_fails_its_crc(base: Path) -> None:
     async with tier_agent(base) as (agent, _):
         await put_step(agent, 2, {"__0_0.distcp": b"good bytes"})
-    (base / "ram" / JOB / "2" / "__0_0.distcp").write_bytes(b"evil bytes")  # same size
+    (base / "ram" / ME / JOB / "2" / "__0_0.distcp").write_bytes(b"evil bytes")  # same size
     with capture_logs() as logs:
         async with tier_agent(base) as (agent, _):
             _, doc = await http_json(agent.config.socket, "GET", "/v1/status")
@@ -307,7 +308,7 @@ async def test_deleting_a_step_frees_its_bytes_and_its_directory(base: Path) -> 
         again, _ = await http_json(sock, "DELETE", f"/v1/ram-tier/jobs/{JOB}/steps/1")
     assert (200, [1], committed["bytes"]) == (status, freed["steps"], freed["freed_bytes"])
     assert ({JOB: {"steps": [2], "bytes": tier["used_bytes"]}}, 404) == (tier["jobs"], again)
-    assert not (base / "ram" / JOB / "1").exists()
+    assert not (base / "ram" / ME / JOB / "1").exists()
 
 
 async def test_deleting_a_job_frees_every_step_and_its_reservations(base: Path) -> None:
@@ -324,7 +325,7 @@ async def test_deleting_a_job_frees_every_step_and_its_reservations(base: Path) 
         tier["reserved_bytes"],
         tier["free_bytes"],
     )
-    assert not (base / "ram" / JOB).exists()
+    assert not (base / "ram" / ME / JOB).exists()
 
 
 async def test_a_file_is_fetched_with_its_bytes(base: Path) -> None:
@@ -342,7 +343,7 @@ async def test_a_damaged_file_is_refused_at_fetch(base: Path) -> None:
     """CRCs are checked lazily at fetch: a file changed after its commit is not served."""
     async with tier_agent(base) as (agent, _):
         await put_step(agent, 3, {"__0_0.distcp": b"payload"})
-        (base / "ram" / JOB / "3" / "__0_0.distcp").write_bytes(b"PAYLOAD")
+        (base / "ram" / ME / JOB / "3" / "__0_0.distcp").write_bytes(b"PAYLOAD")
         status, body = await http_json(
             agent.config.socket, "GET", f"/v1/ram-tier/jobs/{JOB}/steps/3/files/__0_0.distcp"
         )
@@ -429,23 +430,37 @@ def test_preemptd_status_says_when_the_tier_is_unavailable() -> None:
     assert "RAM tier: UNAVAILABLE: ram_tier.path /x cannot be used" in format_status(doc)
 
 
-async def test_a_job_directory_belongs_to_the_user_who_reserved_it(base: Path) -> None:
-    """Peer credentials decide the owner; another user may not write into, read or free that job."""
+async def test_a_job_is_its_uids_own_and_another_uid_with_the_same_job_id_gets_its_own(base: Path) -> None:
+    """Peer credentials decide whose job it is (``<root>/<uid>/<job>``): a second uid that reserves, frees or
+    reads the same job id acts on a job of its own, and naming the first uid's job (``?uid=``) is refused."""
     if os.geteuid() != 0:
         pytest.skip("needs root to connect as other users")
     os.chmod(base, 0o755)
     async with tier_agent(base, agent_settings={"socket_mode": 0o666}) as (agent, _):
-        status, body = await request_as(
-            agent.config.socket, 65534, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 1, "bytes": 10}
-        )
-        owner = os.stat(base / "ram" / JOB).st_uid, os.stat(body["path"]).st_uid
-        other, refused = await request_as(
-            agent.config.socket, 65533, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": 2, "bytes": 10}
-        )
-        freed, _ = await request_as(agent.config.socket, 65533, "DELETE", f"/v1/ram-tier/jobs/{JOB}")
-    assert (200, (65534, 65534)) == (status, owner)
-    assert (403, 403) == (other, freed)
-    assert "job job-1 belongs to uid 65534" in refused["error"]
+        sock = agent.config.socket
+        reserve = f"/v1/ram-tier/jobs/{JOB}/reserve"
+        status, first = await request_as(sock, 65534, "POST", reserve, {"step": 1, "bytes": 10})
+        again, second = await request_as(sock, 65533, "POST", reserve, {"step": 1, "bytes": 10})
+        owners = [os.stat(Path(p).parent).st_uid for p in (first["path"], second["path"])]
+        freed, _ = await request_as(sock, 65533, "DELETE", f"/v1/ram-tier/jobs/{JOB}")
+        named, refused = await request_as(sock, 65533, "DELETE", f"/v1/ram-tier/jobs/{JOB}?uid=65534")
+        kept = await asyncio.to_thread(os.path.isdir, first["path"])
+    assert (200, 200, 200, 403) == (status, again, freed, named)
+    assert ([65534, 65533], True) == (owners, kept)
+    assert str(base / "ram" / "65534" / JOB / "1") == first["path"]
+    assert "uid 65533 may see and act on its own jobs only" in refused["error"]
+
+
+@contextmanager
+def as_user(uid: int) -> Iterator[None]:
+    """This process writes files as ``uid`` (a job's rank would), then is root again."""
+    os.setegid(uid)
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
 
 
 def connect_as(path: Path, uid: int) -> Any:

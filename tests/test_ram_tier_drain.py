@@ -19,7 +19,7 @@ import pytest
 
 from agent.ramtier.drains import Drain
 from tests.support import REPO, http_json, short_tmp
-from tests.test_ram_tier import JOB, request_as, tier_agent, write_step
+from tests.test_ram_tier import JOB, as_user, request_as, tier_agent, write_step
 
 STEP = 5
 
@@ -73,8 +73,8 @@ async def hold(agent: Any, files: dict[str, bytes], durable_root: Path | None, s
     return answer
 
 
-async def drained(tier: Any, step: int = STEP) -> Drain:
-    drain: Drain = tier.drains.records[(JOB, step)]
+async def drained(tier: Any, step: int = STEP, uid: int | None = None) -> Drain:
+    drain: Drain = tier.drains.records[(os.getuid() if uid is None else uid, JOB, step)]
     await asyncio.wait_for(drain.done.wait(), 60)
     return drain
 
@@ -96,7 +96,7 @@ async def test_a_step_split_over_two_hosts_is_committed_once_both_parts_are_in(
     assert ("committed", str(durable / f"step-{STEP:012d}")) == (last.state, last.path)
     assert {"state": "committed", "copied_bytes": len(files["__0_0.distcp"])}.items() <= status_b["ram_tier"][
         "drains"
-    ][f"{JOB}/{STEP}"].items()
+    ][f"{os.getuid()}/{JOB}/{STEP}"].items()
     loaded = python(
         f"""
         import json, torch, torch.distributed.checkpoint as dcp
@@ -168,7 +168,8 @@ async def test_the_drain_writes_as_the_jobs_user_not_as_the_agent(base: Path) ->
         _, res = await request_as(
             sock, 65534, "POST", f"/v1/ram-tier/jobs/{JOB}/reserve", {"step": STEP, "bytes": 4}
         )
-        write_step(Path(res["path"]), STEP, {".metadata": b"meta"})
+        with as_user(65534):
+            write_step(Path(res["path"]), STEP, {".metadata": b"meta"})
         status, _ = await request_as(
             sock,
             65534,
@@ -176,7 +177,7 @@ async def test_the_drain_writes_as_the_jobs_user_not_as_the_agent(base: Path) ->
             f"/v1/ram-tier/jobs/{JOB}/steps/{STEP}/commit",
             {"reservation": res["reservation"], "durable_root": str(locked / "ckpt")},
         )
-        drain = await drained(tier)
+        drain = await drained(tier, uid=65534)
     assert (200, "failed") == (status, drain.state)
     assert f"Permission denied: '{locked / 'ckpt'}'" in str(drain.error)
     assert not (locked / "ckpt").exists()

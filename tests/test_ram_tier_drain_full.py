@@ -57,7 +57,7 @@ def hold_whole(sock: Path, durable: Path, data: bytes = STATE, damaged: bool = F
 
 
 async def drained(tier: Any) -> Drain:
-    drain: Drain = tier.drains.records[(JOB, STEP)]
+    drain: Drain = tier.drains.records[(os.getuid(), JOB, STEP)]
     await asyncio.wait_for(drain.done.wait(), 60)
     return drain
 
@@ -79,7 +79,7 @@ async def test_two_hosts_holding_the_same_full_state_step_commit_it_once_as_a_ch
             asyncio.to_thread(hold_whole, agent_b.config.socket, durable),
         )
         drains = [await drained(tier_a), await drained(tier_b)]
-        status = tier_a.status()["drains"][f"{JOB}/{STEP}"]
+        status = tier_a.status()["drains"][f"{os.getuid()}/{JOB}/{STEP}"]
     found = CheckpointStore(durable, report=False).load_latest(lambda c: c.file("state.pt").read_bytes())
     assert found is not None
     checkpoint, data = found

@@ -130,7 +130,7 @@ def test_the_units_system_call_filter_lets_the_tiers_calls_through_and_no_more()
 
 # In the child: the unit's system call filter as a real seccomp filter (libseccomp through ctypes), then the
 # agent's chown of a job's directory
-# (inventory._give), then the drain's identity switch; what is left, read from /proc.
+# (inventory.make_step_dir), then the drain's identity switch; what is left, read from /proc.
 # The unit's SystemCallFilter= as seccomp applies it: every call not allowed fails with EPERM
 # (SystemCallErrorNumber=EPERM); it stays across exec, as systemd's does.
 LOAD_FILTER = """
@@ -165,7 +165,7 @@ PROBE = (
 import json, os, sys
 from pathlib import Path
 from agent.ramtier import identity
-from agent.ramtier.inventory import TierError, _give
+from agent.ramtier.inventory import TierError, make_step_dir, prepare_root
 uid, give, allowed = json.loads(sys.stdin.read())
 # MemoryDenyWriteExecute=yes as the kernel's own prctl (Linux >= 6.3): the drop's ctypes calls work.
 mdwe = ctypes.CDLL(None).prctl(65, 1, 0, 0, 0) == 0
@@ -174,10 +174,11 @@ if allowed is not None:
 out = {"mdwe": mdwe}
 if give is not None:
     try:
-        _give(Path(give), uid, uid)
+        make_step_dir(prepare_root(Path(give)), uid, uid, "job-1", 1)
     except TierError as exc:
         out["give_error"] = str(exc)
-    out["given_to"] = os.stat(give).st_uid if os.path.exists(give) else None
+    job = Path(give) / str(uid) / "job-1"
+    out["given_to"] = os.stat(job).st_uid if os.path.exists(job) else None
 try:
     identity.become(uid, uid)
 except PermissionError as exc:
@@ -235,11 +236,11 @@ needs_seccomp = pytest.mark.skipif(
 
 
 def given_directory(tmp_path: Path) -> Path:
-    """A job's directory as the agent has just made it: its own."""
-    job = tmp_path / "job"
-    job.mkdir(mode=0o700)
-    os.chown(job, AGENT_UID, AGENT_UID)
-    return job
+    """A tier's root as the agent has just made it: its own; the probe makes a job's directory in it."""
+    root = tmp_path / "ram"
+    root.mkdir(mode=0o700)
+    os.chown(root, AGENT_UID, AGENT_UID)
+    return root
 
 
 @pytest.mark.service
@@ -347,7 +348,7 @@ async def hold(sock: Path, durable_root: Path) -> Path:
 
 
 def drain_of(doc: dict[str, Any]) -> dict[str, Any]:
-    drain: dict[str, Any] = doc["ram_tier"]["drains"][f"{JOB}/{STEP}"]
+    drain: dict[str, Any] = doc["ram_tier"]["drains"][f"{JOB_UID}/{JOB}/{STEP}"]
     return drain
 
 
@@ -417,7 +418,7 @@ async def test_an_agent_with_the_units_capabilities_serves_a_job_of_another_user
     assert not (locked / "ckpt").exists()
     # The tier outlives the agent: a new one reads the job's files back (CRC-checked).
     async with unit_agent(base, unit_capabilities(), shipped_filter()) as sock:
-        _, job = await http_json(sock, "GET", f"/v1/ram-tier/jobs/{JOB}")
+        _, job = await http_json(sock, "GET", f"/v1/ram-tier/jobs/{JOB}?uid={JOB_UID}")
     assert [STEP] == [s["step"] for s in job["steps"]]
 
 
@@ -431,7 +432,7 @@ async def test_an_agent_without_setuid_keeps_the_step_and_says_what_the_drain_la
     async with unit_agent(base, caps) as sock:
         await hold(sock, durable / "ckpt")
         drain = drain_of(await until(finished, sock, None, base))
-        _, job = await http_json(sock, "GET", f"/v1/ram-tier/jobs/{JOB}")
+        _, job = await http_json(sock, "GET", f"/v1/ram-tier/jobs/{JOB}?uid={JOB_UID}")
     assert "failed" == drain["state"]
     assert f"as uid {AGENT_UID} without CAP_SETUID and CAP_SETGID: give the agent" in drain["error"]
     assert not (durable / "ckpt").exists()
@@ -473,7 +474,7 @@ async def test_an_agent_without_dac_override_refuses_another_users_step_saying_w
         )
     assert 503 == status, answer
     assert (
-        f"the agent (uid {AGENT_UID}) may not use {base / 'ram' / JOB / str(STEP)} (Permission denied)"
+        f"the agent (uid {AGENT_UID}) may not use {base / 'ram' / str(JOB_UID) / JOB} (Permission denied)"
         in (answer["error"])
     )
     assert "needs CAP_DAC_OVERRIDE beside CAP_CHOWN" in answer["error"]

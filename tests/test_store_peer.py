@@ -157,7 +157,7 @@ async def _ranks(
 
 
 def _held(host: Host) -> list[int]:
-    return [record.step for record in host.tier.holdings.steps_of(JOB)]
+    return [record.step for record in host.tier.holdings.steps_of(os.getuid(), JOB)]
 
 
 def _durable(tmp: Path) -> list[str]:
@@ -188,8 +188,11 @@ async def saved_full(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[
     async with hosts(4) as every:
         out = await _ranks(every[:3], tmp, "save", noticed=[1])
         held = [_held(host) for host in every[:3]]
-        docs = [json.loads((h.ram / JOB / str(STEP) / "tier.json").read_text()) for h in (every[0], every[2])]
-        notified_dir = (every[1].ram / JOB).exists()
+        docs = [
+            json.loads((h.ram / str(os.getuid()) / JOB / str(STEP) / "tier.json").read_text())
+            for h in (every[0], every[2])
+        ]
+        notified_dir = (every[1].ram / str(os.getuid()) / JOB).exists()
         durable = _durable(tmp)
         await every[1].stop()
         shutil.rmtree(every[1].ram)
@@ -238,7 +241,7 @@ async def test_a_damaged_copy_is_freed_and_its_host_receives_a_good_one(saved_fu
     """Host 0's copy loses a byte after the save (CRC32 no longer matches tier.json): the resume on hosts 0
     and 2 loads host 2's copy on both, and host 0 holds a good copy again."""
     every = saved_full.every
-    state = every[0].ram / JOB / str(STEP) / "state.pt"
+    state = every[0].ram / str(os.getuid()) / JOB / str(STEP) / "state.pt"
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0xFF
     state.write_bytes(bytes(data))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -51,7 +52,7 @@ _READ = textwrap.dedent(
 
 async def _drained(host: Host, step: int) -> dict[str, Any]:
     """The host's drain of ``step`` once it ended (it was requested when the step was committed)."""
-    drain = host.tier.drains.records[(JOB, step)] if host.tier.drains else None
+    drain = host.tier.drains.records[(os.getuid(), JOB, step)] if host.tier.drains else None
     assert drain is not None
     await asyncio.wait_for(drain.done.wait(), 120)
     return drain.to_json()

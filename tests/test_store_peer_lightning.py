@@ -140,7 +140,7 @@ async def _nodes(group: Sequence[Host], tmp: Path, mode: str, drain: bool = Fals
 
 
 def _steps(host: Host) -> list[int]:
-    return [record.step for record in host.tier.holdings.steps_of(JOB)]
+    return [record.step for record in host.tier.holdings.steps_of(os.getuid(), JOB)]
 
 
 async def test_a_drill_keeps_lightnings_checkpoint_in_the_other_hosts_ram_and_the_job_resumes_it(
@@ -196,7 +196,7 @@ async def test_with_drain_lightnings_peer_checkpoint_becomes_a_durable_step_that
         )
         assert status == 201, body
         saved = [await node.finish() for node in saving]
-        drain = every[0].tier.drains.records[(JOB, 3)] if every[0].tier.drains else None
+        drain = every[0].tier.drains.records[(os.getuid(), JOB, 3)] if every[0].tier.drains else None
         assert drain is not None
         await asyncio.wait_for(drain.done.wait(), 120)
         await every[1].stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import re
 import socket
 from collections.abc import Iterator
@@ -19,8 +20,19 @@ from prometheus_client.metrics_core import Metric
 
 from agent.ramtier.config import RamTierConfig
 from agent.ramtier.drains import Drains
-from agent.ramtier.holdings import Holdings
-from agent.ramtier.inventory import Root, Scan, TierError, prepare_root, remove_tree, scan, step_dir
+from agent.ramtier.errors import TierError
+from agent.ramtier.holdings import Holdings, Key, Overrun, Reservation
+from agent.ramtier.inventory import (
+    Root,
+    Scan,
+    job_dir,
+    make_step_dir,
+    measure,
+    prepare_root,
+    remove_tree,
+    scan,
+    step_dir,
+)
 from agent.ramtier.ports import RamTierHost
 from agent.ramtier.routes import routes
 
@@ -43,6 +55,7 @@ class RamTierComponent:
         self._load: asyncio.Task[Any] | None = None
         self.drains: Drains | None = None
         self._drain: asyncio.Task[Any] | None = None
+        self._usage: asyncio.Task[Any] | None = None
 
     @property
     def config(self) -> RamTierConfig:
@@ -62,10 +75,10 @@ class RamTierComponent:
         self._host = host
         if self._config is None:
             self._config = host.config.table("ram_tier", RamTierConfig)
-        self.holdings = Holdings(0, self.config.reservation_ttl_s)
+        self.holdings = Holdings(0, self.config.reservation_ttl_s, self.config.max_reservations_per_uid)
         self.drains = Drains(
             self.holdings,
-            lambda: self.root.path if self.root else None,
+            lambda: self.root,
             self.host_id,
             self.config.drain_rate_mb_s,
             host.log,
@@ -84,12 +97,15 @@ class RamTierComponent:
         self._load = self.host.tasks.spawn(self._read_back(), "ram-tier-load")
         if self.drains is not None:
             self._drain = self.host.tasks.spawn(self.drains.run(), "ram-tier-drain")
+        self._usage = self.host.tasks.spawn(self._watch_usage(), "ram-tier-usage")
 
     async def stop(self) -> None:
-        for task in (self._drain, self._load):
+        for task in (self._usage, self._drain, self._load):
             if task is not None:
                 await self.host.tasks.cancel(task, timeout=1.0)
-        self._load = self._drain = None
+        self._load = self._drain = self._usage = None
+        if self.root is not None:
+            self.root.close()
 
     async def _read_back(self) -> None:
         log = self.host.log
@@ -112,8 +128,8 @@ class RamTierComponent:
             )
         for name, why in found.ignored:
             log.warning("ram_tier_entry_ignored", path=str(root.path / name), why=why)
-        for job, step, why in found.removed:
-            log.warning("ram_tier_step_removed", job=job, step=step, why=why)
+        for uid, job, step, why in found.removed:
+            log.warning("ram_tier_step_removed", uid=uid, job=job, step=step, why=why)
         cap = config.cap_bytes or int(config.cap_fraction * psutil.virtual_memory().available)
         if root.in_ram and cap > root.size_bytes:
             log.warning(
@@ -156,18 +172,76 @@ class RamTierComponent:
         if self.state == "unavailable" or self.root is None:
             raise TierError(503, f"the RAM tier is unavailable on this host: {self.error}")
         for reservation in self.holdings.expire(self.host.now()):
-            key = (reservation.job, reservation.step)
-            abandoned = key not in self.holdings.records and not self.holdings.has(*key)
-            self.host.log.warning(
-                "ram_tier_reservation_expired",
-                job=reservation.job,
-                step=reservation.step,
-                bytes=reservation.bytes,
-                effect="released; the uncommitted step is removed" if abandoned else "released",
-            )
-            if abandoned:
-                await asyncio.to_thread(remove_tree, step_dir(self.root.path, *key))
+            await self._let_go(reservation, "ram_tier_reservation_expired")
         return self.root
+
+    async def _let_go(self, reservation: Reservation, event: str, **more: Any) -> None:
+        """A reservation gone (expired, revoked): its step is removed when nothing else holds it."""
+        abandoned = reservation.key not in self.holdings.records and not self.holdings.has(*reservation.key)
+        self.host.log.warning(
+            event,
+            uid=reservation.uid,
+            job=reservation.job,
+            step=reservation.step,
+            bytes=reservation.bytes,
+            effect="released; the uncommitted step is removed" if abandoned else "released",
+            **more,
+        )
+        if abandoned and self.root is not None:
+            await asyncio.to_thread(remove_tree, step_dir(self.root.path, *reservation.key))
+
+    async def reserve(self, key: Key, nbytes: int, gid: int, durable_root: str | None) -> tuple[Path, str]:
+        """Room for a step, counted against what the tier holds now (measured first), and its directory."""
+        root = await self.ready_root()
+        self.holdings.measure(await asyncio.to_thread(measure, root))
+        reservation, revoked = self.holdings.reserve(key, nbytes, gid, self.host.now(), durable_root)
+        for other in revoked:
+            await self._let_go(
+                other, "ram_tier_reservation_revoked", for_uid=key[0], share=self.holdings.fair_share(key[0])
+            )
+        try:
+            path = await asyncio.to_thread(make_step_dir, root, key[0], gid, key[1], key[2])
+        except BaseException:
+            self.holdings.reservations.pop(reservation.id, None)
+            raise
+        return path, reservation.id
+
+    async def _watch_usage(self) -> None:
+        """Measure what the jobs' directories hold every ``usage_interval_s``; evict what nothing accounts for
+        while the tier is over its cap."""
+        await self.loaded.wait()
+        while self.root is not None:
+            await self.enforce_cap()
+            await asyncio.sleep(self.config.usage_interval_s)
+
+    async def enforce_cap(self) -> list[Overrun]:
+        """One measurement, and the evictions it calls for (docs/ram-tier.md, "How much memory")."""
+        root = self.root
+        if root is None:
+            return []
+        self.holdings.measure(await asyncio.to_thread(measure, root))
+        evicted = self.holdings.over_cap()
+        for overrun in evicted:
+            where = job_dir(root.path, overrun.uid, overrun.job) / overrun.name
+            if overrun.step is not None:
+                self.holdings.forget(overrun.uid, overrun.job, overrun.step)
+                self.holdings.release(overrun.uid, overrun.job, overrun.step)
+                self.forget_drains(overrun.uid, overrun.job, overrun.step)
+            await asyncio.to_thread(_remove_entry, where)
+            self.host.log.warning(
+                "ram_tier_overrun_evicted",
+                uid=overrun.uid,
+                job=overrun.job,
+                entry=overrun.name,
+                bytes=overrun.bytes,
+                accounted_bytes=overrun.accounted,
+                cap_bytes=self.holdings.cap_bytes,
+                effect="removed: it held more than was reserved or committed for it while the tier was over its "
+                "cap",
+            )
+        if evicted:
+            self.holdings.measure(await asyncio.to_thread(measure, root))
+        return evicted
 
     def host_id(self) -> str:
         """This host's name among the hosts that drain one step: its host name and where its tier lives (the
@@ -175,39 +249,49 @@ class RamTierComponent:
         where = hashlib.sha256(str(self.config.path).encode()).hexdigest()[:8]
         return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] + "-" + where
 
-    def drain(self, job: str, step: int, durable_root: str) -> None:
+    def drain(self, key: Key, durable_root: str, gid: int | None) -> None:
         if self.drains is not None:
-            self.drains.request(job, step, durable_root)
+            self.drains.request(key, durable_root, gid)
 
-    def forget_drains(self, job: str, step: int | None) -> None:
+    def forget_drains(self, uid: int, job: str, step: int | None) -> None:
         if self.drains is not None:
-            self.drains.forget(job, step)
+            self.drains.forget(uid, job, step)
 
-    async def _superseded(self, job: str, step: int) -> None:
+    async def _superseded(self, uid: int, job: str, step: int) -> None:
         """A durable step ``step`` of ``job`` exists now: the RAM copies of its older steps are of no use."""
         if self.root is None:
             return
-        for record in [r for r in self.holdings.steps_of(job) if r.step < step]:
-            self.holdings.forget(job, record.step)
-            await asyncio.to_thread(remove_tree, step_dir(self.root.path, job, record.step))
+        for record in [r for r in self.holdings.steps_of(uid, job) if r.step < step]:
+            self.holdings.forget(uid, job, record.step)
+            await asyncio.to_thread(remove_tree, step_dir(self.root.path, uid, job, record.step))
             self.host.log.info(
-                "ram_tier_freed", job=job, step=record.step, bytes=record.bytes, why=f"step {step} is durable"
+                "ram_tier_freed",
+                uid=uid,
+                job=job,
+                step=record.step,
+                bytes=record.bytes,
+                why=f"step {step} is durable",
             )
 
     # ----- status and metrics -----
 
-    def summary(self) -> dict[str, Any]:
-        """``GET /v1/ram-tier``: the tier and what it holds, by job."""
+    def summary(self, uid: int | None = None, every_uid: bool = False) -> dict[str, Any]:
+        """``GET /v1/ram-tier``: the tier and what it holds, by job: ``uid``'s jobs (and with ``every_uid``
+        every uid's, as ``<uid>/<job>``); every uid's in the status."""
         holdings = self.holdings
-        return {
+        doc = {
             "enabled": self.config.enabled,
             "path": str(self.config.path),
             "cap_bytes": holdings.cap_bytes,
             "used_bytes": holdings.used_bytes,
             "reserved_bytes": holdings.reserved_bytes,
             "free_bytes": holdings.free_bytes,
-            "jobs": holdings.jobs(),
+            "overrun_bytes": holdings.overrun_bytes,
+            "jobs": holdings.jobs(uid),
         }
+        if every_uid and uid is not None:
+            doc["all_jobs"] = holdings.jobs(None)
+        return doc
 
     def status(self) -> dict[str, Any]:
         if self.state == "off":
@@ -223,14 +307,26 @@ class RamTierComponent:
             removed_steps=self.removed,
         )
         if self.drains is not None:
-            doc["drains"] = {f"{j}/{s}": d.to_json() for (j, s), d in sorted(self.drains.records.items())}
+            doc["drains"] = {
+                f"{u}/{j}/{s}": d.to_json() for (u, j, s), d in sorted(self.drains.records.items())
+            }
             doc["drained_bytes"] = self.drains.drained_bytes
         return doc
 
 
 def _open(path: Path) -> tuple[Root, Scan]:
     root = prepare_root(path)
-    return root, scan(root.path)
+    return root, scan(root)
+
+
+def _remove_entry(path: Path) -> None:
+    """A step's directory or a stray file under a job's directory (never through a link)."""
+    try:
+        os.unlink(path)
+    except IsADirectoryError:
+        remove_tree(path)
+    except OSError:
+        pass
 
 
 class RamTierCollector:

@@ -8,14 +8,16 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.ramtier.holdings import Holdings
-from agent.ramtier.inventory import MANIFEST, MAX_MANIFEST_BYTES, step_dir
+from agent.ramtier.errors import TierError
+from agent.ramtier.holdings import Holdings, Key
+from agent.ramtier.inventory import Root, opened_step, read_manifest, step_dir
 
 # A drain's states: queued -> copying -> committed (this host made the step durable, or found it so),
 # waiting (its part is in, other hosts' parts are not yet: the last host commits), failed.
@@ -26,9 +28,11 @@ _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 @dataclass
 class Drain:
+    uid: int  # the job's, from the kernel when its client reserved or committed (never from a path)
     job: str
     step: int
     durable_root: str
+    gid: int
     state: str = "queued"
     copied_bytes: int = 0
     total_bytes: int = 0
@@ -41,6 +45,7 @@ class Drain:
 
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
+            "uid": self.uid,
             "durable_root": self.durable_root,
             "state": self.state,
             "copied_bytes": self.copied_bytes,
@@ -60,11 +65,11 @@ class Drains:
     def __init__(
         self,
         holdings: Holdings,
-        root: Callable[[], Path | None],
+        root: Callable[[], Root | None],
         host_id: Callable[[], str],
         rate_mb_s: float,
         log: Any,
-        superseded: Callable[[str, int], Any],
+        superseded: Callable[[int, str, int], Any],
     ) -> None:
         self._holdings = holdings
         self._root = root
@@ -72,21 +77,25 @@ class Drains:
         self._rate = rate_mb_s
         self._log = log
         self._superseded = superseded
-        self.records: dict[tuple[str, int], Drain] = {}
+        self.records: dict[Key, Drain] = {}
         self.drained_bytes = 0
-        self._queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self._queue: asyncio.Queue[Key] = asyncio.Queue()
 
-    def request(self, job: str, step: int, durable_root: str) -> Drain:
-        key = (job, step)
+    def request(self, key: Key, durable_root: str, gid: int | None) -> Drain:
+        """Queue the drain of the step ``key`` (uid, job, step) as its uid and ``gid`` (the uid's primary
+        group when None: a step read back after a restart)."""
         current = self.records.get(key)
         if current is not None and current.state in ("queued", "copying"):
             return current
-        self.records[key] = drain = Drain(job, step, durable_root)
+        uid, job, step = key
+        self.records[key] = drain = Drain(
+            uid, job, step, durable_root, _group_of(uid) if gid is None else gid
+        )
         self._queue.put_nowait(key)
         return drain
 
-    def forget(self, job: str, step: int | None = None) -> None:
-        for key in [k for k in self.records if k[0] == job and step in (None, k[1])]:
+    def forget(self, uid: int, job: str, step: int | None = None) -> None:
+        for key in [k for k in self.records if k[:2] == (uid, job) and step in (None, k[2])]:
             if self.records[key].state in FINAL:
                 del self.records[key]
 
@@ -107,16 +116,11 @@ class Drains:
 
     async def _run_one(self, drain: Drain) -> None:
         root = self._root()
-        record = self._holdings.records.get((drain.job, drain.step))
+        record = self._holdings.records.get((drain.uid, drain.job, drain.step))
         if root is None or record is None:
             drain.state, drain.error = "failed", "the step was freed before it was drained"
             return
-        source = step_dir(root, drain.job, drain.step)
-        try:
-            owner = await asyncio.to_thread(os.stat, source.parent)
-        except OSError as exc:
-            drain.state, drain.error = "failed", f"the step's directory is gone: {exc}"
-            return
+        source = step_dir(root.path, drain.uid, drain.job, drain.step)
         plan = {
             "source": str(source),
             "durable_root": drain.durable_root,
@@ -127,14 +131,14 @@ class Drains:
             "files": {name: entry.to_json() for name, entry in record.files.items()},
             "rate_mb_s": self._rate,
             "host": self._host_id(),
-            **await asyncio.to_thread(_full_state, source),
+            **await asyncio.to_thread(_full_state, root, drain),
         }
         drain.state, drain.total_bytes = "copying", sum(e.size for e in record.files.values())
         self._log.info(
             "ram_tier_drain_started", job=drain.job, step=drain.step, durable_root=drain.durable_root
         )
         try:
-            outcome = await self._child({**plan, "uid": owner.st_uid, "gid": owner.st_gid}, drain)
+            outcome = await self._child({**plan, "uid": drain.uid, "gid": drain.gid}, drain)
         except OSError as exc:
             outcome = {"state": "failed", "error": f"the drain could not start: {exc}"}
         drain.state = str(outcome.get("state", "failed"))
@@ -149,7 +153,7 @@ class Drains:
             event, job=drain.job, step=drain.step, **drain.to_json()
         )
         if drain.state == "committed":
-            await self._superseded(drain.job, drain.step)
+            await self._superseded(drain.uid, drain.job, drain.step)
 
     async def _child(self, plan: dict[str, Any], drain: Drain) -> dict[str, Any]:
         """Run the drain program (it becomes the plan's uid); its last state line, or a failure naming its
@@ -197,15 +201,23 @@ class Drains:
         return outcome
 
 
-def _full_state(source: Path) -> dict[str, Any]:
+def _group_of(uid: int) -> int:
+    """The primary group of ``uid`` (the uid itself where no account names it)."""
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return uid
+
+
+def _full_state(root: Root, drain: Drain) -> dict[str, Any]:
     """What the drain of a full-state step (tier.json's ``"layout": "full"``: this host's files are the whole
     step) needs beyond the inventory: the layout, the step's files, its notice and metadata; {} for a sharded
     step (or a tier.json that cannot be read: the drain reads the files it names anyway)."""
-    try:  # the job's file, read by the agent: never through a link
-        fd = os.open(source / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as handle:
-            doc = json.loads(handle.read(MAX_MANIFEST_BYTES))
-    except (OSError, ValueError, RecursionError):
+    where = f"job {drain.job} step {drain.step}"
+    try:  # the job's file, read by the agent: from the tier's root, never through a link
+        with opened_step(root, drain.uid, drain.job, drain.step) as step_fd:
+            doc = read_manifest(step_fd, drain.uid, where)
+    except (OSError, TierError):
         return {}
     if not isinstance(doc, dict) or doc.get("layout") != "full":
         return {}

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from agent.core.ports import Handler, Tasks
 from agent.ramtier.config import RamTierConfig
-from agent.ramtier.holdings import Holdings
+from agent.ramtier.holdings import Holdings, Key
 from agent.ramtier.inventory import Root
 
 T = TypeVar("T")
@@ -59,10 +60,15 @@ class TierView(Protocol):
 
     async def ready_root(self) -> Root: ...
 
-    def summary(self) -> dict[str, Any]: ...
+    def summary(self, uid: int, every_uid: bool = False) -> dict[str, Any]: ...
 
-    def drain(self, job: str, step: int, durable_root: str) -> None:
-        """Queue the copy of a committed step into ``durable_root`` (docs/ram-tier.md, "Drain")."""
+    async def reserve(self, key: Key, nbytes: int, gid: int, durable_root: str | None) -> tuple[Path, str]:
+        """Room for the step ``key`` (uid, job, step): its directory, made, and the reservation's id."""
         ...
 
-    def forget_drains(self, job: str, step: int | None) -> None: ...
+    def drain(self, key: Key, durable_root: str, gid: int | None) -> None:
+        """Queue the copy of a committed step into ``durable_root`` (docs/ram-tier.md, "Drain"), as the job's
+        uid and ``gid`` (the uid's primary group when None)."""
+        ...
+
+    def forget_drains(self, uid: int, job: str, step: int | None) -> None: ...

@@ -1,6 +1,7 @@
 """The RAM tier's HTTP routes on the agent's socket (``/v1/ram-tier``): thin handlers over the component's
 books and the inventory's directory work (run in a thread); every refusal is ``{"error": ...}`` with the
-status of its :class:`~agent.ramtier.inventory.TierError`."""
+status of its :class:`~agent.ramtier.errors.TierError`. A job is the asking uid's (SO_PEERCRED): ``?uid=N``
+names another uid's job, for root, the agent's user and the admin group alone."""
 
 from __future__ import annotations
 
@@ -9,21 +10,21 @@ import functools
 import json
 import os
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from agent.core.jobs import JOB_NAMES, JobNameRegistry
 from agent.core.peers import is_admin, peer_credentials
+from agent.ramtier.errors import TierError
 from agent.ramtier.inventory import (
     Root,
-    TierError,
-    check_file,
     check_file_name,
     check_job,
     check_step,
-    job_owner,
-    make_step_dir,
+    job_dir,
+    open_checked,
     read_step,
     remove_tree,
     step_dir,
@@ -31,6 +32,7 @@ from agent.ramtier.inventory import (
 from agent.ramtier.ports import TierView
 
 BODY_TIMEOUT_S = 10.0
+FETCH_CHUNK = 4 * 1024 * 1024
 MAX_RESERVE_BYTES = 2**62
 Route = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -45,7 +47,7 @@ def routes(tier: TierView) -> list[tuple[str, str, Route]]:
                 except PermissionError as exc:
                     raise _not_permitted(exc) from exc
             except TierError as exc:
-                level = "info" if exc.status in (404, 507) else "warning"
+                level = "info" if exc.status in (404, 429, 507) else "warning"
                 getattr(tier.host.log, level)(
                     "ram_tier_refused", path=request.path, status=exc.status, error=str(exc)
                 )
@@ -80,6 +82,8 @@ def _not_permitted(exc: PermissionError) -> TierError:
 async def _body(request: web.Request, fields: tuple[str, ...]) -> Mapping[str, Any]:
     try:
         raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except (ConnectionError, web.HTTPException):
+        raise TierError(400, "the body was cut short before its Content-Length") from None
     except asyncio.TimeoutError:
         raise TierError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g}s") from None
     try:
@@ -107,26 +111,41 @@ def _durable_root(body: Mapping[str, Any]) -> str | None:
     return value
 
 
-def _peer(tier: TierView, request: web.Request) -> tuple[int, int, bool]:
-    """The client's uid and gid (from the kernel), and whether it may act on any job."""
+@dataclass(frozen=True)
+class Subject:
+    """Who asks (the kernel's word for it) and whose jobs the request is about."""
+
+    uid: int
+    gid: int
+    privileged: bool
+    owner: int  # the uid whose job the request names: the asker's own unless an admin says ?uid=
+
+
+def _subject(tier: TierView, request: web.Request) -> Subject:
     creds = peer_credentials(request)
     if creds is None:
         raise TierError(403, "the RAM tier serves only clients on the agent's Unix socket (peer credentials)")
     privileged, _ = is_admin(creds, tier.host.config.admin_group)
-    return creds[1], creds[2], privileged
-
-
-async def _owner_only(tier: TierView, request: web.Request, root: Root, job: str) -> None:
-    """Only the job's user (or root, the agent's user, the admin group) may commit, read or free it."""
-    uid, _, privileged = _peer(tier, request)
-    owner = await asyncio.to_thread(job_owner, root.path, job)
-    if owner is not None and owner != uid and not privileged:
-        raise TierError(403, f"job {job} belongs to uid {owner} on this host, not to uid {uid}")
+    _, uid, gid = creds
+    raw = request.query.get("uid")
+    if raw is None:
+        return Subject(uid, gid, privileged, uid)
+    if not raw.isdigit() or len(raw) > 10:
+        raise TierError(400, f"query 'uid' must be a user id (digits), got {raw[:40]!r}")
+    owner = int(raw)
+    if owner != uid and not privileged:
+        raise TierError(
+            403,
+            f"uid {uid} may see and act on its own jobs only: another uid's jobs (uid={owner}) are for root, "
+            "the agent's user and the admin group",
+        )
+    return Subject(uid, gid, privileged, owner)
 
 
 async def info(tier: TierView, request: web.Request) -> web.StreamResponse:
     await tier.ready_root()
-    return web.json_response(tier.summary())
+    who = _subject(tier, request)
+    return web.json_response(tier.summary(who.owner, every_uid=who.privileged))
 
 
 async def job_id(tier: TierView, request: web.Request) -> web.StreamResponse:
@@ -152,11 +171,12 @@ async def job_id(tier: TierView, request: web.Request) -> web.StreamResponse:
 
 async def job(tier: TierView, request: web.Request) -> web.StreamResponse:
     root = await tier.ready_root()
-    return web.json_response(job_doc(tier, root, check_job(request.match_info["job"])))
+    who = _subject(tier, request)
+    return web.json_response(job_doc(tier, root, who.owner, check_job(request.match_info["job"])))
 
 
 async def reserve(tier: TierView, request: web.Request) -> web.StreamResponse:
-    root = await tier.ready_root()
+    await tier.ready_root()
     name = check_job(request.match_info["job"])
     body = await _body(request, ("step", "bytes", "durable_root"))
     number = check_step(body.get("step"))
@@ -164,20 +184,13 @@ async def reserve(tier: TierView, request: web.Request) -> web.StreamResponse:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_RESERVE_BYTES:
         raise TierError(400, f"field 'bytes' must be a whole number of bytes from 0 to {MAX_RESERVE_BYTES}")
     durable_root = _durable_root(body)
-    uid, gid, privileged = _peer(tier, request)
-    reservation = tier.holdings.reserve(name, number, nbytes, uid, tier.host.now(), durable_root)
-    try:
-        path = await asyncio.to_thread(make_step_dir, root.path, name, number, uid, gid, privileged)
-    except BaseException:
-        tier.holdings.reservations.pop(reservation.id, None)
-        raise
-    tier.host.log.info("ram_tier_reserved", job=name, step=number, bytes=nbytes, uid=uid)
+    who = _subject(tier, request)
+    if who.owner != who.uid:
+        raise TierError(400, "a reservation is made by the job's own user: ?uid= is for reading and freeing")
+    path, reservation = await tier.reserve((who.uid, name, number), nbytes, who.gid, durable_root)
+    tier.host.log.info("ram_tier_reserved", job=name, step=number, bytes=nbytes, uid=who.uid)
     return web.json_response(
-        {
-            "path": str(path),
-            "reservation": reservation.id,
-            "expires_in_s": tier.config.reservation_ttl_s,
-        }
+        {"path": str(path), "reservation": reservation, "expires_in_s": tier.config.reservation_ttl_s}
     )
 
 
@@ -189,21 +202,27 @@ async def commit(tier: TierView, request: web.Request) -> web.StreamResponse:
     if not isinstance(body.get("reservation"), str):
         raise TierError(400, "field 'reservation' must be the id that reserve answered")
     durable_root = _durable_root(body)
-    await _owner_only(tier, request, root, name)
+    who = _subject(tier, request)
+    key = (who.owner, name, number)
     known = tier.holdings.reservations.get(body["reservation"])
-    if known is None or (known.job, known.step) != (name, number):
+    if known is None or known.key != key:
         # The bytes are there either way; without the reservation they must fit what the tier has free.
-        tier.host.log.warning("ram_tier_commit_unreserved", job=name, step=number)
-    record = await asyncio.to_thread(read_step, step_dir(root.path, name, number), name, number, False)
-    reserved = [
-        r.durable_root for r in tier.holdings.reservations.values() if (r.job, r.step) == (name, number)
-    ]
-    durable_root = durable_root or next((r for r in reserved if r), None)
+        tier.host.log.warning("ram_tier_commit_unreserved", job=name, step=number, uid=who.owner)
+    record = await asyncio.to_thread(read_step, root, who.owner, name, number, False)
+    reserved = [r for r in tier.holdings.reservations.values() if r.key == key]
+    durable_root = durable_root or next((r.durable_root for r in reserved if r.durable_root), None)
+    # The drain runs as the job's user: its gid is the one the kernel gave for the job's own client.
+    gid = who.gid if who.owner == who.uid else next((r.gid for r in reserved), None)
     tier.holdings.commit(record)
     if durable_root is not None:
-        tier.drain(name, number, durable_root)
+        tier.drain(key, durable_root, gid)
     tier.host.log.info(
-        "ram_tier_committed", job=name, step=number, bytes=record.bytes, files=len(record.files)
+        "ram_tier_committed",
+        job=name,
+        step=number,
+        uid=who.owner,
+        bytes=record.bytes,
+        files=len(record.files),
     )
     return web.json_response(record.to_json())
 
@@ -213,42 +232,58 @@ async def free(tier: TierView, request: web.Request) -> web.StreamResponse:
     name = check_job(request.match_info["job"])
     raw_step = request.match_info.get("step")
     number = None if raw_step is None else check_step(raw_step, in_url=True)
-    await _owner_only(tier, request, root, name)
-    target = root.path / name if number is None else step_dir(root.path, name, number)
-    exists = await asyncio.to_thread(target.exists)
-    if not exists and not tier.holdings.has(name, number):
+    who = _subject(tier, request)
+    owner = who.owner
+    target = job_dir(root.path, owner, name) if number is None else step_dir(root.path, owner, name, number)
+    exists = await asyncio.to_thread(os.path.lexists, target)
+    if not exists and not tier.holdings.has(owner, name, number):
         what = f"job {name}" if number is None else f"job {name} step {number}"
-        raise TierError(404, f"the RAM tier holds nothing for {what}")
-    gone = tier.holdings.forget(name, number)
-    tier.holdings.release(name, number)
-    tier.forget_drains(name, number)
+        raise TierError(404, f"the RAM tier holds nothing for {what} of uid {owner}")
+    gone = tier.holdings.forget(owner, name, number)
+    tier.holdings.release(owner, name, number)
+    tier.forget_drains(owner, name, number)
     await asyncio.to_thread(remove_tree, target)
     freed = sum(record.bytes for record in gone)
-    tier.host.log.info("ram_tier_freed", job=name, step=number, bytes=freed)
+    tier.host.log.info("ram_tier_freed", job=name, step=number, uid=owner, bytes=freed)
     return web.json_response({"job": name, "steps": sorted(r.step for r in gone), "freed_bytes": freed})
 
 
 async def fetch(tier: TierView, request: web.Request) -> web.StreamResponse:
+    """A file of a committed step, CRC-checked and served through the one descriptor it was checked on."""
     root = await tier.ready_root()
     name = check_job(request.match_info["job"])
     number = check_step(request.match_info["step"], in_url=True)
     file_name = check_file_name(request.match_info["name"])
-    await _owner_only(tier, request, root, name)
-    record = tier.holdings.records.get((name, number))
+    who = _subject(tier, request)
+    record = tier.holdings.records.get((who.owner, name, number))
     if record is None:
-        raise TierError(404, f"the RAM tier holds no committed step {number} of job {name}")
-    entry = record.files.get(file_name)
-    if entry is None:
+        raise TierError(
+            404, f"the RAM tier holds no committed step {number} of job {name} of uid {who.owner}"
+        )
+    if file_name not in record.files:
         raise TierError(404, f"step {number} of job {name} has no file {file_name} on this host")
-    directory = step_dir(root.path, name, number)
-    where = f"job {name} step {number}"
-    await asyncio.to_thread(check_file, directory, file_name, entry, True, where)
-    return web.FileResponse(directory / file_name)
+    fd, size = await asyncio.to_thread(open_checked, root, record, file_name)
+    try:
+        answer = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        answer.content_length = size
+        await answer.prepare(request)
+        offset = 0
+        while offset < size:
+            chunk = await asyncio.to_thread(os.pread, fd, min(FETCH_CHUNK, size - offset), offset)
+            if not chunk:
+                break  # shortened after its check: the client sees fewer bytes than Content-Length
+            await answer.write(chunk)
+            offset += len(chunk)
+        await answer.write_eof()
+    finally:
+        os.close(fd)
+    return answer
 
 
-def job_doc(tier: TierView, root: Root, job: str) -> dict[str, Any]:
+def job_doc(tier: TierView, root: Root, uid: int, job: str) -> dict[str, Any]:
     return {
         "job": job,
-        "path": str(root.path / job),
-        "steps": [record.to_json() for record in tier.holdings.steps_of(job)],
+        "uid": uid,
+        "path": str(job_dir(root.path, uid, job)),
+        "steps": [record.to_json() for record in tier.holdings.steps_of(uid, job)],
     }
