@@ -8,7 +8,8 @@ The rules (docs/ram-tier.md, "How much memory"):
   bytes found on the tier beyond that (written past a reservation, into a committed step, or outside any
   step) count too, as ``overrun``, so the cap holds whatever the jobs write;
 - when one uid's reservation does not fit, reservations of uids above their fair share (the cap divided by
-  the uids holding or asking) are revoked, newest first, as long as the asker stays within its own share;
+  the uids holding or asking) are revoked, newest first, while they are above it, as long as the asker stays
+  within its own share;
 - a uid holds at most ``max_reservations`` live reservations (429 beyond).
 """
 
@@ -155,8 +156,8 @@ class Holdings:
         return self.cap_bytes // len(uids)
 
     def revocable(self, uid: int, need: int) -> list[Reservation]:
-        """The other uids' reservations to revoke so that ``need`` fits, newest first from the uids above
-        their fair share, never taking one below it; none when ``uid`` would go above its own share, or when
+        """The other uids' reservations to revoke so that ``need`` fits, newest first from the uids that hold
+        more than their fair share (while they do); none when ``uid`` would go above its own share, or when
         revoking all that may be revoked would not make room."""
         share = self.fair_share(uid)
         if self.held_by(uid) + need > share:
@@ -167,7 +168,7 @@ class Holdings:
         for reservation in sorted(self.reservations.values(), key=lambda r: r.expires, reverse=True):
             if room >= need:
                 break
-            if reservation.uid == uid or held[reservation.uid] - reservation.bytes < share:
+            if reservation.uid == uid or held[reservation.uid] <= share:
                 continue
             held[reservation.uid] -= reservation.bytes
             room += reservation.bytes
