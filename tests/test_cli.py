@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -9,6 +10,9 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
+
+from agent.cli import build_parser, main
 from agent.cli.render import format_event, format_status
 from agent.core.notice import Kind
 from tests.support import REPO, eventually, running_agent
@@ -128,3 +132,64 @@ def test_format_status_lists_notices_and_sources() -> None:
     }
     text = format_status(doc)
     assert "overall: WARNING" in text and "instance i-1" in text and "last error: timeout" in text
+
+
+def duration_flags() -> list[tuple[str, str]]:
+    """(verb, flag) for every flag of every verb that takes a DURATION (the shared parser's metavar)."""
+    (verbs,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return [
+        (verb, action.option_strings[-1])
+        for verb, parser in verbs.choices.items()
+        for action in parser._actions
+        if action.metavar == "DURATION"
+    ]
+
+
+def test_the_duration_flags_are_found() -> None:
+    """The list the next test runs over holds the flags of report, advise, drill and demo."""
+    assert {
+        ("report", "--since"),
+        ("advise", "--save-time"),
+        ("advise", "--mtbp"),
+        ("advise", "--current"),
+        ("drill", "--in"),
+        ("demo", "--lead"),
+    } <= set(duration_flags())
+
+
+@pytest.mark.parametrize(("verb", "flag"), duration_flags())
+def test_a_duration_past_100_years_is_a_usage_error_naming_the_flag_and_range(
+    verb: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A duration that would overflow date arithmetic (99999999999d) is refused before the verb runs."""
+    with pytest.raises(SystemExit) as exited:
+        main([verb, flag, "99999999999d"])
+    assert (
+        2,
+        f"argument {flag}: expected a duration from 0s to 36500d (100 years), got '99999999999d'",
+    ) == (exited.value.code, capsys.readouterr().err.strip().splitlines()[-1].split("error: ", 1)[1])
+
+
+async def test_report_since_past_100_years_exits_2_without_a_traceback(base: Path) -> None:
+    """`preemptd report --since 99999999999d` (once an OverflowError traceback, exit 1)."""
+    code, out, err = await cli("report", "--since", "99999999999d", socket=base / "nobody.sock")
+    assert (2, "", "argument --since: expected a duration from 0s to 36500d (100 years)") == (
+        code,
+        out,
+        err.strip().splitlines()[-1].split("error: ", 1)[1].split(", got")[0],
+    )
+
+
+async def test_report_since_100_years_reads_the_ledger_file(base: Path) -> None:
+    """The longest --since there is (36500d) reaches back to 100 years ago from the ledger file."""
+    from agent.ledger import store
+
+    (base / "state").mkdir()
+    store.connect(base / "state" / "ledger.sqlite").close()
+    config = base / "config.toml"
+    config.write_text(f'state_dir = "{base / "state"}"\n')
+    code, out, err = await cli(
+        "report", "--since", "36500d", "--json", "--config", str(config), socket=base / "nobody.sock"
+    )
+    since = datetime.fromisoformat(json.loads(out)["since"].replace("Z", "+00:00")) if code == 0 else None
+    assert (0, 100) == (code, since and round((datetime.now(timezone.utc) - since).days / 365)), err

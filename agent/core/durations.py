@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import re
 
+# The longest duration a command-line flag takes: 100 years. Every such value ends up added to or taken from
+# the current time (a report's start, a drill's deadline, a notice's lead time), and datetime arithmetic
+# overflows long before a float does (a timedelta ends at 999,999,999 days, a date at year 1 and 9999).
+MAX_DAYS = 36500
+MAX_DURATION_S = MAX_DAYS * 86400.0
+
 _UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)\s*(sec|min|s|m|h|d)?", re.IGNORECASE)
 
 
 def parse_duration(text: str) -> float:
-    """Seconds in ``text``; a bare number is seconds. Raises ValueError with what was expected."""
+    """Seconds in ``text``, from 0 to :data:`MAX_DURATION_S`; a bare number is seconds. Raises ValueError with
+    what was expected."""
     raw = text.strip().lower()
     if not raw:
         raise ValueError("expected a duration such as 90s, 4m or 1.5h, got an empty string")
@@ -22,6 +29,8 @@ def parse_duration(text: str) -> float:
         pos = match.end()
     if pos != len(raw) or pos == 0:
         raise ValueError(f"expected a duration such as 90s, 4m or 1.5h, got {text!r}")
+    if not total <= MAX_DURATION_S:  # also infinity: float("1" + 400 * "0")
+        raise ValueError(f"expected a duration from 0s to {MAX_DAYS}d (100 years), got {text!r}")
     return total
 
 
