@@ -102,6 +102,24 @@ def test_plot_is_a_png(tmp_path: Path) -> None:
     assert (code, header[:8], width > 400, height > 300) == (0, b"\x89PNG\r\n\x1a\n", True, True), err
 
 
+def test_plot_onto_a_link_replaces_the_link_and_leaves_its_target_alone(tmp_path: Path) -> None:
+    """--plot FILE where FILE is a symbolic link: the link itself becomes the PNG (written beside it and
+    renamed over it); the file it pointed to keeps its content, and no temporary file is left."""
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    link = tmp_path / "waste.png"
+    link.symlink_to(target)
+    code, _, err = advise("--save-time", "4m", "--mtbp", "90m", "--plot", str(link))
+    assert (0, "keep me\n", False, b"\x89PNG", ["precious.txt", "waste.png"]) == (
+        code,
+        target.read_text(),
+        link.is_symlink(),
+        link.read_bytes()[:4],
+        sorted(p.name for p in tmp_path.iterdir()),
+    ), err
+
+
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     code, _, err = advise("--save-time", "4m", "--mtbp", "90m", "--plot", str(tmp_path / "w.png"))

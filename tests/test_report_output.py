@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -63,6 +64,41 @@ async def test_png_without_matplotlib_names_the_extra(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     code, _, err = await report_with(tmp_path, "--png", str(tmp_path / "x.png"))
     assert (1, True) == (code, "pip install 'preemptd[plot]'" in err)
+
+
+def linked(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A link ``name`` to a file that must survive a report written to the link."""
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    link = tmp_path / name
+    link.symlink_to(target)
+    return link, target
+
+
+@pytest.mark.parametrize("flag", ["--html", "--png"])
+async def test_a_link_as_the_output_file_is_replaced_and_its_target_left_alone(
+    tmp_path: Path, flag: str
+) -> None:
+    """--html / --png FILE where FILE is a symbolic link: the link becomes the report, the file it pointed
+    to is not overwritten (a link planted in a shared directory must not redirect the write)."""
+    pytest.importorskip("matplotlib")
+    link, target = linked(tmp_path, "cost.out")
+    code, _, err = await report_with(tmp_path, flag, str(link))
+    head = (await asyncio.to_thread(link.read_bytes))[:4]
+    assert (0, "keep me\n", False, b"<!do" if flag == "--html" else b"\x89PNG") == (
+        code,
+        target.read_text(),
+        link.is_symlink(),
+        head,
+    ), err
+
+
+async def test_a_write_that_fails_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """--html onto a directory: exit 1 naming the file, and nothing left beside it."""
+    target = tmp_path / "out"
+    target.mkdir()
+    code, _, err = await report_with(tmp_path, "--html", str(target))
+    assert (1, True, ["out"]) == (code, f"cannot write {target}:" in err, sorted(os.listdir(tmp_path)))
 
 
 def row(text: str, name: str) -> str:

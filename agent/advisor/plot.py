@@ -4,10 +4,12 @@ interval marked. matplotlib is an optional extra (``preemptd[plot]``), imported 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from agent.advisor import math as cm
 from agent.advisor.advice import Inputs, advised_interval, waste_at
+from agent.core.files import replace_file
 
 
 class PlotUnavailable(RuntimeError):
@@ -23,7 +25,8 @@ def _unit(seconds: float) -> tuple[float, str]:
 
 
 def plot_waste(path: Path, inputs: Inputs, title: str | None = None, points: int = 400) -> Path:
-    """Write a PNG of waste (percent of wall time) against τ and return its path."""
+    """Write a PNG of waste (percent of wall time) against τ and return its path (a link there is replaced,
+    not followed)."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -84,7 +87,9 @@ def plot_waste(path: Path, inputs: Inputs, title: str | None = None, points: int
         axes.grid(True, alpha=0.3)
         axes.legend(loc="upper right")
         figure.tight_layout()
-        figure.savefig(path, format="png")
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png")
     finally:
         plt.close(figure)
+    replace_file(path, buffer.getvalue())
     return path

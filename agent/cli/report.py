@@ -88,7 +88,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
             plot_report(args.png, doc)
             print(f"preemptd report: wrote {args.png}", file=out)
         elif args.html is not None:
-            args.html.write_text(render_html(doc))
+            from agent.core.files import replace_file
+
+            replace_file(args.html, render_html(doc).encode("utf-8"))
             print(f"preemptd report: wrote {args.html}", file=out)
         else:
             out.write(render_text(doc))

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from agent.advisor.plot import PlotUnavailable
+from agent.core.files import replace_file
 
 _PARTS = (
     ("useful", "tab:green"),
@@ -20,7 +21,13 @@ _PARTS = (
 )
 
 
-def _draw(target: Path | BinaryIO, doc: dict[str, Any]) -> None:
+def _png(doc: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    _draw(buffer, doc)
+    return buffer.getvalue()
+
+
+def _draw(target: BinaryIO, doc: dict[str, Any]) -> None:
     try:
         import matplotlib
     except ImportError as exc:
@@ -56,13 +63,11 @@ def _draw(target: Path | BinaryIO, doc: dict[str, Any]) -> None:
 
 
 def plot_report(path: Path, doc: dict[str, Any]) -> Path:
-    """Write the PNG of a report document and return its path."""
-    _draw(path, doc)
+    """Write the PNG of a report document and return its path (a link there is replaced, not followed)."""
+    replace_file(path, _png(doc))
     return path
 
 
 def plot_data_uri(doc: dict[str, Any]) -> str:
     """The PNG as a ``data:`` URI, for the one-file HTML page."""
-    buffer = io.BytesIO()
-    _draw(buffer, doc)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+    return "data:image/png;base64," + base64.b64encode(_png(doc)).decode("ascii")
