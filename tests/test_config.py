@@ -282,7 +282,6 @@ INTERVAL_KEYS = [
     "api.heartbeat_s",
     "api.idle_timeout_s",
     "api.shutdown_timeout_s",
-    "actions.ready.participant_ttl_s",
     "aws.poll_interval_s",
     "aws.timeout_s",
     "aws.backoff_max_s",
@@ -305,6 +304,56 @@ def test_an_interval_below_the_floor_is_refused_with_file_key_and_floor(tmp_path
     section, _, name = key.rpartition(".")
     escaped = key.replace(".", r"\.")
     assert_refused(tmp_path, f"[{section}]\n{name} = 1e-9\n", f"key '{escaped}': {SECONDS}, got 1e-09$")
+
+
+# Keys the agent adds to a date (timedelta): a ceiling, so that 1e308 fails the load, not a task at run time.
+UP_TO_A_DAY = ["expire_grace_s", "drill_linger_s", "gcp.preempt_notice_s", "gcp.maintenance_notice_s"]
+DAY = r"expected a number of seconds from 0 to 86400 \(a day\)"
+YEAR = r"expected a number of seconds from 0\.1 to 31536000 \(a year\)"
+
+
+def toml_key(key: str, value: str) -> str:
+    section, _, name = key.rpartition(".")
+    return f"[{section}]\n{name} = {value}\n" if section else f"{name} = {value}\n"
+
+
+@pytest.mark.parametrize("key", UP_TO_A_DAY)
+@pytest.mark.parametrize("value", ["1e308", "86401", "-1"])
+def test_a_grace_or_notice_window_past_a_day_is_refused(tmp_path: Path, key: str, value: str) -> None:
+    """Or below 0: a notice whose deadline is already past when it is raised."""
+    escaped = key.replace(".", r"\.")
+    assert_refused(tmp_path, toml_key(key, value), f"key '{escaped}': {DAY}, got ")
+
+
+@pytest.mark.parametrize("key", UP_TO_A_DAY)
+def test_a_grace_or_notice_window_of_a_day_is_taken(tmp_path: Path, key: str) -> None:
+    config = load_config(write(tmp_path, toml_key(key, "86400")), env={})
+    section = config.gcp if key.startswith("gcp.") else config
+    assert 86400.0 == getattr(section, key.rpartition(".")[2])
+
+
+@pytest.mark.parametrize("value", ["0.1", "31536000"])
+def test_the_participant_ttl_takes_the_interval_floor_to_a_year(tmp_path: Path, value: str) -> None:
+    config = load_config(write(tmp_path, toml_key("actions.ready.participant_ttl_s", value)), env={})
+    assert float(value) == config.actions.ready.participant_ttl_s
+
+
+@pytest.mark.parametrize("value", ["1e-9", "31536001", "1e308"])
+def test_a_participant_ttl_below_the_floor_or_past_a_year_is_refused(tmp_path: Path, value: str) -> None:
+    text = toml_key("actions.ready.participant_ttl_s", value)
+    assert_refused(tmp_path, text, rf"key 'actions\.ready\.participant_ttl_s': {YEAR}, got ")
+
+
+def test_run_refuses_a_drill_linger_past_a_day_at_load(capsys: pytest.CaptureFixture[str]) -> None:
+    """drill_linger_s = 1e308 once loaded and then failed the expiry task (timedelta overflow) at run time."""
+    from agent.cli import main
+
+    code = main(["run", "--print-config", "--set", "drill_linger_s=1e308"])
+    assert (
+        2,
+        "preemptd: configuration error: command line: key 'drill_linger_s': "
+        "expected a number of seconds from 0 to 86400 (a day), got 1e+308",
+    ) == (code, capsys.readouterr().err.strip())
 
 
 @pytest.mark.parametrize(

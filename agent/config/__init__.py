@@ -61,6 +61,8 @@ from agent.config.types import (
     NoticeKindName,
     Seconds,
     SecondsOrOff,
+    SecondsUpToADay,
+    SecondsUpToAYear,
     SeverityName,
 )
 from agent.core.errors import ConfigError
@@ -225,9 +227,9 @@ class Config:
     log_level: LogLevel = "info"
     # How long after its deadline a notice whose source is not running (a drill, a notice restored from a
     # source no longer configured) stays active.
-    expire_grace_s: NonNegative = 30.0
+    expire_grace_s: SecondsUpToADay = 30.0
     # How long a drill notice stays after its deadline before it clears by itself.
-    drill_linger_s: NonNegative = 10.0
+    drill_linger_s: SecondsUpToADay = 10.0
     history_max_bytes: AtLeastOne = 16 * 1024 * 1024
     api: ApiConfig = field(default_factory=ApiConfig)
     actions: ActionsConfig = field(default_factory=ActionsConfig)
@@ -396,6 +398,8 @@ __all__ = [
     "ReadyConfig",
     "Seconds",
     "SecondsOrOff",
+    "SecondsUpToADay",
+    "SecondsUpToAYear",
     "SeverityName",
     "SignalRuleConfig",
     "TencentConfig",

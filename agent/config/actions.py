@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from agent.config.types import AtLeastOne, NonNegative, NoticeKindName, Seconds, SeverityName
+from agent.config.types import (
+    AtLeastOne,
+    NonNegative,
+    NoticeKindName,
+    Seconds,
+    SecondsUpToAYear,
+    SeverityName,
+)
 from agent.config.validate import check_hook, check_signal_rule, check_webhook
 
 ActionTrigger = Literal["notice", "update", "cleared", "ready"]
@@ -94,7 +101,7 @@ class ReadyConfig:
     # ``immediately`` declares ready at once.
     without_participants: Literal["grace", "immediately"] = "grace"
     # A participant is forgotten when its process is gone or it has not reported for this long.
-    participant_ttl_s: Seconds = 7 * 24 * 3600.0
+    participant_ttl_s: SecondsUpToAYear = 7 * 24 * 3600.0
     # Registered participants, per user and in all; a registration past a limit is refused with 429.
     max_participants_per_uid: AtLeastOne = 256
     max_participants: AtLeastOne = 1024

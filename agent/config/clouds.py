@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from agent.config.loader import Url
-from agent.config.types import AtLeastOne, HttpUrl, Seconds
+from agent.config.types import AtLeastOne, HttpUrl, Seconds, SecondsUpToADay
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ class GcpConfig:
     timeout_s: Seconds = 2.0
     backoff_max_s: Seconds = 5.0
     # Seconds between ACPI soft-off and hard power-off of a preempted VM.
-    preempt_notice_s: float = 30.0
+    preempt_notice_s: SecondsUpToADay = 30.0
     # How early maintenance-event flips before the host maintenance starts.
-    maintenance_notice_s: float = 60.0
+    maintenance_notice_s: SecondsUpToADay = 60.0
 
 
 AzureAcknowledge = Literal["never", "immediate"]

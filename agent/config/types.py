@@ -20,6 +20,22 @@ Seconds = Annotated[
 # An interval where 0 turns the repetition off.
 SecondsOrOff = Annotated[float, ZeroOr(MIN_INTERVAL_S)]
 NonNegative = Annotated[float, Meta(ge=0, le=FINITE)]
+# Seconds the agent adds to a date (a deadline plus a grace, now plus a notice window or a lifetime): a
+# timedelta overflows long before a float does (at 999,999,999 days), so 1e308 would fail a task at run time
+# rather than the file at load. Each such key has a ceiling instead of FINITE.
+DAY_S = 86400.0
+YEAR_S = 365 * DAY_S
+SecondsUpToADay = Annotated[
+    float, Meta(ge=0, le=DAY_S, description="a number of seconds from 0 to 86400 (a day)")
+]
+SecondsUpToAYear = Annotated[
+    float,
+    Meta(
+        ge=MIN_INTERVAL_S,
+        le=YEAR_S,
+        description=f"a number of seconds from {MIN_INTERVAL_S} to {YEAR_S:.0f} (a year)",
+    ),
+]
 AtLeastOne = Annotated[int, Meta(ge=1)]
 HttpUrl = Annotated[str, Url()]
 
