@@ -5,6 +5,11 @@ you mean"."""
 
 from __future__ import annotations
 
+import ast
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +20,9 @@ from msgspec import Meta
 
 import agent.service.plugins  # noqa: F401 - the reactor and cloud registries, as `preemptd run` loads them
 from agent.config import config_to_json, load_config, register_table, unregister_table
+from agent.config.loader import read_toml
 from agent.core.errors import ConfigError
-from tests.support import AgentProcess, http_json
+from tests.support import REPO, AgentProcess, http_json
 from tests.test_cli import cli
 from tests.test_systemd import hup_and_wait_ready
 
@@ -147,3 +153,80 @@ def test_an_unknown_top_level_table_is_refused_with_did_you_mean(
     with pytest.raises(ConfigError) as refused:
         load_config(path, env={})
     assert f"{path}: unknown table 'widgte' (did you mean 'widget'?)" == str(refused.value).split(";")[0]
+
+
+# The plug-in tables this process knows depend on what it imported first (this module imports them all): the
+# tests below ask a fresh interpreter, as an entry point starts.
+PACKAGED = REPO / "packaging" / "config.toml"
+
+
+def fresh(code: str, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+    environ.update(PYTHONPATH=str(REPO), **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        check=False,
+        env=environ,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_every_table_of_the_packaged_config_is_known_to_a_bare_load() -> None:
+    """load_config on packaging/config.toml in an interpreter that imported only agent.config (no plug-in,
+    no registry) takes every table of the file, [ram_tier] included."""
+    probe = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from agent.config import load_config\n"
+        "before = sorted(m for m in sys.modules if m.startswith(('agent.ramtier', 'agent.ledger', 'agent.service')))\n"
+        "config = load_config(Path(sys.argv[1]), env={})\n"
+        "print(json.dumps([before, sorted(config.built)]))\n"
+    )
+    proc = fresh(probe, str(PACKAGED))
+    before, built = json.loads(proc.stdout) if proc.returncode == 0 else (None, [])
+    tables = [key for key, value in read_toml(PACKAGED).items() if isinstance(value, dict)]
+    assert ([], ["ram_tier"], []) == (before, tables, [t for t in tables if t not in built]), proc.stderr
+
+
+def test_the_catalog_lists_every_module_that_declares_a_top_level_table() -> None:
+    """Every ``register_table("name", ...)`` of a top-level table in agent/ is known to a bare load through
+    agent/config/catalog.py (the bridges' dotted tables come with the reactor registry)."""
+    declared = set()
+    for path in (REPO / "agent").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "register_table"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+                and "." not in node.args[0].value
+            ):
+                declared.add(node.args[0].value)
+    probe = (
+        "import json\n"
+        "from agent.config.tables import known\n"
+        "print(json.dumps(sorted(n for n in known().declared if '.' not in n)))\n"
+    )
+    proc = fresh(probe)
+    assert sorted(declared) == json.loads(proc.stdout or "null"), proc.stderr
+
+
+def test_report_without_an_agent_reads_the_packaged_config(base: Path) -> None:
+    """`preemptd report --config packaging/config.toml` with no agent on the socket reads the ledger file
+    (it exited 2, "unknown table 'ram_tier'", since only `run` had imported the RAM tier's table)."""
+    from agent.ledger import store
+
+    store.connect(base / "ledger.sqlite").close()
+    proc = fresh(
+        "from agent.cli import main; raise SystemExit(main())",
+        *("report", "--config", str(PACKAGED), "--socket", str(base / "nobody.sock"), "--json"),
+        env={"PREEMPTD_STATE_DIR": str(base)},
+    )
+    doc = json.loads(proc.stdout) if proc.returncode == 0 else {}
+    assert (0, "file", 0) == (proc.returncode, doc.get("source"), doc.get("total", {}).get("checkpoints")), (
+        proc.stderr
+    )

@@ -3,8 +3,9 @@
 :func:`register_table`, and :func:`agent.config.load_config` checks each declared table when the file is
 loaded, so ``preemptd run --print-config``, start-up and a reload refuse a bad value before anything binds.
 
-The plug-in registries that find parts (the reactor registry, the cloud registry) join with
-:func:`add_discovery`: before a file is checked, each imports the parts it finds (which declare their tables
+Before a file is checked, the built-in components' table modules listed in agent/config/catalog.py are
+imported, whoever loads the file. The plug-in registries that find parts (the reactor registry, the cloud
+registry) join with :func:`add_discovery`: each then imports the parts it finds (which declare their tables
 as they are imported) and says which table family it knows completely (``"actions"``). A table in such a
 family that nobody declared is refused with a "did you mean"; so is an unknown top-level table.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from agent.config.catalog import declare_builtin_tables
 from agent.core.errors import ConfigError
 
 T = TypeVar("T")
@@ -80,7 +82,9 @@ class Known:
 
 
 def known() -> Known:
-    """Run the registries' discoveries, then return the declared tables."""
+    """Declare the built-in components' tables (agent/config/catalog.py), run the registries' discoveries,
+    then return the declared tables."""
+    declare_builtin_tables()
     closed: set[str] = set()
     unchecked: set[str] = set()
     for discover in list(_discoveries):
