@@ -18,7 +18,6 @@ import pytest
 
 pytest.importorskip("lightkube", reason="the kubernetes extra is not installed")
 
-import agent.ramtier  # noqa: F401  (declares [ram_tier])
 from agent.bridges.kubernetes.jobname import JOBSET_UID, job_of_pod
 from agent.client.ramtier import NoJobId, job_id, resolve_job_id
 from agent.core.jobs import JobName, JobNameRegistry, UnknownJob
