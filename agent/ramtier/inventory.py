@@ -334,7 +334,8 @@ def prepare_root(path: Path) -> Root:
             if problem is not None:
                 raise TierError(503, f"ram_tier.path {path} {problem.replace('PATH', str(path))}")
             os.fchmod(fd, 0o711)  # nobody lists it; the umask may have taken the search bit the jobs need
-            if MARKER not in os.listdir(fd) and os.listdir(fd):
+            names = [name for name, _ in tierfs.entries(fd)]
+            if names and MARKER not in names:
                 raise TierError(
                     503,
                     f"ram_tier.path {path} holds files that preemptd did not put there (no {MARKER}): point "
@@ -368,9 +369,7 @@ class Scan:
     ignored: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _entries(fd: int) -> list[tuple[str, bool]]:
-    with os.scandir(fd) as entries:
-        return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in entries)
+_entries = tierfs.entries
 
 
 def scan(root: Root) -> Scan:

@@ -46,6 +46,11 @@ def routes(tier: TierView) -> list[tuple[str, str, Route]]:
                     return await handler(tier, request)
                 except PermissionError as exc:
                     raise _not_permitted(exc) from exc
+                except OSError as exc:  # the file system said no (full, read-only, too many files)
+                    raise TierError(
+                        503,
+                        f"the RAM tier's file system refused: {exc.strerror or exc} ({exc.filename or 'tier'})",
+                    ) from exc
             except TierError as exc:
                 level = "info" if exc.status in (404, 429, 507) else "warning"
                 getattr(tier.host.log, level)(

@@ -122,19 +122,29 @@ def crc_fd(fd: int, size: int) -> int:
     return crc
 
 
+def entries(directory: int) -> list[tuple[str, bool]]:
+    """The names in an open directory, each with whether it is a directory (links are not), sorted. Read
+    through a descriptor of its own: one that other threads share would share its read position too."""
+    own = os.open(".", _DIR, dir_fd=directory)
+    try:
+        with os.scandir(own) as found:
+            return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in found)
+    finally:
+        os.close(own)
+
+
 def tree_bytes(directory: int) -> int:
     """What the regular files under the open ``directory`` hold, walked through descriptors (links are not
     followed): the RAM it takes."""
     total = 0
-    with os.scandir(directory) as entries:
-        names = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False)) for e in entries]
-    for name, is_dir, is_file in names:
+    for name, is_dir in entries(directory):
         with contextlib.suppress(FileNotFoundError, TierError):
             if is_dir:
                 with opened_dir(directory, name, name) as inner:
                     total += tree_bytes(inner)
-            elif is_file:
-                total += os.stat(name, dir_fd=directory, follow_symlinks=False).st_size
+            else:
+                st = os.stat(name, dir_fd=directory, follow_symlinks=False)
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
     return total
 
 
@@ -144,7 +154,7 @@ def make_dir(parent: int, name: str, mode: int, uid: int, gid: int) -> bool:
         os.mkdir(name, mode, dir_fd=parent)
     except FileExistsError:
         return False
-    fd = os.open(name, _DIR, dir_fd=parent)
+    fd = open_dir(parent, name, name)  # swapped for a link since the mkdir (its parent is the job's): refused
     try:
         os.fchmod(fd, mode)  # the umask may have taken bits
         st = os.fstat(fd)
