@@ -192,13 +192,15 @@ async def script_week(week: Week, restart: bool = False) -> tuple[str, str]:
 # The hand-computed figures of the scripted week.
 # A: 2 GPUs, 0 h to 8 h: 16 GPU-h. Periodic checkpoints 120+60+60+60+60 = 360 s x 2 GPUs = 0.2 GPU-h; the
 # flush of step 250: 30 s x 2 = 1/60 GPU-h. Redone: N2 was lost (deadline 5 h 01 - checkpoint 4 h = 3660 s)
-# and the unannounced one at 7.5 h (7.5 h - 6 h = 5400 s): 9060 s x 2 = 5.0333 GPU-h. Restarts after the
-# notices: 2 h 40 - 2 h 32 = 480 s, 5 h 10 - 5 h 01 = 540 s: 1020 s x 2 = 0.5667 GPU-h. Steps redone:
-# 450 - 400 = 50. Goodput 1 - (0.2 + 1/60 + 5.0333 + 0.5667) / 16 = 0.6365.
+# and the unannounced one at 7.5 h (7.5 h - 6 h = 5400 s): 9060 s x 2 = 5.0333 GPU-h. Restarts, from when
+# each notice stopped the job to its return: N1's flush ended at 2 h 31, A was back at 2 h 40: 540 s; N2's
+# flush was lost, so its deadline 5 h 01 to 5 h 10: 540 s; 1080 s x 2 = 0.6 GPU-h. (Until the timeline
+# rewrite the first was counted from N1's deadline, 2 h 32: the minute A was down before it counted as
+# useful.) Steps redone: 450 - 400 = 50. Goodput 1 - (0.2 + 1/60 + 5.0333 + 0.6) / 16 = 0.6344.
 # B: 4 GPUs, 3 h to 6 h: 12 GPU-h; checkpoints 240 s x 4 = 0.2667 GPU-h, flush 20 s x 4 = 0.0222 GPU-h.
-A_LOST = (0.2 + 30 * 2 / H + 9060 * 2 / H + 1020 * 2 / H) / 16
+A_LOST = (0.2 + 30 * 2 / H + 9060 * 2 / H + 1080 * 2 / H) / 16
 B_LOST = (240 * 4 / H + 20 * 4 / H) / 12
-TOTAL_OVERHEAD = 0.2 + 30 * 2 / H + 9060 * 2 / H + 1020 * 2 / H + 240 * 4 / H + 20 * 4 / H
+TOTAL_OVERHEAD = 0.2 + 30 * 2 / H + 9060 * 2 / H + 1080 * 2 / H + 240 * 4 / H + 20 * 4 / H
 
 
 def expected_total() -> dict[str, Any]:
@@ -215,8 +217,9 @@ def expected_total() -> dict[str, Any]:
         "checkpoint_gpu_hours": round(0.2 + 240 * 4 / H, 4),
         "flush_gpu_hours": round(30 * 2 / H + 20 * 4 / H, 4),
         "redone_gpu_hours": round(9060 * 2 / H, 4),
-        "restart_gpu_hours": round(1020 * 2 / H, 4),
+        "restart_gpu_hours": round(1080 * 2 / H, 4),
         "steps_redone": 50,
+        "useful_gpu_hours": round(28 - TOTAL_OVERHEAD, 4),
         "goodput": round(1 - TOTAL_OVERHEAD / 28, 4),
         "notice_benefit": {
             "covered_share": 0.5,

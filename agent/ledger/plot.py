@@ -13,7 +13,7 @@ from agent.advisor.plot import PlotUnavailable
 from agent.core.files import replace_file
 
 _PARTS = (
-    ("useful", "tab:green"),
+    ("useful_gpu_hours", "tab:green"),
     ("checkpoint_gpu_hours", "tab:blue"),
     ("flush_gpu_hours", "tab:cyan"),
     ("redone_gpu_hours", "tab:red"),
@@ -43,13 +43,8 @@ def _draw(target: BinaryIO, doc: dict[str, Any]) -> None:
     try:
         bottom = [0.0] * len(names)
         for key, colour in _PARTS:
-            values = []
-            for fig in jobs.values():
-                if key == "useful":
-                    overhead = sum(fig[k] or 0.0 for k, _ in _PARTS[1:])
-                    values.append(max(0.0, (fig["gpu_hours"] or 0.0) - overhead))
-                else:
-                    values.append(fig[key] or 0.0)
+            # Every part is a figure of the report, the useful one included (never recomputed here).
+            values = [fig[key] or 0.0 for fig in jobs.values()]
             label = key.removesuffix("_gpu_hours").replace("_", " ")
             axes.bar(names, values, bottom=bottom, color=colour, label=label)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]

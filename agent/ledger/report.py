@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from agent.ledger.facts import Facts, ReportFact
-from agent.ledger.tally import Rules, Tally, iso, rounded, tally_job
+from agent.ledger.tally import Rules, Tally, goodput, iso, rounded, tally_job
 
 REPORT_SCHEMA = 1
 
@@ -41,9 +41,7 @@ def cost(t: Tally, prices: Prices) -> dict[str, Any]:
     assert p_s is not None and p_o is not None
     storage = (t.checkpoint_bytes / 1e9) * (prices.storage_per_gb_month or 0.0) * prices.keep_days / 30.0
     storage += t.saves / 1000.0 * (prices.per_1000_requests or 0.0)
-    useful = (
-        t.gpu_hours - t.checkpoint_gpu_hours - t.flush_gpu_hours - t.redone_gpu_hours - t.restart_gpu_hours
-    )
+    useful = t.useful_gpu_hours
     doc: dict[str, Any] = {
         "missing": [],
         "assumed_zero": [
@@ -53,7 +51,7 @@ def cost(t: Tally, prices: Prices) -> dict[str, Any]:
         ],
         "spot": rounded(t.gpu_hours * p_s + storage, 4),
         "storage": rounded(storage, 4),
-        "on_demand_equivalent": rounded(max(0.0, useful) * p_o, 4),
+        "on_demand_equivalent": rounded(useful * p_o, 4),
         "list_discount": rounded(1.0 - p_s / p_o, 4) if p_o > 0 else None,
         "effective_discount": None,
         "preemptions_per_day": None,
@@ -110,7 +108,6 @@ def notice_benefit(t: Tally) -> dict[str, Any]:
 def figures(t: Tally, prices: Prices | None) -> dict[str, Any]:
     """The ``--json`` figures of one job or of the total (each key in docs/ledger.md)."""
     events = t.announced + t.unannounced
-    lost_hours = t.checkpoint_gpu_hours + t.flush_gpu_hours + t.redone_gpu_hours + t.restart_gpu_hours
     return {
         "jobs": t.jobs,
         "gpus": t.gpus,
@@ -126,9 +123,8 @@ def figures(t: Tally, prices: Prices | None) -> dict[str, Any]:
         "redone_gpu_hours": rounded(t.redone_gpu_hours, 4),
         "restart_gpu_hours": rounded(t.restart_gpu_hours, 4),
         "steps_redone": t.steps_redone,
-        # Clients whose reported durations overlap (longer than the time between their reports) would
-        # make it negative: 0 then.
-        "goodput": rounded(max(0.0, 1.0 - lost_hours / t.gpu_hours), 4) if t.gpu_hours > 0 else None,
+        "useful_gpu_hours": rounded(t.useful_gpu_hours, 4),
+        "goodput": rounded(goodput(t), 4),
         "notice_benefit": notice_benefit(t),
         "cost": cost(t, prices) if prices is not None else {"missing": ["cost"]},
     }
@@ -156,13 +152,10 @@ def build_report(
         by_job.setdefault(report.job, []).append(report)
     total = Tally()
     jobs: dict[str, Any] = {}
-    flushes: list[dict[str, Any]] = []
-    resumes: list[dict[str, Any]] = []
     for name, rows in sorted(by_job.items()):
         one = tally_job(name, rows, notices, at, rules)
         jobs[name] = figures(one, prices)
-        total.add(one)
-    flushes, resumes = total.flushes, total.resumes
+        total += one
     leads = [n.lead_s for n in notices if n.lead_s is not None and (rules.drills or not n.drill)]
     kinds: dict[str, int] = {}
     sources: dict[str, int] = {}
@@ -189,8 +182,8 @@ def build_report(
         },
         "total": figures(total, prices),
         "jobs": jobs,
-        "flushes": flushes,
-        "resumes": sorted(resumes, key=lambda r: r["time"]),
+        "flushes": list(total.flushes),
+        "resumes": sorted(total.resumes, key=lambda r: r["time"]),
     }
 
 
