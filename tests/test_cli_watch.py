@@ -87,7 +87,7 @@ async def test_watch_says_ready_as_a_sentence_of_who_saved_how_fast_and_how_much
         for i, line in enumerate(lines[start:end], start)
     )
     assert sentence.startswith("termination drill-")
-    assert ": all 1 participant saved (llm-pretraining-70b#0) " in sentence
+    assert ": the one participant saved (llm-pretraining-70b#0) " in sentence
     assert re.search(r"\) (\d+ ms|[\d.]+s) after the notice, with \dm\d\ds to spare\.$", sentence), sentence
 
 
@@ -109,7 +109,8 @@ async def test_watch_without_an_agent_says_where_it_looked_and_exits_69(base: Pa
     sock = base / "nobody.sock"
     code, out, err = await cli("watch", socket=sock)
     assert (69, "") == (code, out)
-    assert f"preemptd: no agent at {sock}: No such file or directory. Is the agent running?" in err
+    said = " ".join(err.split())  # wrapped at 80 columns
+    assert f"preemptd: no agent at {sock}: No such file or directory. Is the agent running?" in said
 
 
 async def test_watch_wait_waits_for_the_agent_to_appear(base: Path) -> None:

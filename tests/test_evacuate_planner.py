@@ -9,6 +9,7 @@ buddy host that has a notice too."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -145,7 +146,10 @@ async def test_auto_picks_the_tier_and_every_report_and_status_say_which_with_th
     finished = emergency[-1][1]
     assert finished["predicted_s"] > 0 and "fallback" not in finished
     assert 0 < finished["slack_s"] <= deadline_s
-    line = next(line for line in format_status(doc).splitlines() if line.startswith("Last emergency save"))
+    lines = format_status(doc).splitlines()
+    start = next(i for i, text in enumerate(lines) if text.startswith("Last emergency save"))
+    row = [lines[start], *itertools.takewhile(lambda text: text.startswith(" "), lines[start + 1 :])]
+    line = " ".join(text.strip() for text in row)  # the row, wrapped at 80 columns, as one line
     assert f"Last emergency save: step 2 to {tier} in " in line and "slack" in line, line
     assert (tier, finished["slack_s"]) == (doc["emergency_save"]["tier"], doc["emergency_save"]["slack_s"])
     if tier == "durable":

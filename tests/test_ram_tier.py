@@ -415,11 +415,12 @@ def test_preemptd_status_shows_the_tier_in_one_line() -> None:
             "jobs": {"a": {"steps": [1, 2], "bytes": 1024**3}},
         },
     }
-    line = next(x for x in format_status(doc).splitlines() if x.startswith("RAM tier"))
-    assert (
-        "RAM tier: 1.0 GiB used of 4.0 GiB, 0 B reserved; 2 steps of 1 job in /dev/shm/preemptd (tmpfs)"
-        == line
-    )
+    shown = format_status(doc)
+    line = shown[shown.index("RAM tier") :].split("\n")[:2]  # wrapped at 80 columns
+    assert [
+        "RAM tier: 1.0 GiB used of 4.0 GiB, 0 B reserved; 2 steps of 1 job in",
+        "    /dev/shm/preemptd (tmpfs)",
+    ] == line
 
 
 def test_preemptd_status_says_when_the_tier_is_unavailable() -> None:

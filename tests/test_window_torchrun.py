@@ -100,7 +100,7 @@ async def test_under_an_exec_that_holds_sigterm_torchrun_does_not_bind_the_save(
     )
     assert limit["detail"].startswith("held: preemptd exec holds an early SIGTERM")
     assert 'preemptd_window_too_short{kind="termination"} 0.0' in metrics
-    assert "[cloud 120 s, torchrun 120 s held]" in "\n".join(window_lines(body["window"]))
+    assert "[cloud 2m00s, torchrun 2m00s held]" in "\n".join(window_lines(body["window"]))
 
 
 async def test_a_participant_under_torchrun_binds_the_window_to_30_s(base: Path) -> None:
@@ -160,5 +160,5 @@ async def test_a_participant_under_torchrun_binds_the_window_to_30_s(base: Path)
     assert 'preemptd_window_too_short{kind="termination"} 1.0' in metrics
     assert "preemptd_window_predicted_flush_seconds 45.0" in metrics
     shown = "\n".join(window_lines(body["window"]))
-    assert "termination  30 s (torchrun binds): TOO SHORT  [cloud 120 s, torchrun 30 s]" in shown
-    assert "window_too_short: termination: the flush (45 s) outlasts torchrun (30 s)" in shown
+    assert "termination  30s (torchrun binds): TOO SHORT  [cloud 2m00s, torchrun 30s]" in shown
+    assert "window_too_short: termination: the flush (45s) outlasts torchrun (30s)" in shown

@@ -17,11 +17,15 @@ from agent.advisor.estimate import Observations
 from agent.advisor.losses import LOSS_CAUSES
 from agent.core.durations import format_duration as _short_duration
 from agent.core.notice import format_time
+from agent.core.screen import plural
 
 if TYPE_CHECKING:  # annotations only: `preemptd advise` must not load the config loader (msgspec)
     from agent.config import AdvisorConfig
 
 CONFIDENCE_LEVELS = ("none", "low", "medium", "high")
+# The uptime after which the advice without enough interruptions says what it rules out of M: the bound from
+# seconds or minutes of uptime is seconds or minutes, which tells nobody anything about a spot market.
+BOUND_AFTER_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -144,15 +148,19 @@ def advise(obs: Observations, config: AdvisorConfig, now: datetime) -> dict[str,
     missing = []
     if obs.save.value_s is None or obs.save.value_s <= 0:
         missing.append(
-            f"no checkpoint save time yet ({obs.save.checkpoints} finished periodic checkpoint(s) reported, "
-            f"{config.min_reports} needed, and advisor.save_time_s is not set)"
+            f"no checkpoint save time yet ({plural(obs.save.checkpoints, 'finished periodic checkpoint')} "
+            f"reported, {config.min_reports} needed, and advisor.save_time_s is not set)"
         )
     if obs.lost.value_s is None:
         bound = obs.lost.lower_bound_s
         missing.append(
             f"too few work-losing interruptions to estimate M ({obs.lost.events} in "
             f"{format_duration(obs.exposure_s)} of uptime, {config.min_losses} needed, and no advisor.prior_mtbp_s)"
-            + (f"; M is probably above {format_duration(bound)}" if bound else "")
+            + (
+                f"; M is probably above {format_duration(bound)}"
+                if bound and obs.exposure_s >= BOUND_AFTER_S
+                else ""
+            )
         )
     if missing:
         doc["reason"] = "; ".join(missing)
@@ -210,16 +218,18 @@ def explain(doc: dict[str, Any], obs: Observations, config: AdvisorConfig) -> st
     if save.source == "reports":
         parts.append(
             f"Checkpoints block training for {format_duration(save.value_s or 0)} "
-            f"(median of {save.checkpoints} finished checkpoint(s)"
-            + (f", {save.outliers} outlier(s) ignored" if save.outliers else "")
+            f"(median of {plural(save.checkpoints, 'finished checkpoint')}"
+            + (f", {plural(save.outliers, 'outlier')} ignored" if save.outliers else "")
             + ")."
         )
     else:
         parts.append(
             f"Checkpoints are assumed to take {format_duration(save.value_s or 0)} (advisor.save_time_s)."
         )
-    causes = ", ".join(f"{n} {cause.replace('_', ' ')}" for cause, n in obs.causes.items() if n)
-    seen = f"{lost.events} work-losing interruption(s) in {format_duration(lost.exposure_s)} of uptime"
+    causes = ", ".join(plural(n, cause.replace("_", " ")) for cause, n in obs.causes.items() if n)
+    seen = (
+        f"{plural(lost.events, 'work-losing interruption')} in {format_duration(lost.exposure_s)} of uptime"
+    )
     seen += f" ({causes})" if causes else ""
     if lost.source == "history":
         parts.append(f"{seen}: M = {format_duration(lost.value_s or 0)}.")
@@ -230,7 +240,9 @@ def explain(doc: dict[str, Any], obs: Observations, config: AdvisorConfig) -> st
         )
     if obs.announced_ids:
         parts.append(
-            f"{len(obs.announced_ids)} interruption(s) came with a notice and lost no work, so they do not count in M."
+            f"{plural(len(obs.announced_ids), 'interruption')} came with a notice and lost no work, so "
+            + ("it does" if len(obs.announced_ids) == 1 else "they do")
+            + " not count in M."
         )
     waste = doc["expected_waste"]
     line = f"Checkpoint every {format_duration(doc['interval_s'])} of compute: expected waste {_pct(waste['advised'])}"

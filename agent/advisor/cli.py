@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from agent.core.durations import format_duration, parse_duration
+from agent.core.durations import parse_duration
+from agent.core.screen import duration, fill, plural
 
 if TYPE_CHECKING:
     from agent.advisor.advice import Inputs
@@ -117,9 +118,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     err = err or sys.stderr
     offline = args.save_time is not None or args.mtbp is not None
     if offline and (args.save_time is None or args.mtbp is None):
-        print(
+        _say(
+            err,
             "preemptd advise: offline advice needs both --save-time and --mtbp (or neither, to ask the agent)",
-            file=err,
         )
         return EXIT_USAGE
     if offline:
@@ -130,8 +131,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         try:
             live = _ask_agent(args.socket)
         except _NoAgent as exc:
-            print(f"preemptd advise: {exc}", file=err)
-            print("  give --save-time and --mtbp for offline advice", file=err)
+            _say(err, f"preemptd advise: {exc}; give --save-time and --mtbp for offline advice")
             return EXIT_NO_AGENT
         doc = {"mode": "live", **live}
         inputs_or_none = _live_inputs(live, args.current)
@@ -139,9 +139,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
             if args.json:
                 print(json.dumps(doc, indent=2), file=out)
             else:
-                print(live.get("explanation") or "The agent has no advice yet.", file=out)
+                print(fill(live.get("explanation") or "The agent has no advice yet."), file=out)
             if args.plot or args.simulate:
-                print("preemptd advise: no advice yet, nothing to plot or simulate", file=err)
+                _say(err, "preemptd advise: no advice yet, nothing to plot or simulate")
                 return EXIT_FAILED
             return EXIT_OK
         inputs = inputs_or_none
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         try:
             doc["simulation"] = _simulate(inputs, args)
         except ValueError as exc:
-            print(f"preemptd advise: {exc}", file=err)
+            _say(err, f"preemptd advise: {exc}")
             return EXIT_USAGE
     if args.plot:
         from agent.advisor.plot import PlotUnavailable, plot_waste
@@ -157,10 +157,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
         try:
             plot_waste(args.plot, inputs)
         except PlotUnavailable as exc:
-            print(f"preemptd advise: {exc}", file=err)
+            _say(err, f"preemptd advise: {exc}")
             return EXIT_FAILED
         except OSError as exc:
-            print(f"preemptd advise: cannot write {args.plot}: {exc.strerror or exc}", file=err)
+            _say(err, f"preemptd advise: cannot write {args.plot}: {exc.strerror or exc}")
             return EXIT_FAILED
         doc["plot"] = str(args.plot)
     if args.json:
@@ -168,6 +168,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     else:
         _print_human(doc, inputs, out)
     return EXIT_OK
+
+
+def _say(stream: TextIO, text: str) -> None:
+    """A paragraph in lines of at most 80 columns, the lines after the first indented."""
+    print(fill(text, indent="  "), file=stream)
 
 
 class _NoAgent(Exception):
@@ -306,18 +311,22 @@ def _simulate(inputs: Inputs, args: argparse.Namespace) -> list[dict[str, Any]]:
 def _print_human(doc: dict[str, Any], inputs: Inputs, out: TextIO) -> None:
     from agent.advisor.advice import waste_at
 
+    def say(text: str) -> None:
+        _say(out, text)
+
     if doc["mode"] == "live" and doc.get("explanation"):
-        print(doc["explanation"], file=out)
+        print(fill(doc["explanation"]), file=out)
         print(file=out)
     line = (
-        f"Inputs: checkpoint save time δ = {format_duration(inputs.save_s)}, "
-        f"M (work-losing interruptions) = {format_duration(inputs.mtbp_lost_s)}"
+        f"Inputs: checkpoint save time δ = {duration(inputs.save_s)}, "
+        f"M (work-losing interruptions) = {duration(inputs.mtbp_lost_s)}"
     )
     if inputs.mtbp_announced_s:
-        line += f", announced interruptions every {format_duration(inputs.mtbp_announced_s)}"
-    line += f", restart R = {format_duration(inputs.restart_s)}"
-    print(line, file=out)
+        line += f", announced interruptions every {duration(inputs.mtbp_announced_s)}"
+    line += f", restart R = {duration(inputs.restart_s)}"
+    say(line)
     scale, unit = _unit(doc["interval_s"])
+    # The table is 72 columns wide: it needs no wrapping.
     print(f"\n  {'formula':<36} {'interval τ':>12} {'waste':>8} {'efficiency':>11}", file=out)
     for name, tau in _rows(inputs):
         waste = waste_at(inputs, tau)
@@ -326,40 +335,37 @@ def _print_human(doc: dict[str, Any], inputs: Inputs, out: TextIO) -> None:
             file=out,
         )
     waste = doc["expected_waste"]
-    print(
-        f"\nAdvice: checkpoint every {doc['interval_s'] / scale:.1f} {unit} of compute "
-        f"({format_duration(doc['interval_s'])}; a checkpoint starts every {format_duration(doc['period_s'])}); "
+    print(file=out)
+    say(
+        f"Advice: checkpoint every {doc['interval_s'] / scale:.1f} {unit} of compute "
+        f"({duration(doc['interval_s'])}; a checkpoint starts every {duration(doc['period_s'])}); "
         f"expected waste {100 * waste['advised']:.1f}%"
         + (f" against {100 * waste['current']:.1f}% now" if waste.get("current") is not None else "")
-        + ".",
-        file=out,
+        + "."
     )
     naive = waste.get("if_every_interruption_lost_work")
     if naive:
-        print(
-            f"Counting every interruption as lost work would give {format_duration(naive['interval_s'])} "
-            f"and {100 * naive['waste']:.1f}% waste.",
-            file=out,
+        say(
+            f"Counting every interruption as lost work would give {duration(naive['interval_s'])} "
+            f"and {100 * naive['waste']:.1f}% waste."
         )
     benefit = doc.get("notice_benefit")
     if benefit:
-        print(
+        say(
             f"Notices make the interval x{benefit['interval_factor']:.2f} longer "
             f"(1/sqrt(1-a), a = {100 * benefit['covered_share']:.0f}% of interruptions covered; "
             f"x{benefit['exact_factor']:.2f} by the exact model): "
             f"{benefit['checkpoints_saved_per_day']:.1f} fewer checkpoints a day, "
-            f"{format_duration(benefit['checkpoint_time_saved_per_day_s'])} of saving time saved.",
-            file=out,
+            f"{duration(benefit['checkpoint_time_saved_per_day_s'])} of saving time saved."
         )
     for sim in doc.get("simulation") or []:
         low, high = sim["ci"]
-        print(
-            f"Simulated ({sim['runs']} jobs, {sim['interruptions']} interruptions, {sim['announced']} announced), "
-            f"{sim['policy']} interval: waste {100 * sim['waste']:.2f}% "
+        say(
+            f"Simulated ({plural(sim['runs'], 'job')}, {plural(sim['interruptions'], 'interruption')}, "
+            f"{sim['announced']} announced), {sim['policy']} interval: waste {100 * sim['waste']:.2f}% "
             f"({100 * sim['level']:.0f}% CI {100 * low:.2f}-{100 * high:.2f}%), "
             f"analytical {100 * sim['analytical_waste']:.2f}%"
-            + ("" if sim["agrees"] else "  (outside the interval)"),
-            file=out,
+            + ("" if sim["agrees"] else "  (outside the interval)")
         )
     if doc.get("plot"):
-        print(f"Plot written to {doc['plot']}", file=out)
+        say(f"Plot written to {doc['plot']}")

@@ -27,6 +27,7 @@ from agent.client.watcher import Backoff
 from agent.core.durations import format_duration, parse_duration
 from agent.core.errors import ConfigError
 from agent.core.paths import client_socket_path
+from agent.core.screen import fill, keep, when
 
 # Modules that add verbs: each has register(subparsers) and sets a `func` default on its parser. Only the
 # module of the verb being run is imported (the simulators alone would load aiohttp for `preemptd status`);
@@ -138,7 +139,10 @@ def _fail_no_agent(exc: Exception, socket: Path | None) -> int:
         else f"cannot reach the agent at {socket or client_socket_path()}: "
     )
     print(
-        f"preemptd: {where}{exc}. Is the agent running? (preemptd run, or systemctl status preemptd)",
+        fill(
+            f"preemptd: {where}{exc}. Is the agent running? (preemptd run, or systemctl status preemptd)",
+            indent="  ",
+        ),
         file=sys.stderr,
     )
     return EXIT_NO_AGENT
@@ -249,7 +253,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
             body["reason"] = args.reason
         doc = request_json("POST", "/v1/drills", body, socket_path=args.socket)
     except AgentHTTPError as exc:
-        print(f"preemptd: drill refused: {exc}", file=sys.stderr)
+        print(fill(f"preemptd: drill refused: {exc}", indent="  "), file=sys.stderr)
         return 1
     except (AgentUnavailable, OSError) as exc:
         return _fail_no_agent(exc, args.socket)
@@ -257,8 +261,12 @@ def cmd_drill(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(notice))
     else:
+        deadline = f"deadline {keep(when(notice['deadline']))}" if notice.get("deadline") else "no deadline"
         print(
-            f"drill {notice['id']}: {notice['kind']} with deadline {notice['deadline']} ({format_duration(args.lead)} from now)"
+            fill(
+                f"drill {notice['id']}: {notice['kind']} with {deadline} ({format_duration(args.lead)} from now)",
+                indent="  ",
+            )
         )
     return EXIT_OK
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from agent.core.notice import Kind, format_time
+from agent.core.notice import Kind, Notice, format_time
 from agent.core.offers import Capabilities, SourceRegistry, provided, withdraw
 from agent.core.reports import Report
+from agent.core.screen import WIDTH, duration, keep, wrap
 
 # The capability under which the LimitRegistry is shared.
 WINDOW_LIMITS = "window_limits"
@@ -84,13 +85,15 @@ def limit_registry(host: Capabilities) -> LimitRegistry:
 @dataclass(frozen=True)
 class Lead:
     """The cloud's notice for one kind: ``seconds`` None when the cloud gives no figure (``deadline`` False:
-    an advisory notice with no deadline, AWS's rebalance recommendation)."""
+    an advisory notice with no deadline, AWS's rebalance recommendation); ``notice``: the id of the active
+    notice whose own lead it is (:func:`notice_leads`), None for the cloud's usual figure."""
 
     kind: str
     seconds: float | None
     source: str
     deadline: bool = True
     lengthen: str = ""
+    notice: str | None = None
 
 
 def cloud_leads(
@@ -136,6 +139,33 @@ def cloud_leads(
         Lead(t, None, f"cloud {where}: no known notice"),
         Lead(m, None, f"cloud {where}: no known notice"),
     ]
+
+
+def notice_leads(leads: Sequence[Lead], notices: Iterable[Notice]) -> list[Lead]:
+    """``leads`` with each kind that has an active notice with a deadline given that notice's own lead (its
+    deadline less the time it was detected; the shortest when there are several): the notice says how long
+    the job gets, where the cloud's usual figure only says what to expect (a drill, a simulated or an early
+    AWS notice of 20 s is 20 s, not the 2 minutes AWS usually gives)."""
+    shortest: dict[str, tuple[float, Notice]] = {}
+    for notice in notices:
+        if notice.deadline is None or notice.cleared_at is not None:
+            continue
+        seconds = round(max(0.0, (notice.deadline - notice.detected_at).total_seconds()), 3)
+        kind = notice.kind.value
+        if kind not in shortest or seconds < shortest[kind][0]:
+            shortest[kind] = (seconds, notice)
+    found = []
+    for lead in leads:
+        if lead.kind not in shortest:
+            found.append(lead)
+            continue
+        seconds, notice = shortest.pop(lead.kind)
+        source = (
+            f"the active {lead.kind} notice {notice.id} from {notice.source}: its deadline {seconds:g} s after "
+            "it was detected"
+        )
+        found.append(Lead(lead.kind, seconds, source, lengthen=lead.lengthen, notice=notice.id))
+    return found
 
 
 # ----- the predicted flush -----------------------------------------------------------------------------------
@@ -232,6 +262,8 @@ def kind_window(lead: Lead, limits: Sequence[Limit], flush: Flush) -> dict[str, 
         "fits": None,
         "window_too_short": False,
     }
+    if lead.notice is not None:
+        doc["cloud"]["notice"] = lead.notice
     if not lead.deadline:
         doc["note"] = "no deadline: nothing stops the job at this notice"
         return doc
@@ -314,38 +346,61 @@ def metric_values(doc: Mapping[str, Any]) -> tuple[list[tuple[str, str, float]],
 
 
 def _s(value: Any) -> str:
-    return "?" if value is None else f"{float(value):g} s"
+    """Seconds as people read them, or "unknown"."""
+    return "unknown" if not isinstance(value, (int, float)) else duration(float(value))
 
 
-def window_lines(doc: Any) -> list[str]:
-    """The window in ``preemptd status``: one line per kind with a deadline, and each warning."""
+def _flush_words(flush: Mapping[str, Any]) -> str:
+    """The predicted flush and where the figure comes from, or why there is none."""
+    source = flush.get("source") or "no source given"
+    if flush.get("seconds") is None:
+        return f"flush not predicted: {source}"
+    return f"predicted flush {_s(flush['seconds'])}, {source}"
+
+
+_WARNING_LINES = 6  # of a window_too_short warning with its hint: the rest is in `preemptd status --json`
+
+
+def window_lines(doc: Any, width: int = WIDTH) -> list[str]:
+    """The window in ``preemptd status``, in lines of at most ``width`` columns: one row per kind, and each
+    warning with what would lengthen the window. A kind whose lead is the active notice's own (not the
+    cloud's usual figure) names the notice's lead ``notice``."""
     if not isinstance(doc, Mapping) or doc.get("state") != "ok":
         return []
     flush = doc.get("predicted_flush") or {}
     kinds = doc.get("kinds") or {}
     if not doc.get("limits") and all(k.get("cloud", {}).get("seconds") is None for k in kinds.values()):
-        return [f"Window: no limit known on this host (predicted flush {_s(flush.get('seconds'))})"]
-    lines = [f"Window (predicted flush {_s(flush.get('seconds'))}, {flush.get('source')}):"]
+        return wrap(f"Window: no limit known on this host ({_flush_words(flush)})", "", "    ", width)
+    lines = wrap(f"Window ({_flush_words(flush)}):", "", "    ", width)
+    lead_names: dict[str, str] = {}
     for kind, k in kinds.items():
         cloud = k.get("cloud") or {}
         if not cloud.get("deadline"):
             lines.append(f"  {kind:<12} no deadline")
             continue
-        parts = [f"cloud {_s(cloud.get('seconds'))}"] + [
-            f"{limit['name']} {_s(limit['seconds'])}{' held' if limit.get('state') == 'held' else ''}"
+        lead = lead_names[kind] = "notice" if cloud.get("notice") else "cloud"
+        parts = [keep(f"{lead} {_s(cloud.get('seconds'))}")] + [
+            keep(f"{limit['name']} {_s(limit['seconds'])}{' held' if limit.get('state') == 'held' else ''}")
             for limit in k.get("limits") or []
         ]
-        verdict = {True: "fits", False: "TOO SHORT", None: "flush unknown"}[k.get("fits")]
         if k.get("effective_s") is None:
-            verdict = "no limit known"
-        lines.append(
-            f"  {kind:<12} {_s(k.get('effective_s'))} ({k.get('binding') or '-'} binds): {verdict}  [{', '.join(parts)}]"
-        )
+            row = "no limit known"
+        else:
+            binding = lead if k.get("binding") == "cloud" else k.get("binding") or "a limit"
+            verdict = {True: "fits", False: "TOO SHORT"}.get(k.get("fits"), "no flush predicted to compare")
+            row = f"{_s(k['effective_s'])} ({binding} binds): {verdict}"
+        lines += wrap(f"{kind:<12} {row}  [{', '.join(parts)}]", "  ", " " * 15, width)
     for warning in doc.get("warnings") or []:
-        lines.append(
-            f"  window_too_short: {warning['kind']}: the flush ({_s(warning['predicted_flush_s'])}) outlasts "
-            f"{warning['binding']} ({_s(warning['effective_s'])}); lengthen it: {warning['lengthen']}"
+        binding = warning.get("binding")
+        if binding == "cloud":
+            binding = lead_names.get(warning.get("kind"), "cloud")
+        text = (
+            f"window_too_short: {warning.get('kind')}: the flush ({_s(warning.get('predicted_flush_s'))}) "
+            f"outlasts {binding} ({_s(warning.get('effective_s'))})"
         )
+        if warning.get("lengthen"):
+            text += f"; lengthen it: {warning['lengthen']}"
+        lines += wrap(text, "  ", "    ", width, _WARNING_LINES)
     return lines
 
 

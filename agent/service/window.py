@@ -28,7 +28,7 @@ from agent.actions.signal_window import signal_limits
 from agent.config import ActionsConfig, AdvisorConfig, GcpConfig
 from agent.core.errors import PreemptdError
 from agent.core.notice import parse_time
-from agent.core.ports import ConfigView, HistoryFile, Tasks
+from agent.core.ports import Board, ConfigView, HistoryFile, Tasks
 from agent.core.reports import Report, parse_report
 from agent.core.window import (
     EXEC_HOLD_MAX_S,
@@ -41,6 +41,7 @@ from agent.core.window import (
     launcher_limits,
     limit_registry,
     metric_values,
+    notice_leads,
     verdicts,
 )
 
@@ -65,6 +66,11 @@ class WindowHost(Protocol):
 
     @property
     def history(self) -> HistoryFile: ...
+
+    @property
+    def board(self) -> Board:
+        """The active notices: one with a deadline gives its kind its own lead."""
+        ...
 
     @property
     def identity(self) -> Any:
@@ -330,7 +336,11 @@ class WindowComponent:
     def status(self) -> dict[str, Any]:
         host = self._require()
         gcp = host.config.table("gcp", GcpConfig)
-        leads = cloud_leads(host.identity.cloud, gcp.preempt_notice_s, gcp.maintenance_notice_s)
+        # An active notice's own lead, not the cloud's usual figure: a 20 s notice on AWS gives a job 20 s.
+        leads = notice_leads(
+            cloud_leads(host.identity.cloud, gcp.preempt_notice_s, gcp.maintenance_notice_s),
+            host.board.active(),
+        )
         flush = self.flushes.predict(host.config.table("advisor", AdvisorConfig).save_time_s)
         return build_window(leads, self._limits, flush, self._checked_at)
 

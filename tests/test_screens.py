@@ -1,0 +1,199 @@
+"""Every screen of the command line fits 80 columns and speaks to people: for each state that matters (no GPU,
+no advice yet, a cloud notice, a drill, a flush that does not fit, the RAM tier holding steps, no agent) the
+real command's output has no line wider than 80 columns (wrapped at words, indented), no Python repr (None,
+True, False), no "?" placeholder, no raw float and no machine timestamp. The states come from real agents."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from agent.cli.render import format_status
+from agent.core.screen import columns, duration, plural, when, wrap
+from agent.service.daemon import Agent
+from tests.cloud_harness import rig
+from tests.support import http_json, running_agent
+from tests.test_cli import cli
+from tests.test_ram_tier import put_step, tier_agent
+
+REPR = re.compile(r"\b(None|True|False)\b")
+PLACEHOLDER = re.compile(r"(?:^|[\s(\[])\?(?=$|[\s),\]])")  # a lone "?" for an unknown value
+RAW_FLOAT = re.compile(r"\d\.\d{4,}")  # 0.004991, 45.123456
+MACHINE_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d|\d\d:\d\d:\d\d\.\d")  # RFC 3339, microseconds
+HUMAN_TIME = re.compile(r"\b\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z+-][\w:+-]*|\b\d\d:\d\d:\d\d [A-Z+-][\w:+-]*")
+# A reason as long as clouds and operators write them, with a word as long as a path.
+REASON = (
+    "Spot instance interruption: the capacity pool for p5.48xlarge in us-east-1b is being reclaimed and this "
+    "instance will be stopped; save now to /checkpoints/llm-pretraining-70b/rank-0/step-000123456"
+)
+
+
+def unfit(text: str) -> list[str]:
+    """The lines of ``text`` a person should not see: too wide, a repr, a placeholder, a raw float or time."""
+    return [
+        line
+        for line in text.splitlines()
+        if columns(line) > 80
+        or REPR.search(line)
+        or PLACEHOLDER.search(line)
+        or RAW_FLOAT.search(line)
+        or MACHINE_TIME.search(line)
+    ]
+
+
+async def status_text(agent: Agent) -> str:
+    """What `preemptd status` prints for this agent (the real command, in a child process)."""
+    _, out, err = await cli("status", socket=agent.config.socket)
+    assert out, err
+    return out
+
+
+async def report(agent: Agent, body: dict[str, Any]) -> None:
+    status, answer = await http_json(agent.config.socket, "POST", "/v1/reports", body)
+    assert status == 202, answer
+
+
+# ----- the shared helpers ------------------------------------------------------------------------------------
+
+
+def test_wrap_breaks_between_words_and_indents_the_rest() -> None:
+    lines = wrap("word " * 30, "  ", "    ", width=40)
+    assert (True, True, True) == (
+        all(len(line) <= 40 for line in lines),
+        lines[0].startswith("  word") and all(line.startswith("    word") for line in lines[1:]),
+        all(line.endswith("word") for line in lines),
+    )
+
+
+def test_times_are_to_the_second_with_their_zone() -> None:
+    shown = when("2026-12-06T12:01:29.123456Z")
+    assert HUMAN_TIME.fullmatch(shown), shown
+
+
+def test_durations_are_rounded_for_people() -> None:
+    assert ["5 ms", "0s", "1.5s", "45s", "2m00s", "3h20m", "2.5 days"] == [
+        duration(s) for s in (0.004991, 0, 1.5, 45.123456, 120, 12000, 216000)
+    ]
+
+
+def test_one_is_singular() -> None:
+    assert ("1 step", "2 steps", "1 job", "0 jobs") == (
+        plural(1, "step"),
+        plural(2, "step"),
+        plural(1, "job"),
+        plural(0, "job"),
+    )
+
+
+# ----- the states ----------------------------------------------------------------------------------------------
+
+
+async def test_status_and_advise_of_an_agent_with_no_gpu_and_no_advice(base: Path) -> None:
+    async with running_agent(base) as agent:
+        shown = await status_text(agent)
+        _, advice, _ = await cli("advise", socket=agent.config.socket)
+    nvml = " ".join(shown[shown.index("  nvml") :].split("\n  host")[0].split())
+    assert ([], [], True) == (unfit(shown), unfit(advice), "no NVIDIA driver" in nvml), shown + advice
+    assert advice.startswith("No advice yet: no checkpoint save time yet (0 finished periodic checkpoints")
+    assert "M is probably above" not in advice  # a bound from seconds of uptime says nothing
+
+
+async def test_a_20_s_cloud_notice_gives_the_window_its_own_lead(base: Path) -> None:
+    """The demo's notice: AWS with 20 s of lead, not the 2 minutes AWS usually gives."""
+    async with rig("aws", base) as cloud:
+        await report(
+            cloud.agent,
+            {
+                "kind": "checkpoint",
+                "phase": "finished",
+                "step": 1,
+                "duration_s": 0.004991,
+                "client": {"job": "j"},
+            },
+        )
+        cloud.sim.trigger({"type": "spot", "action": "terminate", "in_s": 20})
+        await cloud.notice("notice")
+        shown = await status_text(cloud.agent)
+    window = shown[shown.index("Window") :]
+    assert [] == unfit(shown), shown
+    assert window.startswith("Window (predicted flush 5 ms, slowest of the last 1 periodic saves):"), window
+    # AWS gives the time to the second: the lead is what is left of the 20 s when the agent saw it.
+    assert re.search(
+        r"^  termination  (19|20)s \(notice binds\): fits  \[notice (19|20)s\]$", window, re.M
+    ), window
+    assert HUMAN_TIME.search(shown[shown.index("Notices") :]), shown
+
+
+async def test_a_drill_with_a_long_reason_and_a_flush_that_does_not_fit(base: Path) -> None:
+    async with running_agent(base) as agent:
+        client = {"job": "llm-pretraining-70b", "rank": 0, "host": "gpu-node-17.cluster.internal"}
+        await report(
+            agent,
+            {"kind": "checkpoint", "phase": "finished", "step": 1, "duration_s": 45.123456, "client": client},
+        )
+        _, drilled, err = await cli("drill", "--in", "30s", "--reason", REASON, socket=agent.config.socket)
+        [notice_id] = [n["id"] for n in agent.status()["notices"]]
+        flush = {"predicted_s": 45.123456, "time_left_s": 29.87654, "predicted_miss": True, "tier": "durable"}
+        step = {"kind": "checkpoint", "step": 2, "emergency": True, "notice_id": notice_id, "client": client}
+        await report(agent, {**step, "phase": "started", "flush": flush})
+        late = {
+            "tier": "durable",
+            "fallback": "all_hosts_noticed",
+            "predicted_s": 45.123456,
+            "slack_s": -15.25,
+        }
+        await report(agent, {**step, "phase": "finished", "duration_s": 45.123456, "flush": late})
+        doc = agent.status()
+        shown = await status_text(agent)
+    assert ([], [], "") == (unfit(drilled), unfit(shown), err), drilled + shown
+    assert drilled.startswith(f"drill {notice_id}: termination with deadline ")
+    assert HUMAN_TIME.search(drilled), drilled
+    assert "Flush at risk: step 2 predicted to take 45s with 30s left" in shown, shown
+    assert "slack -15s" in " ".join(shown.split()), shown
+    assert doc["window"]["window_too_short"], doc["window"]
+    assert "window_too_short: termination: the flush (45s) outlasts notice (30s)" in shown, shown
+
+
+async def test_the_ram_tier_holding_steps(base: Path) -> None:
+    async with tier_agent(base, cap_bytes=1 << 30) as (agent, _):
+        for step in (1, 2):
+            status, _ = await put_step(agent, step, {"__0_0.distcp": b"x" * 1000, ".metadata": b"m"})
+            assert 200 == status
+        shown = await status_text(agent)
+    [line] = [line for line in shown.splitlines() if line.startswith("RAM tier")]
+    assert ([], "2 steps of 1 job") == (unfit(shown), line.split("; ")[1][: len("2 steps of 1 job")]), shown
+
+
+async def test_every_verb_without_an_agent_says_so_in_80_columns(base: Path) -> None:
+    # A socket path as long as a per-user one under a long home or runtime directory.
+    sock = base / ("run-user-1000-preemptd-" * 3) / "preemptd.sock"
+    results = await asyncio.gather(
+        cli("status", socket=sock),
+        cli("watch", socket=sock),
+        cli("drill", "--in", "30s", socket=sock),
+        cli("advise", socket=sock),
+    )
+    assert [69] * 4 == [code for code, _, _ in results], results
+    assert [] == [line for _, _, err in results for line in unfit(err)], results
+    assert all(len(err.splitlines()) > 1 for _, _, err in results), results  # wrapped, not cut
+
+
+async def test_offline_advice_with_a_simulation_fits_80_columns() -> None:
+    code, out, err = await cli(
+        "advise", "--save-time", "4m", "--mtbp", "6h", "--current", "30m", "--announced-share", "70%",
+        "--simulate", "--runs", "20", "--restart", "0",
+    )  # fmt: skip
+    assert (0, [], "") == (code, unfit(out), err), out
+    assert "restart R = 0s" in out
+
+
+def test_a_status_document_of_every_section_fits_80_columns() -> None:
+    """Recorded from a real agent, with what a long run adds (a host limit of unknown length, a source that
+    fails with a long error, a state directory that cannot be used)."""
+    doc = json.loads((Path(__file__).parent / "data" / "status_full.json").read_text())
+    shown = format_status(doc)
+    assert [] == unfit(shown), shown
+    assert "slurm unknown" in shown and "STATE PROBLEM" in shown
