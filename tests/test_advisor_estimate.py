@@ -1,4 +1,4 @@
-"""The advisor's estimators over history records: δ from reports, M from losses, goodput, and the advice."""
+"""The advisor's estimators over history records: δ from reports, M from losses, and the advice."""
 
 from __future__ import annotations
 
@@ -282,28 +282,6 @@ def test_current_interval_is_inferred_from_periodic_checkpoint_times() -> None:
     records = [start(0), *periodic(1, 6, 1.0, 240.0)]
     obs = observe(records, T0 + timedelta(hours=8), CONFIG)
     assert (obs.current_interval_s, obs.current_source) == (pytest.approx(HOUR - 240.0), "reports")
-
-
-# --- goodput ------------------------------------------------------------------------------------------------
-
-
-def test_goodput_accounts_checkpoints_and_lost_work() -> None:
-    """From the first checkpoint's start at 0:56 to 10:00: 4 checkpoints of 4 min, then a GPU fault 30 min
-    after the last checkpoint."""
-    records = [start(0), *periodic(1, 4, 1.0, 240.0), notice(4.5, "g", kind="gpu_fault", lead_s=None)]
-    obs = observe(records, T0 + timedelta(hours=10), CONFIG)
-    assert obs.goodput is not None
-    wall = 10 * HOUR - (HOUR - 240.0)
-    assert (obs.goodput.wall_s, obs.goodput.checkpoint_s, obs.goodput.lost_s, obs.goodput.ratio) == (
-        wall,
-        960.0,
-        1800.0,
-        pytest.approx((wall - 960.0 - 1800.0) / wall),
-    )
-
-
-def test_no_goodput_without_training_reports() -> None:
-    assert observe([start(0)], T0 + timedelta(hours=1), CONFIG).goodput is None
 
 
 # --- the advice document ---------------------------------------------------------------------------------

@@ -530,6 +530,33 @@ async def test_the_counters_give_the_same_totals(base: Path) -> None:
     )
 
 
+async def test_the_status_and_the_metrics_show_the_reports_goodput(base: Path) -> None:
+    """One goodput: the `goodput` status section, the preemptd_ledger_goodput_ratio gauge and `preemptd report`
+    (over the same facts: everything since the agent started) give the same value; the advisor exports none
+    of its own."""
+    week = Week(base)
+    await week.start()
+    try:
+        await script_week(week)
+        assert week.agent is not None
+        ledger = next(c for c in week.agent.components if isinstance(c, LedgerComponent))
+        await ledger.refresh()
+        doc = await report(week.socket, "--since", "30d")
+        _, status = await http_json(week.socket, "GET", "/v1/status")
+        _, text = await http_json(week.socket, "GET", "/metrics")
+    finally:
+        await week.stop()
+    gauges = dict(re.findall(r"^(preemptd_\S*goodput\S*) (\S+)$", text, flags=re.M))
+    total = doc["total"]
+    assert (
+        {"preemptd_ledger_goodput_ratio": total["goodput"]},
+        (total["goodput"], total["useful_gpu_hours"], total["gpu_hours"]),
+    ) == (
+        {name: float(value) for name, value in gauges.items()},
+        (status["goodput"]["ratio"], status["goodput"]["useful_gpu_hours"], status["goodput"]["gpu_hours"]),
+    )
+
+
 async def test_a_job_reporting_through_the_client_library_is_in_the_ledger(base: Path) -> None:
     """The client library's Reporter (what the stores use) with the optional `gpus`: the report counts its
     GPUs and its checkpoint."""

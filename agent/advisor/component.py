@@ -1,5 +1,6 @@
-"""The advisor as an agent component: ``GET /v1/advice``, the ``advice`` and ``goodput`` status sections and
-their metrics, fed by the history log at start-up and by live events and reports afterwards.
+"""The advisor as an agent component: ``GET /v1/advice``, the ``advice`` status section and its metrics, fed
+by the history log at start-up and by live events and reports afterwards. (The ``goodput`` section and gauge
+are the ledger's: agent/ledger/component.py.)
 
 The estimate is recomputed in a worker thread (the history can hold tens of thousands of records), when the
 records changed and someone asks, and at least every ``REFRESH_S`` so that uptime keeps counting.
@@ -116,7 +117,6 @@ class AdvisorComponent:
         check_config(self._config)
         agent.add_route("GET", "/v1/advice", self.handle_advice)
         agent.add_status_section("advice", self.status_advice)
-        agent.add_status_section("goodput", self.status_goodput)
         agent.add_status_section("flush_risk", self.status_flush_risk)
         agent.add_status_section("emergency_save", lambda: self._emergency_save)
         agent.add_metrics_collector(AdvisorCollector(self))
@@ -315,22 +315,15 @@ class AdvisorComponent:
     def status_flush_risk(self) -> dict[str, Any] | None:
         return self._flush_risk
 
-    def status_goodput(self) -> dict[str, Any] | None:
-        obs = self._observations
-        if obs is None or obs.goodput is None:
-            return None
-        return obs.goodput.to_json()
-
 
 class AdvisorCollector:
-    """Prometheus metrics of the advice and the goodput, from the last computation."""
+    """Prometheus metrics of the advice, from the last computation."""
 
     def __init__(self, component: AdvisorComponent) -> None:
         self.component = component
 
     def collect(self) -> list[Metric]:
         doc = self.component._advice
-        obs = self.component._observations
         interval = GaugeMetricFamily(
             "preemptd_advice_interval_seconds",
             "Advised compute time between checkpoints (NaN: no advice yet)",
@@ -350,12 +343,6 @@ class AdvisorCollector:
         losses = GaugeMetricFamily(
             "preemptd_advice_interruptions", "Interruptions seen in the history", labels=["cause"]
         )
-        goodput = GaugeMetricFamily(
-            "preemptd_goodput_ratio", "Productive share of the time since training began"
-        )
-        goodput_seconds = GaugeMetricFamily(
-            "preemptd_goodput_seconds", "Where the time since training began went", labels=["category"]
-        )
         nan = float("nan")
         if doc is not None:
             interval.add_metric([], _num(doc.get("interval_s"), nan))
@@ -372,12 +359,7 @@ class AdvisorCollector:
                 if cause != "total":
                     losses.add_metric([cause], float(count))
             losses.add_metric(["announced"], float(doc["announced_interruptions"]))
-        if obs is not None and obs.goodput is not None:
-            ratio = obs.goodput.ratio
-            goodput.add_metric([], ratio if ratio is not None else nan)
-            for category in ("productive", "checkpoint", "lost", "restart"):
-                goodput_seconds.add_metric([category], getattr(obs.goodput, f"{category}_s"))
-        return [interval, save, mtbp, confidence, waste, losses, goodput, goodput_seconds]
+        return [interval, save, mtbp, confidence, waste, losses]
 
 
 def _num(value: Any, default: float) -> float:

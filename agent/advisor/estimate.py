@@ -1,18 +1,18 @@
-"""Estimators over the history log: the checkpoint save time δ from client reports, the mean time M between
-interruptions that lost work, and the host's goodput. Pure: callers pass the records and ``now``.
+"""Estimators over the history log: the checkpoint save time δ from client reports and the mean time M
+between interruptions that lost work. Pure: callers pass the records and ``now``. (Goodput is the ledger's:
+agent/ledger/tally.py, docs/ledger.md.)
 
 :func:`observe` reads the records (history.py), judges each notice and restart by the rules of what counts
-as a loss (losses.py) and estimates δ, M and goodput from what it found.
+as a loss (losses.py) and estimates δ and M from what it found.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from agent.advisor.history import Checkpoint, Run, merge_checkpoints, parse, timeline
@@ -77,31 +77,6 @@ class Mtbp:
 
 
 @dataclass(frozen=True)
-class Goodput:
-    """ETTR-style accounting of the time since a training client first reported on this host."""
-
-    wall_s: float
-    productive_s: float
-    checkpoint_s: float
-    lost_s: float
-    restart_s: float
-
-    @property
-    def ratio(self) -> float | None:
-        return self.productive_s / self.wall_s if self.wall_s > 0 else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ratio": _r(self.ratio, 4),
-            "wall_s": _r(self.wall_s),
-            "productive_s": _r(self.productive_s),
-            "checkpoint_s": _r(self.checkpoint_s),
-            "lost_s": _r(self.lost_s),
-            "restart_s": _r(self.restart_s),
-        }
-
-
-@dataclass(frozen=True)
 class Observations:
     """Everything the advisor learned from the history."""
 
@@ -116,7 +91,6 @@ class Observations:
     exposure_s: float
     current_interval_s: float | None
     current_source: str | None
-    goodput: Goodput | None
     drills_ignored: int = 0
     pending_notices: int = 0
     checkpoints: tuple[Checkpoint, ...] = field(default=(), repr=False)
@@ -198,7 +172,6 @@ def observe(records: Iterable[Any], now: datetime, config: AdvisorConfig) -> Obs
     lost = _mtbp(len(losses), exposure, config, use_prior=True)
     announced_m = _mtbp(len(counted.announced), exposure, config, use_prior=False, minimum=1)
     current, current_source = _current_interval(periodic, save.value_s, losses, runs, config)
-    goodput = _goodput(runs, times.ends, checkpoints, losses, now)
     return Observations(
         save=save,
         emergency_save=emergency_save,
@@ -211,7 +184,6 @@ def observe(records: Iterable[Any], now: datetime, config: AdvisorConfig) -> Obs
         exposure_s=exposure,
         current_interval_s=current,
         current_source=current_source,
-        goodput=goodput,
         drills_ignored=counted.drills,
         pending_notices=counted.pending,
         checkpoints=tuple(checkpoints),
@@ -284,42 +256,3 @@ def _current_interval(
         return None, None
     interval = median(gaps) - save_s
     return (interval, "reports") if interval > 0 else (None, None)
-
-
-def _goodput(
-    runs: Sequence[Run],
-    ends: Sequence[datetime],
-    checkpoints: Sequence[Checkpoint],
-    losses: Sequence[Loss],
-    now: datetime,
-) -> Goodput | None:
-    if not checkpoints:
-        return None
-    start = checkpoints[0].finished_at - timedelta(seconds=checkpoints[0].duration_s)
-    end = max(now, ends[-1]) if runs else now
-    wall = (end - start).total_seconds()
-    if wall <= 0:
-        return None
-    # Downtime after an unclean stop is restart time; after a clean stop nobody was training here.
-    restart = 0.0
-    clean_gaps = 0.0
-    for i in range(1, len(runs)):
-        gap_start, gap_end = max(ends[i - 1], start), runs[i].start
-        if gap_end <= gap_start:
-            continue
-        seconds = (gap_end - gap_start).total_seconds()
-        if runs[i].previous_clean is False:
-            restart += seconds
-        else:
-            clean_gaps += seconds
-    wall -= clean_gaps
-    stall = sum(c.duration_s for c in checkpoints)
-    lost = 0.0
-    finished = sorted(c.finished_at for c in checkpoints)
-    for loss in losses:
-        if loss.time < start:
-            continue
-        index = bisect.bisect_right(finished, loss.time)
-        lost += (loss.time - (finished[index - 1] if index else start)).total_seconds()
-    productive = max(0.0, wall - stall - lost - restart)
-    return Goodput(wall_s=wall, productive_s=productive, checkpoint_s=stall, lost_s=lost, restart_s=restart)

@@ -1,11 +1,13 @@
 """The ledger as an agent component: every notice (from the events) and every client report goes into the
 SQLite ledger on a writer thread of its own; ``GET /v1/ledger`` hands the facts and the ``[cost]`` prices to
-``preemptd report``; the ``ledger`` status section; the ``preemptd_ledger_*`` counters (since this start).
+``preemptd report``; the ``ledger`` and ``goodput`` status sections; the ``preemptd_ledger_*`` counters and
+the goodput gauge (since this start), all from one report document recomputed soon after the facts change.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -24,16 +26,26 @@ from agent.ledger import store
 from agent.ledger.config import CostConfig, LedgerConfig
 from agent.ledger.facts import Facts, notice_fact, report_fact
 from agent.ledger.report import Prices, build_report, prices_of, prices_to_json
-from agent.ledger.tally import Rules
+from agent.ledger.tally import DEADLINE_SLACK_S, Rules
 
-# How often old facts are pruned; how often the counters are recomputed when facts were written, and at the
-# latest when none were (a deadline passing turns a notice into an interruption without a new fact).
+# How often old facts are pruned. The counters are recomputed COALESCE_S after new facts (a burst of reports
+# is one recomputation), just after each notice's deadline (a deadline passing turns a notice into an
+# interruption without a new fact) and at the latest every MAX_REFRESH_S.
 PRUNE_S = 3600.0
-REFRESH_S = 60.0
+COALESCE_S = 1.0
 MAX_REFRESH_S = 600.0
 # How long a request waits for the facts queued before it to be written.
 SYNC_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
+# What the goodput status section shows beside the ratio (figures of the report's total).
+GOODPUT_PARTS = (
+    "gpu_hours",
+    "useful_gpu_hours",
+    "checkpoint_gpu_hours",
+    "flush_gpu_hours",
+    "redone_gpu_hours",
+    "restart_gpu_hours",
+)
 
 
 class LedgerHost(Protocol):
@@ -80,6 +92,8 @@ class LedgerComponent:
         self._last_error: str | None = None
         self._counters: dict[str, Any] | None = None
         self._task: asyncio.Task[Any] | None = None
+        self._changed = asyncio.Event()
+        self._deadlines: set[float] = set()  # of notices seen, until they pass
 
     def setup(self, host: LedgerHost) -> None:
         self._host = host
@@ -100,6 +114,7 @@ class LedgerComponent:
         host.on_report(self._on_report)
         host.add_route("GET", "/v1/ledger", self.handle_ledger)
         host.add_status_section("ledger", self.status)
+        host.add_status_section("goodput", self.status_goodput)
         host.add_metrics_collector(LedgerCollector(self))
 
     async def start(self) -> None:
@@ -141,10 +156,14 @@ class LedgerComponent:
         fact = notice_fact(event)
         if fact is not None and self._writer is not None:
             self._writer.put(fact)
+            if fact.deadline is not None:
+                self._deadlines.add(fact.deadline)
+            self._changed.set()
 
     def _on_report(self, report: Report) -> None:
         if self._writer is not None:
             self._writer.put(report_fact(report))
+            self._changed.set()
 
     # ----- the writer thread's news -----
 
@@ -236,20 +255,26 @@ class LedgerComponent:
 
     async def _loop(self) -> None:
         host = self._require()
-        pruned_at = refreshed_at = host.now()
-        counted = -1
+        pruned_at = host.now()
         while True:
-            written = self._writer.written if self._writer is not None else 0
-            if written != counted or (host.now() - refreshed_at).total_seconds() >= MAX_REFRESH_S:
-                try:
-                    await self.refresh()
-                    counted, refreshed_at = written, host.now()
-                except Exception as exc:  # the counters wait for the next round; the ledger keeps writing
-                    host.log.warning("ledger_refresh_failed", error=repr(exc))
+            self._changed.clear()
+            try:
+                await self.refresh()
+            except Exception as exc:  # the counters wait for the next round; the ledger keeps writing
+                host.log.warning("ledger_refresh_failed", error=repr(exc))
             if (host.now() - pruned_at).total_seconds() >= PRUNE_S and self._writer is not None:
                 self._writer.prune_now()
                 pruned_at = host.now()
-            await asyncio.sleep(REFRESH_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self._wait_s())
+            await asyncio.sleep(COALESCE_S)
+
+    def _wait_s(self) -> float:
+        """Until just after the next deadline of a notice seen, at most MAX_REFRESH_S."""
+        now = self._require().now().timestamp()
+        self._deadlines = {d for d in self._deadlines if d + DEADLINE_SLACK_S >= now}
+        soonest = min(self._deadlines, default=now + MAX_REFRESH_S) + DEADLINE_SLACK_S - now
+        return min(MAX_REFRESH_S, max(0.0, soonest))
 
     async def refresh(self) -> dict[str, Any]:
         """Recompute the counters: the report's totals over the facts since this agent started."""
@@ -262,6 +287,20 @@ class LedgerComponent:
 
     def counters(self) -> Mapping[str, Any] | None:
         return self._counters
+
+    def status_goodput(self) -> dict[str, Any] | None:
+        """The goodput since this agent started (docs/ledger.md): the ``preemptd_ledger_goodput_ratio`` value,
+        with the GPU-hours it is the share of; None until first computed."""
+        doc = self._counters
+        if doc is None:
+            return None
+        total = doc["total"]
+        return {
+            "ratio": total["goodput"],
+            "since": doc["since"],
+            "computed_at": doc["generated_at"],
+            **{key: total[key] for key in GOODPUT_PARTS},
+        }
 
 
 class LedgerCollector:
@@ -297,7 +336,8 @@ class LedgerCollector:
             "preemptd_ledger_notices", "Notices recorded in the ledger", labels=["kind"]
         )
         goodput = GaugeMetricFamily(
-            "preemptd_ledger_goodput_ratio", "Useful share of the training GPU time since this agent started"
+            "preemptd_ledger_goodput_ratio",
+            "Goodput: useful share of the training GPU time since this agent started (as preemptd report)",
         )
         counts = total.get("interruptions") or {}
         interruptions.add_metric(["true"], float(counts.get("announced", 0)))
