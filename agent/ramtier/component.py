@@ -83,6 +83,8 @@ class RamTierComponent:
             self.config.drain_rate_mb_s,
             host.log,
             self._superseded,
+            timeout_s=self.config.drain_timeout_s,
+            concurrency=self.config.drain_concurrency,
         )
         self.state = "loading" if self.config.enabled else "off"
         for method, path, handler in routes(self):

@@ -21,7 +21,10 @@ host holds a copy) is drained by one host alone (:func:`drain_full`): it claims 
 ``.drain-step-<N>.claim``, copies its files into its own ``.drain-step-<N>.<host>`` and commits them as an
 ordinary ``CheckpointStore`` step (the same :func:`~agent.client.durable.seal`); the other hosts wait while
 the claim is alive and then find the step committed, or take over when the claim is released without a commit
-(a damaged copy) or stops moving (a host lost mid-copy).
+(a damaged copy) or stops moving (a host lost mid-copy). Only a claim the job's own user owns is waited for: a
+name another user holds (planted in a shared root) is skipped for the next (:func:`take_claim`).
+
+Every file is opened without following a link (``O_NOFOLLOW``) and checked on its descriptor (``fstat``).
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import socket
+import stat
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -53,6 +59,10 @@ FULL = "full"  # tier.json's layout of a full-state step
 HEARTBEAT_S = 1.0
 CLAIM_STALE_S = 30.0
 POLL_S = 0.2
+# The claim names every host of a job walks in the same order (.claim, .claim.1, ...): a name another user
+# holds is skipped for the next, so a planted file never blocks the drain and the hosts still meet on one name.
+CLAIM_NAMES = 8
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class DrainError(Exception):
@@ -75,6 +85,30 @@ def missing_ranks(files: Mapping[str, Mapping[str, Any]], world_size: int) -> li
     return missing + ([] if DCP_METADATA in files else [DCP_METADATA])
 
 
+def open_regular(path: Path) -> int:
+    """A descriptor of the regular file ``path`` (read-only), never through a link; DrainError otherwise."""
+    try:  # O_NONBLOCK: a FIFO in its place must not block the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    except OSError as exc:
+        if not stat.S_ISLNK(_lmode(path)):
+            raise
+        raise DrainError(
+            f"{path} is a link: a step's files are read as regular files only, never through a link; nothing "
+            "of it was drained"
+        ) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DrainError(f"{path} is not a regular file: nothing of it was drained")
+    return fd
+
+
+def _lmode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
+
+
 def copy_file(
     source: Path, target: Path, size: int, expected_crc: int, pace: Callable[[int], None], host: str
 ) -> None:
@@ -82,7 +116,10 @@ def copy_file(
     temporary = target.with_name(f".{target.name}.{host}.tmp")
     crc = 0
     done = 0
-    with open(source, "rb", buffering=0) as reader, open(temporary, "wb", buffering=0) as writer:
+    with (
+        open(open_regular(source), "rb", buffering=0) as reader,
+        open(temporary, "wb", buffering=0) as writer,
+    ):
         while chunk := reader.read(CHUNK):
             crc = crc32(chunk, crc)
             writer.write(chunk)
@@ -100,14 +137,14 @@ def copy_file(
 
 def already_there(target: Path, size: int, expected_crc: int) -> bool:
     try:
-        if target.stat().st_size != size:
-            return False
-        crc = 0
-        with open(target, "rb", buffering=0) as handle:
+        with open(open_regular(target), "rb", buffering=0) as handle:
+            if os.fstat(handle.fileno()).st_size != size:
+                return False
+            crc = 0
             while chunk := handle.read(CHUNK):
                 crc = crc32(chunk, crc)
         return crc == expected_crc
-    except OSError:
+    except (OSError, DrainError):
         return False
 
 
@@ -235,59 +272,168 @@ def claim_file(root: Path, step: int) -> Path:
     return root / f".drain-step-{step:012d}.claim"
 
 
+def claim_names(root: Path, step: int) -> list[Path]:
+    """The names a full-state step may be claimed under, in the order every host of the job tries them."""
+    first = claim_file(root, step)
+    return [first] + [first.with_name(f"{first.name}.{n}") for n in range(1, CLAIM_NAMES)]
+
+
+@dataclass(frozen=True)
+class Found:
+    """What is at a claim name, judged on its own inode (never through a link)."""
+
+    path: Path
+    owner: int
+    mark: tuple[int, int, int]  # inode, mtime, size: unchanged for the stale time, a trusted claim is stale
+    untrusted: str | None  # why it is not waited for; None: a claim of the job's own user
+    holder: str  # the host a trusted claim names ("?" when it cannot be read: being written)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.path), "owner": self.owner, "why": self.untrusted}
+
+
+def look(claim: Path) -> Found | None:
+    """What holds the name ``claim`` (None: nothing). It is the job's own claim only when it is a regular file
+    its user owns (the drain runs as the job's user): a link is never followed, another user's file never
+    trusted, whatever it says."""
+    me = os.geteuid()
+    try:
+        fd = os.open(claim, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError:  # a link (ELOOP), or a file this user may not read: judged by its entry
+        try:
+            st, data = os.lstat(claim), b""
+        except FileNotFoundError:
+            return None
+    else:
+        try:
+            st = os.fstat(fd)
+            data = os.read(fd, 4096) if stat.S_ISREG(st.st_mode) else b""
+        finally:
+            os.close(fd)
+    if stat.S_ISLNK(st.st_mode):
+        why: str | None = f"a link owned by uid {st.st_uid}, not a claim (never followed)"
+    elif not stat.S_ISREG(st.st_mode):
+        why = f"not a regular file, owned by uid {st.st_uid}"
+    elif st.st_uid != me:
+        why = f"owned by uid {st.st_uid}, not by the job's uid {me}"
+    else:
+        why = None
+    holder = "?"
+    with contextlib.suppress(ValueError):
+        doc = json.loads(data)
+        if isinstance(doc, dict) and "host" in doc:
+            holder = str(doc["host"])
+    return Found(claim, st.st_uid, (st.st_ino, st.st_mtime_ns, st.st_size), why, holder)
+
+
+class _Claimant:
+    """One host's way to a claim of one step (:func:`take_claim`)."""
+
+    def __init__(
+        self,
+        names: list[Path],
+        host: str,
+        stale_s: float,
+        waiting: Callable[[str], None],
+        skipped: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.names, self.host, self.stale_s = names, host, stale_s
+        self.waiting, self.skipped = waiting, skipped
+        self.seen: tuple[str, int, int, int] | None = None  # the trusted claim waited for: name and mark
+        self.since = time.monotonic()
+        self.told: set[tuple[str, int]] = set()  # untrusted names told already (name, inode)
+
+    def attempt(self) -> tuple[Path, int] | bool:
+        """Walk the names once: the claim taken (its path and descriptor), True to walk again at once (a
+        claim went just now), False to wait (another host of the job holds the first name that is not
+        another user's). DrainError when every name is another user's."""
+        untrusted: list[Found] = []
+        for claim in self.names:
+            try:
+                fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+            except FileExistsError:
+                found = look(claim)
+                if found is None:  # released just now
+                    return True
+                if found.untrusted is not None:
+                    untrusted.append(found)
+                    if (claim.name, found.mark[0]) not in self.told:
+                        self.told.add((claim.name, found.mark[0]))
+                        self.skipped(found.to_json())
+                    continue
+                return self._wait_for(found)
+            doc = {"host": self.host, "pid": os.getpid(), "uid": os.geteuid()}
+            os.write(fd, json.dumps(doc).encode())
+            return claim, fd
+        raise DrainError(
+            f"every claim name of this step in {self.names[0].parent} is held by another user or is not a "
+            f"file: {'; '.join(f'{f.path.name}: {f.untrusted}' for f in untrusted)}. A claim the job's user "
+            "does not own is never waited for, and another user's file cannot be removed from a shared (sticky) "
+            "directory: have them removed (by root or their owner), or give the job a durable root only its "
+            "user may write; nothing was drained, the step stays in RAM"
+        )
+
+    def _wait_for(self, found: Found) -> bool:
+        """Another host of the job holds ``found``: wait while it moves, take it over once it has not for the
+        stale time (by this host's clock: hosts' clocks may differ)."""
+        mark = (found.path.name, *found.mark)
+        if self.seen is None or mark[:2] != self.seen[:2]:
+            self.waiting(found.holder)
+        if mark != self.seen:
+            self.seen, self.since = mark, time.monotonic()
+            return False
+        if time.monotonic() - self.since < self.stale_s:
+            return False
+        # Moved aside under a name nobody can foresee (a file planted there would stop the rename), then gone.
+        aside = found.path.with_name(f"{found.path.name}.stale-{self.host}-{secrets.token_hex(4)}")
+        with contextlib.suppress(OSError):  # another host may have taken it first
+            os.rename(found.path, aside)
+            os.unlink(aside)
+        self.seen = None
+        return True
+
+
 def take_claim(
-    claim: Path,
+    root: Path,
+    step: int,
     host: str,
     stale_s: float,
     done: Callable[[], bool],
     waiting: Callable[[str], None] = lambda holder: None,
-) -> bool:
-    """Wait until this host holds ``claim`` (True), or the step is committed meanwhile (False). A claim whose
-    name, size and time have not changed for ``stale_s`` is moved aside and taken over. ``waiting(holder)``
-    is told each new claim this host finds another host holding."""
-    seen: tuple[int, int, int] | None = None
-    since = time.monotonic()
+    skipped: Callable[[dict[str, Any]], None] = lambda found: None,
+) -> tuple[Path, int] | None:
+    """Wait until this host holds a claim of ``step`` (its path and an open descriptor), or the step is
+    committed meanwhile (None).
+
+    Every host of the job walks :func:`claim_names` in order and competes for the first name that is free or
+    holds a claim of the job's own user (:func:`look`): a name another user holds, or a link, is skipped for
+    the next (``skipped`` is told each once) and never waited for, since in a shared sticky root it can be
+    neither trusted nor removed. A trusted claim whose inode, size and time have not changed for ``stale_s``
+    is moved aside and taken over; ``waiting(holder)`` is told each new one this host waits for. DrainError
+    when every name is another user's."""
+    claimant = _Claimant(claim_names(root, step), host, stale_s, waiting, skipped)
     while not done():
-        try:
-            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            try:
-                st = os.stat(claim)
-            except FileNotFoundError:  # released just now: try again
-                continue
-            mark = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if seen is None or mark[0] != seen[0]:
-                waiting(_holder(claim))
-            if mark != seen:
-                seen, since = mark, time.monotonic()
-            elif time.monotonic() - since >= stale_s:
-                aside = claim.with_name(f"{claim.name}.stale-{host}")
-                with contextlib.suppress(FileNotFoundError):  # another host may have taken it first
-                    os.rename(claim, aside)
-                    os.unlink(aside)
-                continue
+        taken = claimant.attempt()
+        if isinstance(taken, tuple):
+            return taken
+        if not taken:
             time.sleep(POLL_S)
-            continue
-        with os.fdopen(fd, "w") as handle:
-            handle.write(json.dumps({"host": host, "pid": os.getpid()}))
-        return True
-    return False
+    return None
 
 
-def _holder(claim: Path) -> str:
-    """The host named in a claim ("?" when it cannot be read: being written, or gone)."""
+def release_claim(claim: Path, fd: int) -> None:
+    """Remove ``claim`` if it is still this host's (``fd``: another host may have taken it over as stale),
+    and close ``fd``."""
     try:
-        doc = json.loads(claim.read_text())
-    except (OSError, ValueError):
-        return "?"
-    return str(doc.get("host", "?")) if isinstance(doc, dict) else "?"
-
-
-def release_claim(claim: Path, host: str) -> None:
-    """Remove ``claim`` if this host still holds it (another may have taken it over)."""
-    with contextlib.suppress(OSError, ValueError):
-        if json.loads(claim.read_text()).get("host") == host:
+        mine, there = os.fstat(fd), os.lstat(claim)
+        if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
             os.unlink(claim)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -307,15 +453,25 @@ def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -
     if committed(final):
         return already
     root.mkdir(parents=True, exist_ok=True)
-    claim = claim_file(root, step)
     stale_s = float(plan.get("claim_stale_s") or CLAIM_STALE_S)
-    if not take_claim(claim, host, stale_s, lambda: committed(final), lambda by: say({"claimed_by": by})):
+    held = take_claim(
+        root,
+        step,
+        host,
+        stale_s,
+        lambda: committed(final),
+        lambda by: say({"claimed_by": by}),
+        lambda found: say({"skipped_claim": found}),
+    )
+    if held is None:
         return already
+    claim, claim_fd = held
     say({"claimed_by": None})
     staging = root / f".drain-step-{step:012d}.{host}"
     stop = threading.Event()
     # The claim is alive while this host holds it, through long fsyncs too: the waiting hosts wait.
-    threading.Thread(target=_heartbeat, args=(claim, stop), name="drain-claim", daemon=True).start()
+    heartbeat = threading.Thread(target=_heartbeat, args=(claim_fd, stop), name="drain-claim", daemon=True)
+    heartbeat.start()
     try:
         if committed(final):  # committed between the last look and the claim
             return already
@@ -348,14 +504,16 @@ def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -
         return {"state": "committed", "path": str(final)}
     finally:
         stop.set()
+        heartbeat.join()
         shutil.rmtree(staging, ignore_errors=True)
-        release_claim(claim, host)
+        release_claim(claim, claim_fd)
 
 
-def _heartbeat(claim: Path, stop: threading.Event) -> None:
+def _heartbeat(claim_fd: int, stop: threading.Event) -> None:
+    """Touch the claim this host holds, by its descriptor: the file it created, whatever its name holds now."""
     while not stop.wait(HEARTBEAT_S):
         with contextlib.suppress(OSError):
-            os.utime(claim)
+            os.utime(claim_fd)
 
 
 def become(uid: int, gid: int) -> None:
