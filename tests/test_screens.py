@@ -5,17 +5,21 @@ True, False), no "?" placeholder, no raw float and no machine timestamp. The sta
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import io
 import json
 import re
 from pathlib import Path
 from typing import Any
 
 from agent.cli.render import format_status
+from agent.cli.report import register, render_html, render_text
+from agent.cli.report import run as run_report
 from agent.core.screen import columns, duration, plural, when, wrap
 from agent.service.daemon import Agent
 from tests.cloud_harness import rig
-from tests.support import http_json, running_agent
+from tests.support import http_json, running_agent, short_tmp
 from tests.test_cli import cli
 from tests.test_ram_tier import put_step, tier_agent
 
@@ -167,16 +171,19 @@ async def test_the_ram_tier_holding_steps(base: Path) -> None:
     assert ([], "2 steps of 1 job") == (unfit(shown), line.split("; ")[1][: len("2 steps of 1 job")]), shown
 
 
-async def test_every_verb_without_an_agent_says_so_in_80_columns(base: Path) -> None:
+async def test_every_verb_without_an_agent_says_so_in_80_columns(base: Path, tmp_path: Path) -> None:
     # A socket path as long as a per-user one under a long home or runtime directory.
     sock = base / ("run-user-1000-preemptd-" * 3) / "preemptd.sock"
+    config = tmp_path / "config.toml"
+    config.write_text(f'state_dir = "{base / ("state-of-the-agent-" * 3)}"\n')
     results = await asyncio.gather(
         cli("status", socket=sock),
         cli("watch", socket=sock),
         cli("drill", "--in", "30s", socket=sock),
         cli("advise", socket=sock),
+        cli("report", "--config", str(config), socket=sock),
     )
-    assert [69] * 4 == [code for code, _, _ in results], results
+    assert [69] * 5 == [code for code, _, _ in results], results
     assert [] == [line for _, _, err in results for line in unfit(err)], results
     assert all(len(err.splitlines()) > 1 for _, _, err in results), results  # wrapped, not cut
 
@@ -197,3 +204,52 @@ def test_a_status_document_of_every_section_fits_80_columns() -> None:
     shown = format_status(doc)
     assert [] == unfit(shown), shown
     assert "slurm unknown" in shown and "STATE PROBLEM" in shown
+
+
+async def test_the_report_of_a_real_agent_fits_80_columns_with_its_time_in_words() -> None:
+    """One job's checkpoints and no prices: the missing prices are named under their row."""
+    async with running_agent(short_tmp("pd-report-")) as agent:
+        client = {"job": "llm-pretraining-70b-with-a-long-name", "pid": 10, "gpus": 8}
+        for step in (1, 2):
+            body = {
+                "kind": "checkpoint",
+                "phase": "finished",
+                "step": step,
+                "duration_s": 5.0,
+                "bytes": 10**6,
+            }
+            await report(agent, {**body, "client": client})
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers())
+        args = parser.parse_args(["report", "--socket", str(agent.config.socket)])
+        out, err = io.StringIO(), io.StringIO()
+        code = await asyncio.to_thread(run_report, args, out, err)
+    shown = out.getvalue()
+    assert (0, [], "") == (code, unfit(shown), err.getvalue()), shown
+    assert HUMAN_TIME.search(shown.splitlines()[0]), shown
+    assert "prices missing: set cost.spot_per_gpu_hour," in shown
+
+
+def recorded_week() -> dict[str, Any]:
+    """A real agent's report of a scripted week (tests/test_ledger.py's): two jobs, two drills, a flush in
+    time and a lost one, three resumes, priced."""
+    doc: dict[str, Any] = json.loads((Path(__file__).parent / "data" / "report_week.json").read_text())
+    return doc
+
+
+def test_the_report_of_a_week_fits_80_columns_with_rates_rounded() -> None:
+    shown = render_text(recorded_week())
+    assert [] == unfit(shown), shown
+    assert "  preemptions per day       8.73; break-even 28: spot is cheaper" in shown.splitlines()
+
+
+def test_the_html_report_says_yes_no_and_times_in_words() -> None:
+    page = render_html(recorded_week())
+    cells = re.findall(r"<t[dh]>([^<]*)</t[dh]>", page)
+    resumes = page[page.index("<h2>Resumes</h2>") :]
+    assert [] == [
+        cell for cell in cells if REPR.search(cell) or RAW_FLOAT.search(cell) or MACHINE_TIME.search(cell)
+    ]
+    assert HUMAN_TIME.search(page[page.index("<h1>") : page.index("</h1>")]), page[:400]
+    assert ("<td>yes</td>" in resumes, "<td>no</td>" in resumes) == (True, True)
+    assert HUMAN_TIME.search(resumes), resumes

@@ -13,7 +13,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-from agent.core.durations import format_duration, parse_duration
+from agent.core.durations import parse_duration
+from agent.core.screen import KEEP, duration, fill, keep, plural, when, wrap
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     try:
         doc = _report(args)
     except _Failed as exc:
-        print(f"preemptd report: {exc}", file=err)
+        print(fill(f"preemptd report: {exc}", indent="  "), file=err)
         return exc.code
     if args.json:
         print(json.dumps(doc, indent=2), file=out)
@@ -86,20 +87,20 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
             from agent.ledger.plot import plot_report
 
             plot_report(args.png, doc)
-            print(f"preemptd report: wrote {args.png}", file=out)
+            print(fill(f"preemptd report: wrote {args.png}", indent="  "), file=out)
         elif args.html is not None:
             from agent.core.files import replace_file
 
             replace_file(args.html, render_html(doc).encode("utf-8"))
-            print(f"preemptd report: wrote {args.html}", file=out)
+            print(fill(f"preemptd report: wrote {args.html}", indent="  "), file=out)
         else:
             out.write(render_text(doc))
     except OSError as exc:
         target = args.png or args.html
-        print(f"preemptd report: cannot write {target}: {exc.strerror or exc}", file=err)
+        print(fill(f"preemptd report: cannot write {target}: {exc.strerror or exc}", indent="  "), file=err)
         return EXIT_FAILED
     except RuntimeError as exc:  # PlotUnavailable: matplotlib is not installed
-        print(f"preemptd report: {exc}", file=err)
+        print(fill(f"preemptd report: {exc}", indent="  "), file=err)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -204,7 +205,7 @@ def _parse_time(text: Any) -> datetime:
 
 
 def _pct(value: Any) -> str:
-    return "n/a" if value is None else f"{100.0 * value:.1f} %"
+    return "n/a" if value is None else keep(f"{100.0 * value:.1f} %")
 
 
 def _hours(value: Any) -> str:
@@ -215,9 +216,18 @@ def _bytes(value: Any) -> str:
     size = float(value or 0)
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+            return keep(f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}")
         size /= 1000
-    return f"{size:.1f} TB"
+    return keep(f"{size:.1f} TB")
+
+
+def _rate(value: float) -> str:
+    """A rate a day as people read it: two decimals (``0.14``), none from ten on."""
+    return f"{value:.2f}" if value < 10 else f"{value:.0f}"
+
+
+def _since(doc: dict[str, Any]) -> str:
+    return keep(when(doc["since"])) if doc.get("since") else "the start of the ledger"
 
 
 def _rows(fig: dict[str, Any]) -> list[tuple[str, str]]:
@@ -261,43 +271,78 @@ def _rows(fig: dict[str, Any]) -> list[tuple[str, str]]:
         rate, even = cost["preemptions_per_day"], cost["break_even_per_day"]
         if even is not None:
             verdict = "spot is cheaper" if rate is not None and rate < even else "reserved would be cheaper"
-            rows.append(("preemptions per day", f"{rate:g}; break-even {even:g}: {verdict}"))
+            shown = _rate(rate) if rate is not None else "not measured"
+            rows.append(("preemptions per day", f"{shown}; break-even {_rate(even)}: {verdict}"))
         elif rate is not None:
-            rows.append(("preemptions per day", f"{rate:g}; break-even: no interruption cost measured yet"))
+            rows.append(
+                ("preemptions per day", f"{_rate(rate)}; break-even: no interruption cost measured yet")
+            )
         if cost.get("assumed_zero"):
             rows.append(("not priced", ", ".join(cost["assumed_zero"]) + " (counted as 0)"))
     return rows
 
 
-def render_text(doc: dict[str, Any]) -> str:
-    since = doc["since"] or "the start of the ledger"
-    scope = f"job {doc['job']}" if doc["job"] else "every job"
-    lines = [
-        f"Preemption cost since {since}, {scope} ({'from the agent' if doc['source'] == 'agent' else 'from the ledger file'})"
+_NAME = 26  # the column of a row's value
+
+
+def _table(fig: dict[str, Any], cost: bool = True) -> list[str]:
+    """A figure per row, the value wrapped under itself."""
+    return [
+        line
+        for name, value in _rows(fig)
+        if cost or name != "cost"
+        for line in wrap(f"{name:<{_NAME}}{value}", "  ", " " * (2 + _NAME))
     ]
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    """The report in lines of at most 80 columns."""
+    scope = f"job {doc['job']}" if doc["job"] else "every job"
+    where = "from the agent" if doc["source"] == "agent" else "from the ledger file"
+    lines = wrap(f"Preemption cost since {_since(doc)}, {scope} ({where})", "", "  ")
     notices = doc["notices"]
     lead = notices["lead_s"]
-    lines.append(
-        f"  notices: {notices['total']} ({notices['drills']} drills)"
-        + (
-            f", lead {format_duration(lead['min'])} to {format_duration(lead['max'])}"
-            if lead["min"] is not None
-            else ""
-        )
+    lines += wrap(
+        f"notices: {notices['total']} ({plural(notices['drills'], 'drill')})"
+        + (f", lead {duration(lead['min'])} to {duration(lead['max'])}" if lead["min"] is not None else ""),
+        "  ",
     )
-    width = 26
     lines.append("Total")
-    lines += [f"  {name:<{width}}{value}" for name, value in _rows(doc["total"])]
+    lines += _table(doc["total"])
     for job, fig in doc["jobs"].items():
-        lines.append(f"Job {job}")
-        lines += [
-            f"  {name:<{width}}{value}"
-            for name, value in _rows(fig)
-            if name != "cost" or len(doc["jobs"]) == 1
-        ]
+        lines += wrap(f"Job {job}", "", "  ")
+        lines += _table(fig, cost=len(doc["jobs"]) == 1)
     if not doc["jobs"]:
         lines.append("  no training job reported on this host in that time")
     return "\n".join(lines) + "\n"
+
+
+# Column headings and cell values of the flushes and resumes tables, as people read them.
+_HEADINGS = {
+    "notice_id": "notice",
+    "duration_s": "duration",
+    "slack_s": "slack",
+    "fallback_step": "fell back to step",
+    "from_step": "from step",
+    "steps_redone": "steps redone",
+}
+
+
+def _cell(key: str, value: Any) -> str:
+    """A table cell: empty for nothing to say, yes or no, times, durations and sizes for people."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if key == "time" and isinstance(value, str):
+        return when(value)
+    if key.endswith("_s") and isinstance(value, (int, float)):
+        return duration(value) if value >= 0 else f"-{duration(-value)}"
+    if key == "bytes" and isinstance(value, (int, float)):
+        return _bytes(value).replace(KEEP, " ")
+    if key == "outcome":
+        return str(value).replace("_", " ")
+    return str(value)
 
 
 def render_html(doc: dict[str, Any]) -> str:
@@ -307,20 +352,24 @@ def render_html(doc: dict[str, Any]) -> str:
     parts = [
         "<!doctype html><meta charset='utf-8'><title>preemptd report</title>",
         "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}</style>",
-        f"<h1>Preemption cost since {esc(str(doc['since']))}</h1>",
+        f"<h1>Preemption cost since {esc(_since(doc).replace(KEEP, ' '))}</h1>",
     ]
     for title, fig in [("Total", doc["total"]), *((f"Job {job}", fig) for job, fig in doc["jobs"].items())]:
         parts.append(f"<h2>{esc(title)}</h2><table>")
-        parts += [f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in _rows(fig)]
+        parts += [f"<tr><th>{esc(k)}</th><td>{esc(v.replace(KEEP, ' '))}</td></tr>" for k, v in _rows(fig)]
         parts.append("</table>")
     for title, key in (("Flushes", "flushes"), ("Resumes", "resumes")):
         rows = doc[key]
         if rows:
             heads = list(rows[0])
             parts.append(
-                f"<h2>{title}</h2><table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in heads) + "</tr>"
+                f"<h2>{title}</h2><table><tr>"
+                + "".join(f"<th>{esc(_HEADINGS.get(h, h))}</th>" for h in heads)
+                + "</tr>"
             )
-            parts += ["<tr>" + "".join(f"<td>{esc(str(r[h]))}</td>" for h in heads) + "</tr>" for r in rows]
+            parts += [
+                "<tr>" + "".join(f"<td>{esc(_cell(h, r[h]))}</td>" for h in heads) + "</tr>" for r in rows
+            ]
             parts.append("</table>")
     try:
         from agent.ledger.plot import plot_data_uri

@@ -11,6 +11,7 @@ from typing import Any, BinaryIO
 
 from agent.advisor.plot import PlotUnavailable
 from agent.core.files import replace_file
+from agent.core.screen import when
 
 _PARTS = (
     ("useful_gpu_hours", "tab:green"),
@@ -49,7 +50,8 @@ def _draw(target: BinaryIO, doc: dict[str, Any]) -> None:
             axes.bar(names, values, bottom=bottom, color=colour, label=label)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         axes.set_ylabel("GPU-hours")
-        axes.set_title(f"Where the GPU-hours went since {doc['since'] or 'the start'}")
+        since = when(doc["since"]) if doc.get("since") else "the start of the ledger"
+        axes.set_title(f"Where the GPU-hours went since {since}")
         axes.legend(loc="upper right", fontsize="small")
         figure.tight_layout()
         figure.savefig(target, format="png")
