@@ -30,10 +30,13 @@ from agent.ledger.tally import DEADLINE_SLACK_S, Rules
 
 # How often old facts are pruned. The counters are recomputed COALESCE_S after new facts (a burst of reports
 # is one recomputation), just after each notice's deadline (a deadline passing turns a notice into an
-# interruption without a new fact) and at the latest every MAX_REFRESH_S.
+# interruption without a new fact) and at the latest every MAX_REFRESH_S; never more often than
+# BUSY_FACTOR times the last recomputation took (a big ledger under a stream of reports takes a tenth of a
+# core at most).
 PRUNE_S = 3600.0
 COALESCE_S = 1.0
 MAX_REFRESH_S = 600.0
+BUSY_FACTOR = 10.0
 # How long a request waits for the facts queued before it to be written.
 SYNC_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -256,18 +259,21 @@ class LedgerComponent:
     async def _loop(self) -> None:
         host = self._require()
         pruned_at = host.now()
+        loop = asyncio.get_running_loop()
         while True:
             self._changed.clear()
+            began = loop.time()
             try:
                 await self.refresh()
             except Exception as exc:  # the counters wait for the next round; the ledger keeps writing
                 host.log.warning("ledger_refresh_failed", error=repr(exc))
+            took = loop.time() - began
             if (host.now() - pruned_at).total_seconds() >= PRUNE_S and self._writer is not None:
                 self._writer.prune_now()
                 pruned_at = host.now()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self._wait_s())
-            await asyncio.sleep(COALESCE_S)
+            await asyncio.sleep(min(MAX_REFRESH_S, max(COALESCE_S, BUSY_FACTOR * took)))
 
     def _wait_s(self) -> float:
         """Until just after the next deadline of a notice seen, at most MAX_REFRESH_S."""
