@@ -1,6 +1,7 @@
 """``preemptd demo`` end to end with a short lead time: the agent, the simulated EC2 metadata service and the
-example training job on the CPU; the job flushes, exits 75, is restarted and resumes at the next step. A job
-that fails stops the demo at once, saying which step it missed, with the tail of the job's stderr."""
+example training job on the CPU (the PyTorch one, or the standard-library one where torch cannot be imported);
+the job flushes, exits 75, is restarted and resumes at the next step. A job that fails stops the demo at once,
+saying which step it missed, with the tail of the job's stderr."""
 
 from __future__ import annotations
 
@@ -13,12 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli.demo import FIRST_LINE, FIRST_LINE_NO_JOB, WIDTH, DemoJob, Screen, describe_job
-from tests.lazy import HAS_TORCH
+from agent.cli.demo import (
+    FIRST_LINE_NO_JOB,
+    STDLIB_JOB,
+    TORCH_JOB,
+    WIDTH,
+    DemoJob,
+    JobChoice,
+    Screen,
+    choose_job,
+    describe_job,
+)
+from tests.lazy import needs_torch
+from tests.no_torch import no_torch_env
 from tests.support import REPO
 from tests.test_cli import cli
-
-pytestmark = pytest.mark.skipif(not HAS_TORCH, reason="the example job needs torch, which is not installed")
 
 # A training job that speaks the example's progress lines (its options accepted and ignored).
 JOB_HEAD = """
@@ -32,11 +42,15 @@ def emit(event, **fields):
 """
 
 
-async def demo(*args: str, base: Path, pythonpath: Path | None = None) -> tuple[int, str, str]:
-    """``preemptd demo`` with a short notice on a socket under ``base``; ``pythonpath`` first on the path
-    of the demo and its job. Returns the exit status, stdout and stderr."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (pythonpath, REPO) if p is not None)
+async def demo(
+    *args: str, base: Path, pythonpath: Path | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
+    """``preemptd demo`` with a short notice on a socket under ``base`` (later ``args`` override it);
+    ``pythonpath`` first on the path of the demo and its job, or the whole ``env``. Returns the exit status,
+    stdout and stderr."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (pythonpath, REPO) if p is not None)
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "agent", "demo", "--after", "0.5s", "--lead", "3s"),
         *("--socket", str(base / "demo.sock"), *args),
@@ -59,9 +73,11 @@ def job_script(path: Path, body: str) -> Path:
     return path
 
 
+@needs_torch
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_demo_flushes_the_job_and_resumes_it(base: Path) -> None:
+    """With PyTorch installed the demo runs the PyTorch example, and says so on its first line."""
     code, out, err = await cli(
         "demo", "--after", "1s", "--lead", "12s", "--socket", str(base / "demo.sock"), timeout=230
     )
@@ -79,9 +95,38 @@ async def test_demo_flushes_the_job_and_resumes_it(base: Path) -> None:
     ), out
     assert [] == [line for line in lines if len(line) > WIDTH]
     assert "{" not in out  # sentences, not JSON
-    assert text.startswith(f"0.0s demo {FIRST_LINE}"), out
+    assert text.startswith(f"0.0s demo {TORCH_JOB.first_line}"), out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_without_torch_the_demo_runs_the_standard_library_job_through_flush_and_resume(
+    base: Path, tmp_path: Path
+) -> None:
+    """Where ``import torch`` fails (a venv with the base package only), the demo says on its first line that
+    it runs the pure-Python linear regression, which flushes an emergency checkpoint through the client's store
+    on the notice, exits 75, is restarted and resumes at the step it flushed; exit status 0."""
+    env = no_torch_env(tmp_path / "no-torch")
+    code, out, err = await demo("--lead", "8s", base=base, env=env)
+    text = flat(out)
+    flushed = re.search(r"job flushed step (\d+): \d+ B in \d+ ms, [\d.]+s to spare", text)
+    resumed = re.search(r"job resumed from the emergency checkpoint: step (\d+) is next", text)
+    assert (0, True, True, True) == (
+        code,
+        text.startswith(f"0.0s demo {STDLIB_JOB.first_line}"),
+        "job starting stdlib_training.py" in text,
+        "job exited 75 (preempted): restarting it" in text,
+    ), (out, err)
+    assert flushed is not None and resumed is not None, out
+    assert (flushed.group(1), True, True) == (
+        resumed.group(1),
+        "READY every job saved its checkpoint (1 of 1)" in text,
+        "CLEARED termination from aws" in text,
+    ), out
+    assert [] == [line for line in (out + err).splitlines() if len(line) > WIDTH]
+
+
+@needs_torch
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_a_job_without_numpy_stops_the_demo_at_its_flush_with_its_traceback(
@@ -104,8 +149,8 @@ async def test_a_job_without_numpy_stops_the_demo_at_its_flush_with_its_tracebac
 
 @pytest.mark.slow
 async def test_without_a_training_job_the_demo_shows_the_notice_alone(base: Path, tmp_path: Path) -> None:
-    """No job to run (here a missing script; likewise without PyTorch): the first line says so, the notice
-    and its clearing are shown, exit status 0."""
+    """No job to run (here a missing script: the examples are in a source checkout, not in the wheel): the
+    first line says so, the notice and its clearing are shown, exit status 0."""
     code, out, err = await demo("--job", str(tmp_path / "missing.py"), base=base)
     text = flat(out)
     assert (0, True, True, True, True) == (
@@ -203,6 +248,22 @@ async def test_a_silent_job_gets_a_line_saying_what_the_demo_waits_for(base: Pat
         await job.stop()
     assert (False, True) == (came, all("job     still importing PyTorch (" in line for line in lines))
     assert lines
+
+
+@pytest.mark.parametrize(
+    ("script", "has_torch", "expected"),
+    [(None, True, TORCH_JOB), (None, False, STDLIB_JOB)],
+)
+def test_the_demo_runs_the_pytorch_example_only_where_torch_is_installed(
+    script: Path | None, has_torch: bool, expected: JobChoice
+) -> None:
+    assert expected == choose_job(script, has_torch=has_torch)
+
+
+def test_a_job_script_named_with_job_runs_whether_or_not_torch_is_installed(tmp_path: Path) -> None:
+    script = job_script(tmp_path / "mine.py", "")
+    chosen = [choose_job(script, has_torch=has_torch) for has_torch in (True, False)]
+    assert [script, script] == [c.script if isinstance(c, JobChoice) else c for c in chosen]
 
 
 @pytest.mark.parametrize(

@@ -61,15 +61,15 @@ def _readme_command(heading: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ci_takes_the_try_it_line_from_the_readme() -> None:
-    """The command CI runs in a clean venv (.ci/try-it) is the README's "Try it" line: a new venv, the torch
-    extra with PyTorch's CPU index, then the demo."""
+    """The command CI runs in a clean venv (.ci/try-it) is the README's "Try it" line: a new venv, the base
+    package alone (no extra, no other index: it takes seconds wherever PyPI is reachable), then the demo."""
     done = _readme_command("Try it")
     line = done.stdout.strip()
-    assert (0, True, True, True) == (
+    assert (0, True, False, False) == (
         done.returncode,
-        line.startswith("python3 -m venv .venv && .venv/bin/pip install "),
-        "--extra-index-url https://download.pytorch.org/whl/cpu -e '.[torch]'" in line,
-        line.endswith("&& .venv/bin/preemptd demo"),
+        line.startswith("python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/preemptd demo"),
+        "[torch]" in line,
+        "index-url" in line,
     ), done
 
 

@@ -1,12 +1,14 @@
 """``preemptd demo``: the whole flow on a laptop, with no cloud and no GPU.
 
 Runs the agent on the per-user socket with a throwaway state directory, watching a simulated EC2 metadata
-service (``preemptd simulate aws``) on loopback, next to a real training job (``examples/
-fault_tolerant_training.py`` on the CPU, a small model). A spot termination notice arrives, the job flushes
-an emergency checkpoint and exits 75, the demo restarts it as a scheduler would, and it resumes at the next
-step. A job that fails stops the demo at once, saying whether it did not start, flush or resume, with the tail
-of its stderr; while it is silent (importing PyTorch) a line every few seconds says what the demo waits for.
-Every line fits an 80-column terminal. ``preemptd watch`` in a second terminal shows the raw stream.
+service (``preemptd simulate aws``) on loopback, next to a real training job on the CPU: ``examples/
+fault_tolerant_training.py`` (a small PyTorch model) when PyTorch is installed, else ``examples/
+stdlib_training.py`` (a linear regression in pure Python, the same client); the first line says which. A spot
+termination notice arrives, the job flushes an emergency checkpoint and exits 75, the demo restarts it as a
+scheduler would, and it resumes at the next step. A job that fails stops the demo at once, saying whether it
+did not start, flush or resume, with the tail of its stderr; while it is silent (importing PyTorch) a line
+every few seconds says what the demo waits for. Every line fits an 80-column terminal. ``preemptd watch`` in a
+second terminal shows the raw stream.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import textwrap
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +41,62 @@ from agent.simulate import AwsSimulator
 from agent.sources.detect import cloud_sources
 
 WIDTH = 80
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fault_tolerant_training.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLE = EXAMPLES / "fault_tolerant_training.py"  # the job with PyTorch
+STDLIB_EXAMPLE = EXAMPLES / "stdlib_training.py"  # the job without it
 EXIT_PREEMPTED = 75
 JOB_START_TIMEOUT_S = 120.0  # to import PyTorch and connect, or to load the checkpoint after the restart
 FLUSH_GRACE_S = 10.0  # past the deadline, before a job that has not exited 75 is called a failure
 PROGRESS_EVERY_S = 5.0  # a line saying what the demo waits for, after this long without one
 STDERR_TAIL_LINES = 15  # of a failed job's stderr, shown
 STREAM_LIMIT = 1 << 20  # the longest line read from the job (a long traceback line must not stop the demo)
-FIRST_LINE = (
-    "starting the agent and a small training job on the CPU; waiting for the job to import PyTorch, which "
-    "takes longest on a first run"
-)
 FIRST_LINE_NO_JOB = "starting the agent and a simulated EC2 spot termination, without a training job"
+
+
+@dataclass(frozen=True)
+class JobChoice:
+    """The training job the demo runs: its script, the first line's account of it, and what it does before it
+    prints its first line (said while the demo waits for it)."""
+
+    script: Path
+    first_line: str
+    loading: str
+
+
+TORCH_JOB = JobChoice(
+    EXAMPLE,
+    "starting the agent and a small PyTorch training job on the CPU (examples/fault_tolerant_training.py); "
+    "waiting for the job to import PyTorch, which takes longest on a first run",
+    "importing PyTorch",
+)
+STDLIB_JOB = JobChoice(
+    STDLIB_EXAMPLE,
+    "starting the agent and a small training job on the CPU without PyTorch, which is not installed: a "
+    "linear regression in pure Python (examples/stdlib_training.py)",
+    "starting Python",
+)
+
+
+def _has_torch() -> bool:
+    """Whether PyTorch is installed, without importing it (seconds): the job imports it, not the demo."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # a finder that refuses it; a torch module without a spec
+        return False
+
+
+def choose_job(script: Path | None, has_torch: bool | None = None) -> JobChoice | str:
+    """The job to run: ``script`` (``--job``) when given, else the PyTorch example when PyTorch is installed
+    and the standard-library one when it is not; a sentence saying why there is none when the script is
+    missing (the examples are in a source checkout, not in the wheel)."""
+    if script is not None:
+        if not script.exists():
+            return f"the training script is not here ({script})"
+        return JobChoice(script, f"starting the agent and the training job {script}", "starting up")
+    choice = TORCH_JOB if (_has_torch() if has_torch is None else has_torch) else STDLIB_JOB
+    if not choice.script.exists():
+        return f"the training script is not here ({choice.script}): run the demo from a source checkout"
+    return choice
 
 
 class Screen:
@@ -139,13 +186,16 @@ class DemoJob:
     """One run of the training job as a child process: its JSON lines become sentences on the screen and the
     milestones the demo waits for; the tail of its stderr is kept to show when it fails."""
 
-    def __init__(self, script: Path, socket_path: Path, workdir: Path, screen: Screen) -> None:
+    def __init__(
+        self, script: Path, socket_path: Path, workdir: Path, screen: Screen, loading: str = "starting up"
+    ) -> None:
         self.script = script
+        self.loading = loading  # what it does before its first line: "importing PyTorch"
         self.socket_path = socket_path
         self.workdir = workdir
         self.screen = screen
         self.proc: asyncio.subprocess.Process | None = None
-        self.talking = False  # it printed a progress line: PyTorch is imported
+        self.talking = False  # it printed a progress line: it is past its imports
         self.connected = asyncio.Event()
         self.flushed_step: int | None = None
         self.resumed = asyncio.Event()
@@ -154,18 +204,9 @@ class DemoJob:
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self._follower: asyncio.Task[None] | None = None
 
-    @staticmethod
-    def available(script: Path) -> str | None:
-        """Why the job cannot run here, or None when it can."""
-        if not script.exists():
-            return f"the training script is not here ({script}): run the demo from a source checkout"
-        if importlib.util.find_spec("torch") is None:
-            return "PyTorch is not installed (pip install -e '.[torch]')"
-        return None
-
     async def start(self) -> None:
         env = {**os.environ, "PREEMPTD_SOCKET": str(self.socket_path), "PYTHONUNBUFFERED": "1"}
-        root = str(EXAMPLE.parent.parent)
+        root = str(EXAMPLES.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         # --no-signals: the demo stops the job with SIGTERM at the end, which must not look like a notice.
         self.proc = await asyncio.create_subprocess_exec(
@@ -256,12 +297,12 @@ class DemoJob:
                 await self._follower
 
 
-async def _demo(args: argparse.Namespace, state_dir: Path, screen: Screen, why_not: str | None) -> int:
+async def _demo(args: argparse.Namespace, state_dir: Path, screen: Screen, choice: JobChoice | str) -> int:
     socket_path = args.socket or user_socket_path()
     simulator = AwsSimulator()
     await simulator.start()
     try:
-        return await _demo_with(args, state_dir, socket_path, simulator, screen, why_not)
+        return await _demo_with(args, state_dir, socket_path, simulator, screen, choice)
     finally:
         await simulator.stop()
 
@@ -272,10 +313,10 @@ async def _preempt_and_resume(
     """The job's side of the demo: it starts and connects, flushes and exits 75 after the notice, and is
     restarted to resume from its checkpoint. Returns the restarted run; DemoFailed at the first step missed."""
     await job.start()
-    screen.say("job", f"starting {job.script.name}: importing PyTorch")
+    screen.say("job", f"starting {job.script.name}: {job.loading}")
 
     def starting() -> str:
-        return "started, not connected to the agent yet" if job.talking else "still importing PyTorch"
+        return "started, not connected to the agent yet" if job.talking else f"still {job.loading}"
 
     if not await job.until(job.connected, JOB_START_TIMEOUT_S, starting):
         if job.exited.is_set():
@@ -295,11 +336,11 @@ async def _preempt_and_resume(
         saved = f"after flushing step {step}" if step is not None else "with no emergency checkpoint reported"
         raise job.failed("did not flush", f"it {job.exit_status()} {saved} (75: preempted and saved)")
     screen.say("job", "exited 75 (preempted): restarting it, as a scheduler would")
-    again = DemoJob(job.script, job.socket_path, job.workdir, screen)
+    again = DemoJob(job.script, job.socket_path, job.workdir, screen, job.loading)
     await again.start()
 
     def loading() -> str:
-        return f"restarting: importing PyTorch, then loading step {step}"
+        return f"restarting: {job.loading}, then loading step {step}"
 
     if not await again.until(again.resumed, JOB_START_TIMEOUT_S, loading):
         if again.exited.is_set():
@@ -316,9 +357,9 @@ async def _demo_with(
     socket_path: Path,
     simulator: AwsSimulator,
     screen: Screen,
-    why_not: str | None,
+    choice: JobChoice | str,
 ) -> int:
-    """The demo; ``why_not`` says why there is no training job (None: there is one)."""
+    """The demo with the training job ``choice`` (a string: why there is none)."""
     config = load_config(
         path=None,
         env={},
@@ -333,7 +374,6 @@ async def _demo_with(
     )
     agent = Agent(config, sources=cloud_sources(config))
     finished = asyncio.Event()
-    script: Path = args.job or EXAMPLE
     tasks = TaskSet("demo", "task_failed")
 
     def show(event: Event) -> None:
@@ -356,9 +396,12 @@ async def _demo_with(
     await agent.start()
     screen.say("agent", f"listening on {socket_path}")
     screen.say("agent", f"watch it from another terminal: PREEMPTD_SOCKET={socket_path} preemptd watch")
-    jobs = [DemoJob(script, socket_path, state_dir / "checkpoints", screen)]
+    jobs: list[DemoJob] = []
     try:
-        if why_not is None:
+        if isinstance(choice, JobChoice):
+            jobs.append(
+                DemoJob(choice.script, socket_path, state_dir / "checkpoints", screen, choice.loading)
+            )
             resumed = await _preempt_and_resume(args, jobs[0], notify, screen)
             jobs.append(resumed)
             await wait_for_any(finished, resumed.exited)
@@ -366,7 +409,7 @@ async def _demo_with(
                 await resumed.finish()
                 raise resumed.failed("stopped", f"it {resumed.exit_status()} after it resumed")
         else:
-            screen.say("job", f"no training job: {why_not}")
+            screen.say("job", f"no training job: {choice}")
             notify()
             await finished.wait()
     finally:
@@ -404,12 +447,12 @@ def _show_failure(exc: DemoFailed) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     screen = Screen()
     # The first line comes before the agent and the job start, and says what the wait is for.
-    why_not = DemoJob.available(args.job or EXAMPLE)
-    screen.say("demo", FIRST_LINE if why_not is None else FIRST_LINE_NO_JOB)
+    choice = choose_job(args.job)
+    screen.say("demo", choice.first_line if isinstance(choice, JobChoice) else FIRST_LINE_NO_JOB)
     configure_logging("console" if sys.stdout.isatty() else "json", "error")
     with tempfile.TemporaryDirectory(prefix="preemptd-demo-") as state_dir:
         try:
-            return asyncio.run(_demo(args, Path(state_dir), screen, why_not))
+            return asyncio.run(_demo(args, Path(state_dir), screen, choice))
         except KeyboardInterrupt:
             return 130
         except DemoFailed as exc:
