@@ -558,6 +558,44 @@ async def test_the_status_and_the_metrics_show_the_reports_goodput(base: Path) -
     )
 
 
+async def test_a_drill_resumed_before_its_deadline_is_announced_and_its_flush_its_own(base: Path) -> None:
+    """`preemptd drill --in 20s` on a job under `preemptd exec`: it flushes step 5 with 19.9 s to spare and is
+    back 2 s later, before the deadline; after the deadline the new process saves again on SIGTERM (no
+    notice). Without --drills nothing counts and nothing is redone, the resume is the drill's; with
+    --drills one announced interruption, its flush in time with its own bytes."""
+    week = Week(base)
+    await week.start()
+    try:
+        week.at(0)
+        await week.register("loop", 100)
+        week.at(60 / H)
+        await week.checkpoint("loop", 100, 3, 1.0, 1000)
+        week.at(100 / H)
+        nid = await week.drill(20)
+        week.at(100.1 / H)
+        await week.checkpoint("loop", 100, 5, 0.5, 1000, emergency=True, notice_id=nid)
+        week.at(102 / H)
+        await week.register("loop", 200)
+        week.at(130 / H)
+        await week.checkpoint("loop", 200, 9, 0.5, 1000, emergency=True)
+        week.at(1)
+        plain = await report(week.socket)
+        drills = await report(week.socket, "--drills")
+    finally:
+        await week.stop()
+    assert (
+        ({"announced": 0, "unannounced": 0, "total": 0}, 0.0, 0),
+        [(True, True, nid, 5)],
+        {"announced": 1, "unannounced": 0, "total": 1},
+        [("in_time", 5, 1000, 19.9)],
+    ) == (
+        (plain["total"]["interruptions"], plain["total"]["redone_gpu_hours"], plain["total"]["steps_redone"]),
+        [(r["announced"], r["drill"], r["notice_id"], r["from_step"]) for r in plain["resumes"]],
+        drills["total"]["interruptions"],
+        [(f["outcome"], f["step"], f["bytes"], f["slack_s"]) for f in drills["flushes"]],
+    )
+
+
 async def test_a_job_reporting_through_the_client_library_is_in_the_ledger(base: Path) -> None:
     """The client library's Reporter (what the stores use) with the optional `gpus`: the report counts its
     GPUs and its checkpoint."""
