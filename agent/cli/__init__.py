@@ -364,8 +364,9 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "--job",
         type=Path,
         metavar="SCRIPT",
-        help="the training script (default: examples/fault_tolerant_training.py; "
-        "it takes the example's options and prints its JSON progress lines)",
+        help="the training script (default: examples/fault_tolerant_training.py where PyTorch is "
+        "installed, examples/stdlib_training.py where it is not; it takes the examples' options and prints "
+        "their JSON progress lines)",
     )
     p.set_defaults(func=cmd_demo)
 
