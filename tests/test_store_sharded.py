@@ -1,6 +1,6 @@
 """The sharded store (agent.client.dcp) on its edges, in a real gloo group of one: a root holding another
 run's higher steps, a full disk (torch's CheckpointException becomes a CheckpointError naming the cause),
-malformed manifests, and a step that verifies by size but does not load."""
+malformed manifests and CRC sidecars, and a step that verifies by size but does not load."""
 
 from __future__ import annotations
 
@@ -134,20 +134,18 @@ def test_a_malformed_manifest_is_skipped_with_a_warning_by_the_store_and_latest_
     assert (1, 1) == (latest.step, committed.step)
 
 
-def test_an_emergency_step_without_its_deferred_crcs_that_does_not_load_falls_back_to_the_previous(
+def test_a_step_that_verifies_by_size_but_does_not_load_falls_back_to_the_previous(
     group_of_one: None, tmp_path: Path
 ) -> None:
-    s = ShardedStore(tmp_path, report=False)
+    """A store saving without CRCs (``checksum=False``): its steps verify by size, and DCP's reader fails."""
+    s = ShardedStore(tmp_path, report=False, checksum=False)
     s.save(1, state(1.0))
     s.save(2, state(2.0), emergency=True)
-    assert s.wait_checksums(30)
     step = tmp_path / "step-000000000002"
-    for sidecar in step.glob(CRC_SIDECAR.format(rank="*")):
-        sidecar.unlink()  # as when the process died before its deferred checksums were written
     for shard in step.glob("*.distcp"):
         shard.write_bytes(bytes(shard.stat().st_size))  # the right size, unreadable to torch
     loaded = state(-1.0)
-    with pytest.warns(CheckpointWarning, match=f"{re.escape(str(step))} cannot be loaded"):
+    with pytest.warns(CheckpointWarning, match=f"skipping step 2: {re.escape(str(step))} cannot be loaded"):
         resumed = s.load_latest(loaded)
     assert resumed is not None
     assert (1, 1.0) == (resumed.step, loaded["w"][0].item())
@@ -171,17 +169,21 @@ def test_a_full_disk_at_start_still_lets_the_job_start_and_resume(group_of_one: 
     assert (1, 1.0) == (resumed.step, loaded["w"][0].item())
 
 
-def test_a_malformed_crc_sidecar_is_ignored_and_the_step_verifies_by_size(
+def test_a_malformed_crc_sidecar_leaves_its_step_verifiable_by_size_only(
     group_of_one: None, tmp_path: Path
 ) -> None:
+    """Its CRCs unknown, the step is skipped at the ``checksum`` level, and verifies by size."""
     s = ShardedStore(tmp_path, report=False)
     s.save(1, state(1.0), emergency=True)
     assert s.wait_checksums(30)
     for sidecar in (tmp_path / "step-000000000001").glob(CRC_SIDECAR.format(rank="*")):
         sidecar.write_text('{"__0_0.distcp": 1e400, "x": [1]}')
-    latest = s.latest()
-    assert latest is not None
-    assert (1, [None, None]) == (latest.step, [f.crc32 for f in latest.checkpoint.files])
+    with pytest.warns(CheckpointWarning) as seen:
+        checked = s.latest()
+    by_size = s.latest("size")
+    assert by_size is not None
+    assert (None, 1, [None, None]) == (checked, by_size.step, [f.crc32 for f in by_size.checkpoint.files])
+    assert re.match(r"skipping step 1: .*crc32-rank-0\.json missing or unreadable", str(seen[0].message))
 
 
 def test_a_background_save_that_fills_the_disk_fails_as_a_checkpoint_error_when_waited_for(

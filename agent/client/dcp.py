@@ -60,8 +60,8 @@ from agent.client.store import (
     CheckpointError,
     CheckpointStore,
     CheckpointWarning,
+    Skipped,
     Verify,
-    loaded_only,
     valid_only,
 )
 from agent.client.store_failure import convertible, fall_back, free_bytes, save_failure
@@ -154,6 +154,8 @@ class ShardedStore:
             fail=self._failure,
         )
         self._checksummers = ChecksumThreads()
+        # The steps whose deferred checksums this store started (on every rank alike: the saves are collective).
+        self._deferred: set[str] = set()
         self.last_save: ShardedCheckpoint | None = None
         auto = margin if tier == "auto" else None
         args = (self.ranks, self._local, tiers, str(job), thread_count, self._report, self._budget, auto)
@@ -252,7 +254,7 @@ class ShardedStore:
         run = self._local.run_for(step) if self.rank == 0 else 0  # rank 0 writes the manifest
         tmp = self.ranks.agree_tmp(self.root)
         defer = emergency and self.checksum and self.defer_emergency_checksum
-        what = Commit(step, layout or {}, started, emergency, notice_id, metadata, run)
+        what = Commit(step, layout or {}, started, emergency, notice_id, metadata, run, defer)
         try:
             with zip_crc_off():
                 writer(tmp)
@@ -350,6 +352,7 @@ class ShardedStore:
         if defer:
             name = f"preemptd-checksum {checkpoint.path.name} rank {self.rank}"
             self._checksummers.start(name, add_own_checksums, checkpoint.path, own, self.rank)
+            self._deferred.add(checkpoint.path.name)
         sharded = ShardedCheckpoint(replace(checkpoint, duration_s=total_s), self.world_size)
         self.last_save = sharded
         if not emergency:  # never spend a notice window deleting old checkpoints
@@ -395,10 +398,15 @@ class ShardedStore:
     def get(self, step: int, verify: Verify = "checksum") -> ShardedCheckpoint:
         """Step ``step``, verified by every rank together (each checksums its share of the files; one
         gather); a collective. CheckpointError naming the file when it fails."""
+        path = self.path_of(step)
+        if path.name in self._deferred:  # this store's ranks may still be adding its CRCs
+            self._deferred.discard(path.name)  # each rank waits for its own, then for every other
+            self._checksummers.join_named(f"preemptd-checksum {path.name} rank {self.rank}")
+            self.ranks.gather(None)
         problem: str | None = None
         checkpoint: Checkpoint | None = None
         try:
-            checkpoint = load_sharded(self.path_of(step))
+            checkpoint = load_sharded(path)
             verify_share(checkpoint, verify, self.rank, self.world_size)
         except CheckpointError as exc:
             problem = str(exc)
@@ -409,12 +417,21 @@ class ShardedStore:
 
     def checkpoints(self, verify: Verify = "checksum") -> Iterator[ShardedCheckpoint]:
         """Committed steps that verify, newest first, the same on every rank (rank 0's listing); the others
-        are skipped with a CheckpointWarning naming the file."""
-        return valid_only(self.ranks.from_zero(self.steps()), lambda step: self.get(step, verify))
+        are skipped with a CheckpointWarning naming the step and the file."""
+        steps = self.ranks.from_zero(self.steps())
+        return valid_only(steps, lambda step: self.get(step, verify), lambda step: f"step {step}")
 
     def latest(self, verify: Verify = "checksum") -> ShardedCheckpoint | None:
-        """The newest committed step that verifies on every rank, or None (a collective)."""
-        return next(self.checkpoints(verify), None)
+        """The newest committed step that verifies on every rank, or None (a collective); each step skipped
+        raises a CheckpointWarning naming it and why, and when none verifies one more lists them all."""
+        skipped = Skipped(self.root)
+        for step in self.ranks.from_zero(self.steps()):
+            try:
+                return self.get(step, verify)
+            except CheckpointError as exc:
+                skipped.add(f"step {step}", exc)
+        skipped.none_left()
+        return None
 
     def load(self, checkpoint: ShardedCheckpoint, state: Mapping[str, Any]) -> None:
         """Load ``checkpoint`` into ``state`` in place through ``dcp.load`` (resharding to this world size).
@@ -429,17 +446,42 @@ class ShardedStore:
 
     def load_latest(self, state: Mapping[str, Any], verify: Verify = "checksum") -> ShardedCheckpoint | None:
         """Load the newest committed step that verifies *and* loads into ``state`` (a collective); that
-        step, or None when there is none (``state`` untouched). A step that verifies but fails to load
-        (an emergency step whose deferred CRCs were never written is checked by size alone) is skipped with
-        a CheckpointWarning and the previous one is loaded, on every rank alike since DCP gathers every
-        rank's failure; a ``mismatch`` is raised at once.
+        step, or None when there is none. Every rank resumes the same step: a step that fails on any rank
+        — a file missing, of another size or failing its CRC32 (each rank checks its share, one gather), the
+        CRCs an emergency save deferred never written, DCP's reader raising — is skipped on every rank with a
+        CheckpointWarning naming the step and why, and the next older one is tried; when none is left, one
+        more warning lists them (``state`` is then as the last try left it: DCP may have read part of a step
+        that failed). A ``mismatch`` is raised at once.
 
-        ``tier="peer"``/``"auto"``: a newer step complete across the hosts' RAM tiers comes first (``dcp_peer``)."""
-        resumed = self.peer.load(state) if self.peer is not None else None
-        if resumed is not None:
-            return resumed
-        found = next(loaded_only(self.checkpoints(verify), lambda c: self.load(c, state)), None)
-        return None if found is None else found[0]
+        ``tier="peer"``/``"auto"``: the complete steps across the hosts' RAM tiers that are newer than the
+        root's newest come first, newest first (``dcp_peer``)."""
+        skipped = Skipped(self.root)
+        if self.peer is not None:
+            resumed = self.peer.load(state, verify, skipped)
+            if resumed is not None:
+                return resumed
+        for step in self.ranks.from_zero(self.steps()):
+            try:
+                checkpoint = self.get(step, verify)
+                self._load_agreed(checkpoint, state)
+            except CheckpointError as exc:
+                if exc.reason == "mismatch":
+                    raise
+                skipped.add(f"step {step}", exc)
+                continue
+            return checkpoint
+        skipped.none_left()
+        return None
+
+    def _load_agreed(self, checkpoint: ShardedCheckpoint, state: Mapping[str, Any]) -> None:
+        """:meth:`load`, then one gather: CheckpointError on every rank when it failed on any (DCP gathers
+        its reader's failures already; this covers what fails outside them)."""
+        error: CheckpointError | None = None
+        try:
+            self.load(checkpoint, state)
+        except CheckpointError as exc:
+            error = exc
+        self.ranks.agree(error)
 
     def prune(self, protect: Path | None = None) -> list[Path]:
         """Rank 0 removes steps beyond ``keep`` and dead saves' leftovers, never ``protect`` (no collective)."""

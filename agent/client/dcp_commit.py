@@ -38,10 +38,11 @@ from agent.client.manifest import (
     Verify,
     default_hash_workers,
     file_crc,
+    file_crcs,
     hash_pool,
     reason_of,
 )
-from agent.client.store import _TMP_PREFIX, CheckpointStore, valid_only
+from agent.client.store import _TMP_PREFIX, CheckpointStore, Skipped
 from agent.client.store_failure import os_error, summary
 
 DCP_METADATA = ".metadata"
@@ -190,6 +191,21 @@ class Ranks:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         return box[0]
 
+    def agree(self, error: CheckpointError | None, group: Any = None) -> None:
+        """One gather of every rank's outcome of the same step (``error``: this rank's failure, or None): the
+        same CheckpointError on every rank when any rank failed (``mismatch`` when any rank's was), so that
+        no rank goes on with a step another one could not load. A collective."""
+        said = self.gather(None if error is None else (error.reason, str(error)), group)
+        failed = [s for s in said if s is not None]
+        if not failed:
+            return
+        if error is not None and error.reason == "mismatch":
+            raise error
+        reasons = [reason for reason, _ in failed]
+        reason = "mismatch" if "mismatch" in reasons else reasons[0]
+        # DCP gathers a failure to every rank: the same words from each, said once.
+        raise CheckpointError("; ".join(dict.fromkeys(text for _, text in failed)), reason=reason)
+
     def agree_tmp(self, root: Path) -> Path:
         """One temporary directory name for all ranks (rank 0's), so that they write into the same one."""
         name = f"{_TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -234,6 +250,7 @@ class Commit:
     notice_id: str | None = None
     metadata: Mapping[str, Any] | None = None
     run: int = 0
+    deferred: bool = False  # an emergency save: each rank adds its CRCs after the commit (CRC_SIDECAR)
 
 
 def commit(
@@ -318,7 +335,7 @@ def manifest(what: Commit, everyone: list[Any], world_size: int) -> dict[str, An
         "notice_id": what.notice_id,
         "duration_s": round(time.monotonic() - what.started, 6),
         "files": files,
-        "checksum": "crc32" if all("crc32" in f for f in files) else None,
+        "checksum": "crc32" if all("crc32" in f for f in files) else "deferred" if what.deferred else None,
         "host": socket.gethostname(),
         "metadata": {**dict(what.metadata or {}), "world_size": world_size},
         "sharded": {
@@ -337,7 +354,7 @@ def load_sharded(directory: Path, *, require_dcp: bool = True) -> Checkpoint:
         try:
             sums.update({str(k): int(v) for k, v in json.loads(sidecar.read_bytes()).items()})
         except (OSError, ValueError, AttributeError, TypeError, OverflowError, RecursionError):
-            continue  # a sidecar is an optimisation: without it the files verify by size
+            continue  # its files stay without CRCs: the step does not verify at the checksum level
     if sums:
         files = tuple(
             replace(f, crc32=sums[f.path]) if f.crc32 is None and f.path in sums else f
@@ -359,23 +376,44 @@ def load_sharded(directory: Path, *, require_dcp: bool = True) -> Checkpoint:
 
 
 def verify_share(checkpoint: Checkpoint, level: Verify, rank: int, world_size: int) -> None:
-    """Sizes of every file; CRCs of this rank's share (files spread by index, so the reading is split)."""
+    """Sizes of every file; CRCs of this rank's share (files spread by index, so the reading is split). At
+    the ``checksum`` level a step is refused whose files lack the CRC32s its manifest promised (the ranks'
+    sidecars of an emergency save never written) or that holds a DCP file its manifest does not list: either
+    file could be damaged without anything telling."""
     if level == "none":
         return
+    checkpoint.check_listed(lambda name: not name.endswith(".distcp"))
     checkpoint.verify("size")
     if level != "checksum":
         return
+    require_crcs(checkpoint)
     share = tuple(f for index, f in enumerate(checkpoint.files) if index % world_size == rank)
     replace(checkpoint, files=share).verify("checksum")
+
+
+def require_crcs(checkpoint: Checkpoint) -> None:
+    """CheckpointError naming the files without the CRC32 the manifest promised, and the sidecars of the
+    ranks that were to add them after an emergency commit (``CRC_SIDECAR``)."""
+    unchecked = checkpoint.unchecked()
+    if not unchecked:
+        return
+    saved = int(checkpoint.metadata.get("world_size", 0) or 0) or 1
+    sidecars = sorted({CRC_SIDECAR.format(rank=owner(f.path, saved)) for f in unchecked})
+    names = ", ".join(f.path for f in unchecked[:4]) + (
+        f" and {len(unchecked) - 4} more" if len(unchecked) > 4 else ""
+    )
+    raise CheckpointError(
+        f"{checkpoint.path}: no CRC32 for {names}: {', '.join(sidecars)} missing or unreadable (the emergency "
+        "save's deferred checksums were never written: the process ended first), so a damaged shard could "
+        "not be detected"
+    )
 
 
 def add_own_checksums(directory: Path, own: list[FileEntry], rank: int) -> None:
     """After an emergency commit: this rank's CRCs into its sidecar (atomic write), so later resumes can
     detect a corrupt shard. A step removed meanwhile is left alone."""
     try:
-        with hash_pool(default_hash_workers()) as pool:
-            sums = {e.path: file_crc(pool, directory / e.path, e.bytes) for e in own}
-            doc = {path: crc() for path, crc in sums.items()}
+        doc = file_crcs(directory, {e.path: e.bytes for e in own}, default_hash_workers())
         target = directory / CRC_SIDECAR.format(rank=rank)
         staged = directory / f".{target.name}.tmp"
         write_durably(staged, json.dumps(doc).encode())
@@ -411,12 +449,18 @@ def latest_committed(
 ) -> ShardedCheckpoint | None:
     """The newest committed sharded step under ``root`` that verifies, read by this process alone (every
     file's size and CRC): for choosing a resume path before the process group exists (Lightning's
-    ``ckpt_path``). Skipped steps raise a CheckpointWarning naming the file."""
+    ``ckpt_path``). Skipped steps raise a CheckpointWarning naming the step and the file (and when none is
+    left, one more lists them)."""
     local = CheckpointStore(root, keep=0, report=False)
 
-    def get(step: int) -> ShardedCheckpoint:
-        checkpoint = load_sharded(local.path_of(step), require_dcp=require_dcp)
-        checkpoint.verify(verify)
+    skipped = Skipped(local.root)
+    for step in local.steps():
+        try:
+            checkpoint = load_sharded(local.path_of(step), require_dcp=require_dcp)
+            verify_share(checkpoint, verify, 0, 1)
+        except CheckpointError as exc:
+            skipped.add(f"step {step}", exc)
+            continue
         return ShardedCheckpoint(checkpoint, int(checkpoint.metadata.get("world_size", 0) or 0))
-
-    return next(valid_only(local.steps(), get), None)
+    skipped.none_left()
+    return None

@@ -18,11 +18,11 @@ from typing import Any
 from agent.client.dcp_async import DeadlineBudget, seconds_to, with_slack
 from agent.client.dcp_commit import Ranks, ShardedCheckpoint
 from agent.client.evacuate import Evacuation, PeerTierUnusable
-from agent.client.manifest import CheckpointError, CheckpointWarning
+from agent.client.manifest import CheckpointError, CheckpointWarning, Verify
 from agent.client.peer_resume import PeerResume
 from agent.client.preempted import record_emergency
 from agent.client.ramtier import RamTier
-from agent.client.store import CheckpointStore
+from agent.client.store import CheckpointStore, Skipped
 from agent.client.store_failure import fall_back, summary
 
 _log = logging.getLogger("agent.client.dcp")
@@ -145,12 +145,16 @@ class PeerTier:
         record_emergency(step, path=checkpoint.path, notice_id=notice_id, sharded=True, tier="peer")
         return ShardedCheckpoint(checkpoint, self.ranks.world_size)
 
-    def load(self, state: Mapping[str, Any]) -> ShardedCheckpoint | None:
-        """The newest RAM step complete across the hosts and newer than the newest durable step, loaded into
-        ``state``; None when there is none (the durable resume follows)."""
+    def load(
+        self, state: Mapping[str, Any], verify: Verify = "checksum", skipped: Skipped | None = None
+    ) -> ShardedCheckpoint | None:
+        """The newest RAM step complete across the hosts, newer than the newest durable step, that verifies
+        and loads into ``state``, newest first (a step that does not is skipped: ``skipped``); None when there
+        is none (the durable resume follows)."""
         newest = self.ranks.from_zero(self._durable_newest() if self.ranks.rank == 0 else None)
         durable = (int(newest[0]), int(newest[1])) if newest else None
-        return PeerResume(self.ranks, self.ranks.group, self.tiers, self.job).load(state, durable)
+        resume = PeerResume(self.ranks, self.ranks.group, self.tiers, self.job)
+        return resume.load(state, durable, verify, skipped)
 
     def _durable_newest(self) -> tuple[int, int] | None:
         try:

@@ -7,6 +7,7 @@ format and the CRC arithmetic itself are :mod:`agent.client.manifest`'s. Standar
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -31,6 +32,7 @@ from agent.client.manifest import (
     crc_fd_range,
     default_hash_workers,
     file_crc,
+    file_crcs,
 )
 
 # Whether files written for the save in progress should be checksummed now (see DurableFile): the store sets
@@ -38,9 +40,14 @@ from agent.client.manifest import (
 CHECKSUM_NOW: ContextVar[bool] = ContextVar("preemptd_checksum_now", default=True)
 
 
+# How long the exit waits, in all, for deferred checksums still running (as ``close()`` would): a step whose
+# deferred CRCs were never written does not verify, so a resume would skip it for the one before.
+EXIT_WAIT_S = 10.0
+
+
 class ChecksumThreads:
     """The deferred-checksum threads of a store (one per emergency save): started once the data is durable,
-    waited for before the process exits."""
+    waited for before the process exits (``close()``; else at exit, up to :data:`EXIT_WAIT_S`)."""
 
     def __init__(self) -> None:
         self._threads: list[threading.Thread] = []
@@ -49,6 +56,8 @@ class ChecksumThreads:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
+        with _lock:  # held here, not by the store: a store dropped before the exit is waited for too
+            _running[:] = [t for t in _running if t.is_alive()] + [thread]
 
     def join_named(self, name: str) -> None:
         for thread in self._threads:
@@ -64,6 +73,19 @@ class ChecksumThreads:
         return not self._threads
 
 
+_running: list[threading.Thread] = []
+_lock = threading.Lock()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    end = time.monotonic() + EXIT_WAIT_S
+    with _lock:
+        running = list(_running)
+    for thread in running:
+        thread.join(max(0.0, end - time.monotonic()))
+
+
 def seal(
     directory: Path,
     step: int,
@@ -77,13 +99,16 @@ def seal(
     started: float | None = None,
     presealed: Mapping[str, FileEntry] | None = None,
     run: int = 0,
+    deferred: bool = False,
 ) -> Checkpoint:
     """Make a directory of finished files durable and describe it: fsync every file (checksumming them at the
     same time on a thread pool), write the manifest last, fsync the directories. Used by the store before its
     rename, and by callbacks whose framework writes checkpoint directories itself.
 
     ``presealed`` maps relative paths to the entries of files already made durable and checksummed while
-    they were written (:class:`DurableFile`); only their sizes are checked here."""
+    they were written (:class:`DurableFile`); only their sizes are checked here. ``deferred`` (without
+    ``checksum``): the CRCs will be added after the commit (:func:`add_checksums`), and until they are, the
+    step does not verify at the ``checksum`` level (the manifest says ``"checksum": "deferred"``)."""
     paths = sorted(
         p for p in directory.rglob("*") if p.is_file() and not p.is_symlink() and p.name != manifest
     )
@@ -114,6 +139,8 @@ def seal(
         fsync_dir(sub)
     now = datetime.now(timezone.utc)
     total = sum(f.bytes for f in files)
+    # A file a writer sealed without its CRC (DurableFile(checksum=False)) leaves the step by sizes alone.
+    marker = "crc32" if all(f.crc32 is not None for f in files) else "deferred" if deferred else None
     duration = round(time.monotonic() - started, 6) if started is not None else None
     doc = {
         "format": FORMAT,
@@ -129,7 +156,7 @@ def seal(
             {"path": f.path, "bytes": f.bytes, **({"crc32": f.crc32} if f.crc32 is not None else {})}
             for f in files
         ],
-        "checksum": "crc32" if checksum else None,
+        "checksum": marker,
         "host": socket.gethostname(),
         "metadata": dict(metadata or {}),
     }
@@ -146,6 +173,7 @@ def seal(
         duration_s=duration,
         metadata=dict(metadata or {}),
         run=run,
+        checksum=marker,
     )
 
 
@@ -184,15 +212,11 @@ def add_checksums(directory: Path, workers: int) -> None:
     path = directory / MANIFEST
     try:
         doc = json.loads(path.read_text())
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            sums = {
-                f["path"]: file_crc(pool, directory / f["path"], int(f["bytes"]))
-                for f in doc["files"]
-                if f.get("crc32") is None
-            }
-            for entry in doc["files"]:
-                if entry["path"] in sums:
-                    entry["crc32"] = sums[entry["path"]]()
+        lacking = {f["path"]: int(f["bytes"]) for f in doc["files"] if f.get("crc32") is None}
+        sums = file_crcs(directory, lacking, workers)  # also while the process exits (see _wait_at_exit)
+        for entry in doc["files"]:
+            if entry["path"] in sums:
+                entry["crc32"] = sums[entry["path"]]
         doc["checksum"] = "crc32"
         staged = directory / (MANIFEST + ".tmp")
         write_durably(staged, json.dumps(doc, indent=1).encode())

@@ -27,6 +27,11 @@ _READ_BLOCK = 8 * 1024 * 1024
 # Large files are checksummed in pieces of this size on several threads; the CRCs are combined after.
 HASH_PIECE = 64 * 1024 * 1024
 Verify = Literal["checksum", "size", "none"]
+# A manifest's "checksum": "crc32" when every file has its CRC32 in it, "deferred" when an emergency save
+# left them to be added after its commit (the manifest rewritten, or the sharded store's sidecars), None when
+# the store saved without CRCs (``checksum=False``; and emergency steps saved before "deferred" was written).
+# A file without its CRC32 in a step that promised one cannot be told intact: it fails ``verify("checksum")``.
+CRC_PROMISED = ("crc32", "deferred")
 _T = TypeVar("_T")
 # Why a save or a read failed, from the OSError's errno (EDQUOT, a quota, is "no space" to the user too).
 _REASONS = {
@@ -83,6 +88,7 @@ class Checkpoint:
     duration_s: float | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
     run: int = 0
+    checksum: str | None = None  # the manifest's "checksum": see CRC_PROMISED
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -117,6 +123,7 @@ class Checkpoint:
             duration_s=fields.seconds("duration_s"),
             metadata=fields.typed("metadata", dict, None) or {},
             run=fields.whole("run", 0),
+            checksum=fields.typed("checksum", str, None),
         )
 
     def verify(self, level: Verify = "checksum", workers: int | None = None) -> None:
@@ -137,6 +144,17 @@ class Checkpoint:
                 raise CheckpointError(f"{target}: {size} bytes, the manifest says {entry.bytes}")
         if level != "checksum":
             return
+        unchecked = self.unchecked()
+        if unchecked:
+            why = (
+                "the emergency save deferred its CRCs and they were never written: the process ended first"
+                if self.checksum == "deferred"
+                else "its manifest entry has none"
+            )
+            raise CheckpointError(
+                f"{self.path / unchecked[0].path}: no CRC32 to check it against ({why}), so damage to it "
+                "cannot be detected"
+            )
         with ThreadPoolExecutor(max_workers=workers or default_hash_workers()) as pool:
             sums = {
                 e.path: file_crc(pool, self.path / e.path, e.bytes) for e in self.files if e.crc32 is not None
@@ -153,6 +171,33 @@ class Checkpoint:
                     ) from exc
                 if crc != entry.crc32:
                     raise CheckpointError(f"{target}: checksum mismatch (corrupt)")
+
+    def unchecked(self) -> list[FileEntry]:
+        """The files without a CRC32 in a checkpoint whose manifest promised them one (see CRC_PROMISED)."""
+        if self.checksum not in CRC_PROMISED:
+            return []
+        return [entry for entry in self.files if entry.crc32 is None]
+
+    def check_listed(self, ignore: Callable[[str], bool] = lambda name: False) -> None:
+        """CheckpointError naming the first file in the directory that its manifest does not list (and
+        ``ignore`` does not pass): a file no entry describes is never verified, so the step cannot be
+        trusted. Plain files only (symlinks are not part of a checkpoint); the manifest itself and its staged
+        rewrite are never listed."""
+        listed = {entry.path for entry in self.files}
+        try:
+            found = sorted(
+                p.relative_to(self.path).as_posix()
+                for p in self.path.rglob("*")
+                if p.is_file() and not p.is_symlink()
+            )
+        except OSError as exc:
+            raise CheckpointError(
+                f"{self.path}: cannot be listed ({exc.strerror})", reason=reason_of(exc)
+            ) from exc
+        own = {MANIFEST, MANIFEST + ".tmp"}
+        for name in found:
+            if name not in listed and name not in own and not ignore(name):
+                raise CheckpointError(f"{self.path / name}: not in the manifest, so it cannot be verified")
 
 
 def reason_of(exc: OSError) -> str:
@@ -270,6 +315,19 @@ def hash_pool(workers: int) -> Iterator[Executor]:
             yield InlineExecutor()
             return
         yield pool
+
+
+def file_crcs(directory: Path, files: Mapping[str, int], workers: int) -> dict[str, int]:
+    """The CRC32 of each file (relative path -> size) under ``directory``, on a :func:`hash_pool`; on this
+    thread when the interpreter begins to exit meanwhile (its pools then refuse new work): the deferred CRCs
+    of an emergency save are still written when the process exits right after it."""
+    try:
+        with hash_pool(workers) as pool:
+            started = {name: file_crc(pool, directory / name, size) for name, size in files.items()}
+            return {name: crc() for name, crc in started.items()}
+    except RuntimeError:  # "cannot schedule new futures after shutdown"
+        inline = InlineExecutor()
+        return {name: file_crc(inline, directory / name, size)() for name, size in files.items()}
 
 
 def crc_range(path: Path, offset: int, length: int) -> int:

@@ -1,17 +1,19 @@
 """Resume from the RAM tiers (issue 24 item 4): the inventories of every rank's host, gathered over the store's
 process group; the newest step complete across their union (newer than the newest durable step); each host
 receives, through the group, the files its ranks need that it does not hold (CRC-checked), then DCP loads from
-each host's own step directory, resharding to this world size. An incomplete newer step is named in a
-:class:`CheckpointWarning` (which file is missing, which host holds what) and the store loads from its root.
+each host's own step directory, resharding to this world size; what a host held is CRC-checked against
+tier.json too. A step that is incomplete (which file is missing, which host holds what), cannot be gathered,
+is damaged or does not load is skipped on every rank with a :class:`CheckpointWarning`, and the next older RAM
+step is tried, then the store's root.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
-import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,17 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from agent.client.dcp_commit import DCP_METADATA, Ranks, ShardedCheckpoint, load_failure
 from agent.client.evacuate import host_key, resolve
 from agent.client.evacuate_transfer import receive_file, send_file
-from agent.client.manifest import Checkpoint, CheckpointWarning, FileEntry
+from agent.client.manifest import (
+    Checkpoint,
+    CheckpointError,
+    FileEntry,
+    Verify,
+    default_hash_workers,
+    file_crc,
+    hash_pool,
+)
 from agent.client.ramtier import RamTier, RamTierError, read_tier_file
+from agent.client.store import Skipped
 
 
 @dataclass(frozen=True)
@@ -49,9 +60,12 @@ class Choice:
     doc: Mapping[str, Any]
 
 
-def choose(holdings: Sequence[Holding], durable: tuple[int, int] | None) -> tuple[Choice | None, list[str]]:
-    """The newest step (by run, then step) complete across the hosts' union and newer than ``durable`` (the
-    newest durable step's (run, step)); and a sentence for each newer step that is not complete. Pure."""
+def candidates(
+    holdings: Sequence[Holding], durable: tuple[int, int] | None
+) -> list[Choice | tuple[int, str]]:
+    """Every step (by run, then step, newest first) newer than ``durable`` (the newest durable step's (run,
+    step)) that some host holds: a Choice when it is complete across the hosts' union, else (step, what is
+    missing). Pure."""
     by_step: dict[int, list[tuple[str, Mapping[str, Any]]]] = {}
     seen: set[tuple[str, int]] = set()
     for holding in holdings:
@@ -59,7 +73,7 @@ def choose(holdings: Sequence[Holding], durable: tuple[int, int] | None) -> tupl
             if (holding.host, step) not in seen:  # one host's ranks all see the same directory
                 seen.add((holding.host, step))
                 by_step.setdefault(step, []).append((holding.host, doc))
-    notes: list[str] = []
+    found: list[Choice | tuple[int, str]] = []
     ordered = sorted(by_step.items(), key=lambda item: (_run(item[1]), item[0]), reverse=True)
     for step, parts in ordered:
         run = _run(parts)
@@ -77,11 +91,23 @@ def choose(holdings: Sequence[Holding], durable: tuple[int, int] | None) -> tupl
                     holders.setdefault(name, []).append(host)
         missing = sorted(set(wanted) - set(files)) if wanted else ["(no list of the step's files)"]
         if not missing:
-            return Choice(step, run, files, {k: tuple(v) for k, v in holders.items()}, parts[0][1]), notes
+            found.append(Choice(step, run, files, {k: tuple(v) for k, v in holders.items()}, parts[0][1]))
+            continue
         held = "; ".join(
             f"{host} holds {', '.join(sorted(dict(doc.get('files') or {})))}" for host, doc in parts
         )
-        notes.append(f"RAM step {step} is incomplete: {', '.join(missing)} on no host ({held})")
+        found.append((step, f"{', '.join(missing)} on no host ({held})"))
+    return found
+
+
+def choose(holdings: Sequence[Holding], durable: tuple[int, int] | None) -> tuple[Choice | None, list[str]]:
+    """The newest step (by run, then step) complete across the hosts' union and newer than ``durable`` (the
+    newest durable step's (run, step)); and a sentence for each newer step that is not complete. Pure."""
+    notes: list[str] = []
+    for found in candidates(holdings, durable):
+        if isinstance(found, Choice):
+            return found, notes
+        notes.append(f"RAM step {found[0]} is incomplete: {found[1]}")
     return None, notes
 
 
@@ -99,41 +125,140 @@ class PeerResume:
         self.tier = tier
         self.job = job
 
-    def load(self, state: Mapping[str, Any], durable: tuple[int, int] | None) -> ShardedCheckpoint | None:
-        """Load the newest complete RAM step newer than ``durable`` into ``state``; None (state untouched)
-        when there is none or it cannot be gathered, with a CheckpointWarning saying why where it matters."""
+    def load(
+        self,
+        state: Mapping[str, Any],
+        durable: tuple[int, int] | None,
+        verify: Verify = "checksum",
+        skipped: Skipped | None = None,
+    ) -> ShardedCheckpoint | None:
+        """Load into ``state`` the newest RAM step newer than ``durable`` that is complete across the hosts,
+        can be gathered, verifies and loads, trying the older ones in turn; None when there is none. Each step
+        passed over goes into ``skipped`` (rank 0 warns: a CheckpointWarning naming the step and why), and
+        every rank passes over the same ones. A ``mismatch`` is raised."""
+        skipped = skipped if skipped is not None else Skipped("the RAM tiers")
+        speaks = self.ranks.rank == 0
         holdings = self.ranks.gather(self._holding(), self.group)
         hosts = _hosts(holdings)
         mine = holdings[self.ranks.rank]
         if durable is not None and hosts[mine.host][0] == self.ranks.rank:
             self._free_stale(mine, durable)
-        choice, notes = choose([h for h in holdings if h.problem is None], durable)
-        if self.ranks.rank == 0:
-            for note in notes:
-                warnings.warn(f"{note}; resuming from the durable root", CheckpointWarning, stacklevel=3)
-        if choice is None:
-            return None
-        unusable = [f"rank {h.rank}: {h.problem}" for h in holdings if h.problem]
-        if unusable:
-            self._warn(f"RAM step {choice.step} cannot be gathered: {'; '.join(unusable)}")
-            return None
+        unusable = "; ".join(f"rank {h.rank}: {h.problem}" for h in holdings if h.problem)
+        for found in candidates([h for h in holdings if h.problem is None], durable):
+            if not isinstance(found, Choice):
+                skipped.add(f"RAM step {found[0]}", f"it is incomplete: {found[1]}", loud=speaks)
+                continue
+            if unusable:  # a host's tier cannot be asked: no RAM step can be gathered
+                skipped.add(f"RAM step {found.step}", f"it cannot be gathered: {unusable}", loud=speaks)
+                return None
+            try:
+                return self._load_step(found, state, holdings, hosts, verify)
+            except CheckpointError as exc:
+                if exc.reason == "mismatch":
+                    raise
+                skipped.add(f"RAM step {found.step}", exc, loud=speaks)
+        return None
+
+    def _load_step(
+        self,
+        choice: Choice,
+        state: Mapping[str, Any],
+        holdings: Sequence[Holding],
+        hosts: Mapping[str, tuple[int, ...]],
+        verify: Verify,
+    ) -> ShardedCheckpoint:
+        """Gather ``choice`` onto every host (each receives the files its ranks read that it lacks,
+        CRC-checked as they arrive; what it held is checked against tier.json's CRC32s), then DCP loads it;
+        CheckpointError on every rank alike when any of it fails."""
         directory = self._directories(choice, hosts)
-        if directory is None:
-            return None
         metadata_moves = _moves(choice, hosts, {h: {DCP_METADATA} for h in hosts})
-        if not self._move(metadata_moves, choice, directory):
-            return None
+        self._move(metadata_moves, choice, directory)
+        self._verify_held(choice, directory, hosts, {h: {DCP_METADATA} for h in hosts}, verify)
         needed = self.ranks.gather(self._needed(state, directory, choice), self.group)
         wanted: dict[str, set[str]] = {}
         for rank, names in enumerate(needed):
             wanted.setdefault(holdings[rank].host, set()).update(names)
-        if not self._move(_moves(choice, hosts, wanted, metadata_moves), choice, directory):
-            return None
-        try:
-            dcp_load(dict(state), storage_reader=FileSystemReader(directory), process_group=self.group)
-        except (CheckpointException, OSError) as exc:
-            raise load_failure(directory, exc) from exc
+        self._move(_moves(choice, hosts, wanted, metadata_moves), choice, directory)
+        shards = {h: n - {DCP_METADATA} for h, n in wanted.items()}
+        self._verify_held(choice, directory, hosts, shards, "size" if verify == "checksum" else verify)
+        error: CheckpointError | None = None
+        with hash_pool(default_hash_workers()) as pool:
+            # The CRC32s of the shards a host held, on the pool while DCP reads the same pages (the resume
+            # takes no longer for them where there is a core to spare); a mismatch skips the step after all.
+            damaged = (
+                self._held_crcs(pool, choice, directory, hosts, shards) if verify == "checksum" else None
+            )
+            try:
+                dcp_load(dict(state), storage_reader=FileSystemReader(directory), process_group=self.group)
+            except (CheckpointException, OSError) as exc:
+                error = load_failure(directory, exc)
+            problem = damaged() if damaged is not None else None
+        if problem is not None:
+            error = CheckpointError(f"damaged in a RAM tier: {problem}")
+        self.ranks.agree(error, self.group)
         return _checkpoint(choice, directory)
+
+    def _held_crcs(
+        self,
+        pool: Executor,
+        choice: Choice,
+        directory: Path,
+        hosts: Mapping[str, tuple[int, ...]],
+        names: Mapping[str, set[str]],
+    ) -> Callable[[], str | None]:
+        """Start the CRC32s of this rank's share of the files of ``names`` its host held (see
+        :meth:`_verify_held`) on ``pool``; the returned function waits for them and says what does not match
+        tier.json's (None: all match)."""
+        host, _, share = self._held(choice, hosts, names)
+        started = [(name, file_crc(pool, directory / name, choice.files[name][0])) for name in share]
+
+        def damaged() -> str | None:
+            for name, crc in started:
+                try:
+                    found = crc()
+                except (OSError, CheckpointError) as exc:
+                    return f"{host}: {directory / name}: unreadable ({exc})"
+                if found != choice.files[name][1]:
+                    return f"{host}: {directory / name}: checksum mismatch (corrupt)"
+            return None
+
+        return damaged
+
+    def _held(
+        self, choice: Choice, hosts: Mapping[str, tuple[int, ...]], names: Mapping[str, set[str]]
+    ) -> tuple[str, list[str], list[str]]:
+        """This rank's host, the files of ``names`` it held already (those it received were checked as they
+        came) and this rank's share of them (by index among the host's ranks)."""
+        host = _host_of(hosts, self.ranks.rank)
+        here = hosts[host]
+        held = sorted(n for n in names.get(host, ()) if host in choice.holders.get(n, ()))
+        return host, held, held[here.index(self.ranks.rank) :: len(here)]
+
+    def _verify_held(
+        self,
+        choice: Choice,
+        directory: Path,
+        hosts: Mapping[str, tuple[int, ...]],
+        names: Mapping[str, set[str]],
+        verify: Verify,
+    ) -> None:
+        """The files of ``names`` that each host held already (those it received were checked as they
+        came): sizes, and (``checksum``) CRC32s against tier.json's, shared out between the host's ranks; one
+        gather. CheckpointError on every rank when one is damaged. (``.metadata`` is checked so before DCP
+        unpickles it; the shards' CRCs run beside DCP's read: :meth:`_held_crcs`.)"""
+        host, held, share = self._held(choice, hosts, names)
+        problem: str | None = None
+        if held and verify != "none":
+            checkpoint = _checkpoint(choice, directory).checkpoint
+            try:
+                replace(checkpoint, files=tuple(FileEntry(n, *choice.files[n]) for n in held)).verify("size")
+                if verify == "checksum":
+                    replace(checkpoint, files=tuple(FileEntry(n, *choice.files[n]) for n in share)).verify()
+            except CheckpointError as exc:
+                problem = f"{host}: {exc}"
+        problems = [p for p in self.ranks.gather(problem, self.group) if p]
+        if problems:
+            raise CheckpointError(f"damaged in a RAM tier: {'; '.join(problems)}")
 
     def _holding(self) -> Holding:
         rank = self.ranks.rank
@@ -157,9 +282,9 @@ class PeerResume:
                 with contextlib.suppress(RamTierError):  # freed by another process meanwhile
                     self.tier.free(self.job, step)
 
-    def _directories(self, choice: Choice, hosts: Mapping[str, tuple[int, ...]]) -> Path | None:
+    def _directories(self, choice: Choice, hosts: Mapping[str, tuple[int, ...]]) -> Path:
         """Each host's leader reserves the step's directory on its host (where it is already, or where the
-        files it lacks will go); every rank learns its own."""
+        files it lacks will go); every rank learns its own. CheckpointError on every rank when one cannot."""
         answer: str | None = None
         host = _host_of(hosts, self.ranks.rank)
         if hosts[host][0] == self.ranks.rank:
@@ -173,8 +298,7 @@ class PeerResume:
         answers = self.ranks.gather(answer, self.group)
         refused = [a[1:] for a in answers if isinstance(a, str) and a.startswith("!")]
         if refused:
-            self._warn(f"RAM step {choice.step} cannot be gathered: {'; '.join(refused)}")
-            return None
+            raise CheckpointError(f"it cannot be gathered: {'; '.join(refused)}")
         return Path(str(answers[hosts[host][0]]))
 
     def _needed(self, state: Mapping[str, Any], directory: Path, choice: Choice) -> list[str]:
@@ -190,9 +314,9 @@ class PeerResume:
             names = set(choice.files)
         return sorted(names | {DCP_METADATA})
 
-    def _move(self, moves: Sequence[tuple[int, int, str]], choice: Choice, directory: Path) -> bool:
+    def _move(self, moves: Sequence[tuple[int, int, str]], choice: Choice, directory: Path) -> None:
         """Run every (sender, receiver, file) in the same order on every rank (so no two wait on each other);
-        False on every rank, with a warning, when a file did not arrive whole."""
+        CheckpointError on every rank when a file did not arrive whole."""
         problems: list[str] = []
         for sender, receiver, name in moves:
             size = choice.files[name][0]
@@ -207,12 +331,7 @@ class PeerResume:
         everyone = self.ranks.gather(problems, self.group)
         found = [p for mine in everyone for p in mine]
         if found:
-            self._warn(f"RAM step {choice.step} could not be gathered: {'; '.join(found)}")
-        return not found
-
-    def _warn(self, message: str) -> None:
-        if self.ranks.rank == 0:
-            warnings.warn(f"{message}; resuming from the durable root", CheckpointWarning, stacklevel=4)
+            raise CheckpointError(f"it could not be gathered: {'; '.join(found)}")
 
 
 def _hosts(holdings: Sequence[Holding]) -> dict[str, tuple[int, ...]]:

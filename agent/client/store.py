@@ -70,6 +70,7 @@ __all__ = [
     "ChecksumThreads",
     "DurableFile",
     "FileEntry",
+    "Skipped",
     "Verify",
     "Writer",
     "crc32_combine",
@@ -182,6 +183,7 @@ class CheckpointStore:
                 started=started,
                 presealed=presealed(written),
                 run=run,
+                deferred=defer,
             )
             final = self.path_of(step)
             # A deferred checksum of this step still running would write the old manifest into the new one.
@@ -326,29 +328,59 @@ class CheckpointStore:
         return [self.path_of(step) for step in self.steps()]
 
     def get(self, step: int, verify: Verify = "checksum") -> Checkpoint:
-        """The checkpoint of ``step``, verified; CheckpointError when it is missing, incomplete or corrupt."""
+        """The checkpoint of ``step``, verified; CheckpointError when it is missing, incomplete or corrupt: a
+        file missing, of another size or failing its CRC32, a file without the CRC32 its manifest promised
+        (an emergency save whose deferred CRCs were never written), a file the manifest does not list."""
+        # This process's own deferred checksums of the step, still running: the step verifies once they end.
+        self._checksummers.join_named(f"preemptd-checksum {self.path_of(step).name}")
         checkpoint = Checkpoint.load(self.path_of(step))
         if checkpoint.step != step:
             raise CheckpointError(f"{checkpoint.path}: the manifest says step {checkpoint.step}")
+        if verify != "none":
+            checkpoint.check_listed()
         checkpoint.verify(verify, self.hash_workers)
         return checkpoint
 
     def checkpoints(self, verify: Verify = "checksum") -> Iterator[Checkpoint]:
         """Valid checkpoints, newest first; invalid ones are skipped with a CheckpointWarning."""
-        return valid_only(self.steps(), lambda step: self.get(step, verify))
+        return valid_only(self.steps(), lambda step: self.get(step, verify), _step)
 
     def latest(self, verify: Verify = "checksum") -> Checkpoint | None:
-        """The newest checkpoint that verifies, or None; skipped ones raise a CheckpointWarning each."""
-        return next(self.checkpoints(verify), None)
+        """The newest checkpoint that verifies, or None; each one skipped raises a CheckpointWarning naming
+        the step and why, and when none verifies one more lists them all."""
+        skipped = Skipped(self.root)
+        for step in self.steps():
+            try:
+                return self.get(step, verify)
+            except CheckpointError as exc:
+                skipped.add(_step(step), exc)
+        skipped.none_left()
+        return None
 
     def load_latest(
         self, load: Callable[[Checkpoint], _Loaded], verify: Verify = "checksum"
     ) -> tuple[Checkpoint, _Loaded] | None:
         """The newest checkpoint that verifies *and* loads, with what ``load(checkpoint)`` returned (e.g.
-        :func:`agent.client.torch.load_torch`); None when there is none. A checkpoint whose ``load`` raises
-        CheckpointError (other than a ``mismatch``) is skipped with a CheckpointWarning like one that fails
-        verification: an emergency step whose deferred CRCs were never written verifies by size alone."""
-        return next(loaded_only(self.checkpoints(verify), load), None)
+        :func:`agent.client.torch.load_torch`); None when there is none. A step that fails verification
+        (:meth:`get`) or whose ``load`` raises CheckpointError (torch cannot read it) is skipped with a
+        CheckpointWarning naming the step and why, and the next older one is tried; when none is left, one
+        more warning lists what was skipped. A ``mismatch`` (the state does not fit) is raised: every older
+        step would not fit either."""
+        return self._load_latest(load, verify, Skipped(self.root))
+
+    def _load_latest(
+        self, load: Callable[[Checkpoint], _Loaded], verify: Verify, skipped: Skipped
+    ) -> tuple[Checkpoint, _Loaded] | None:
+        for step in self.steps():
+            try:
+                checkpoint = self.get(step, verify)
+                return checkpoint, load(checkpoint)
+            except CheckpointError as exc:
+                if exc.reason == "mismatch":
+                    raise
+                skipped.add(_step(step), exc)
+        skipped.none_left()
+        return None
 
     def newest(self) -> Checkpoint | None:
         """The newest committed checkpoint whose manifest reads, not verified (for figures and fallbacks);
@@ -397,16 +429,50 @@ _Key = TypeVar("_Key")
 _Found = TypeVar("_Found")
 
 
-def valid_only(keys: Iterable[_Key], get: Callable[[_Key], _Found]) -> Iterator[_Found]:
+def valid_only(
+    keys: Iterable[_Key], get: Callable[[_Key], _Found], label: Callable[[_Key], str] | None = None
+) -> Iterator[_Found]:
     """``get(key)`` for each key in order, skipping each one whose checkpoint raises CheckpointError with a
-    CheckpointWarning that names the file: the resume rule of every store and callback."""
+    CheckpointWarning that names the file (and ``label(key)``: the step): the resume rule of every store and
+    callback."""
     for key in keys:
         try:
             found = get(key)
         except CheckpointError as exc:
-            warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=3)
+            what = "checkpoint" if label is None else label(key)
+            warnings.warn(f"skipping {what}: {exc}", CheckpointWarning, stacklevel=3)
             continue
         yield found
+
+
+class Skipped:
+    """The steps a resume passed over, each with why: each one is warned about as it is skipped (a
+    CheckpointWarning naming the step and the reason), and :meth:`none_left` says, in one more warning, that
+    none is left to load and lists them; the resume then starts without a checkpoint, as with none.
+    ``loud=False``: collected but not warned about (a rank other than the one that speaks for the job)."""
+
+    def __init__(self, where: object, *, loud: bool = True) -> None:
+        self.where = where
+        self.loud = loud
+        self.skipped: list[str] = []
+
+    def add(self, what: str, why: object, *, loud: bool | None = None) -> None:
+        self.skipped.append(f"{what} ({why})")
+        if self.loud if loud is None else loud:
+            warnings.warn(f"skipping {what}: {why}", CheckpointWarning, stacklevel=3)
+
+    def none_left(self) -> None:
+        if self.skipped and self.loud:
+            warnings.warn(
+                f"no checkpoint in {self.where} could be loaded, so none is resumed (the job starts as without "
+                f"one); skipped: {'; '.join(self.skipped)}",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+
+
+def _step(step: int) -> str:
+    return f"step {step}"
 
 
 def loaded_only(

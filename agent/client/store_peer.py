@@ -33,8 +33,9 @@ from agent.client.ramtier import (
     resolve_job_id,
     write_tier_file,
 )
-from agent.client.store import CheckpointStore, Writer
+from agent.client.store import CheckpointStore, Skipped, Writer
 from agent.client.store_failure import fall_back, summary
+from agent.client.torch import load_agreed
 
 __all__ = ["Copy", "PeerCheckpointStore", "newest_copy", "newest_held"]
 
@@ -166,13 +167,18 @@ class PeerCheckpointStore(CheckpointStore):
         self, load: Callable[[Checkpoint], _Loaded], verify: Verify = "checksum"
     ) -> tuple[Checkpoint, _Loaded] | None:
         """On every rank together: with ``tier="peer"``, the newest step a host holds whole in RAM if newer than
-        the root's (sent to the hosts without it, which keep it), loaded on every rank; else (with a warning
-        when that fails somewhere) :meth:`CheckpointStore.load_latest` on each rank."""
+        the root's (sent to the hosts without it, which keep it), loaded on every rank; then the older RAM
+        steps newer than the root's newest, then the root's steps (read by every rank), each skipped on every
+        rank alike when it fails to verify or load anywhere (a CheckpointWarning naming the step and why; when
+        none is left, one more lists them)."""
+        skipped = Skipped(self.root)
         if self.tier == "peer":
-            found = _Resume(self).load(load, verify)
+            found = _Resume(self).load(load, verify, skipped)
             if found is not None:
                 return found
-        return super().load_latest(load, verify)
+        if not self.ranks.distributed:
+            return self._load_latest(load, verify, skipped)
+        return load_agreed(self, load, self.ranks.group, verify, skipped)
 
 
 class _Evacuation:
@@ -253,8 +259,9 @@ def _listed(directory: Path, rank: int, sealed: Mapping[str, FileEntry]) -> dict
 
 
 def newest_held(tier: RamTier, job: str, durable: tuple[int, int] | None) -> Checkpoint | None:
-    """This host's newest whole copy of a full-state step newer than ``durable``, its CRCs checked; None when
-    there is none or it is damaged. For a process without the group (Lightning's ``resume_path``)."""
+    """This host's newest whole copy of a full-state step newer than ``durable`` whose CRCs check out (a
+    damaged one is skipped with a CheckpointWarning, and the next older one tried); None when there is none.
+    For a process without the group (Lightning's ``resume_path``)."""
     try:
         listed = tier.job(job)
     except RamTierError as exc:
@@ -262,11 +269,17 @@ def newest_held(tier: RamTier, job: str, durable: tuple[int, int] | None) -> Che
             raise
         return None
     path = Path(str(listed["path"]))
-    for copy in newest_copy([c for e in listed.get("steps", []) if (c := _entry("", path, e))], durable):
+    every = [c for e in listed.get("steps", []) if (c := _entry("", path, e))]
+    for copy in sorted(every, key=lambda c: (c.run, c.step), reverse=True):
+        if durable is not None and (copy.run, copy.step) <= durable:
+            break
         checkpoint = _checkpoint(copy, path / str(copy.step))
-        with contextlib.suppress(CheckpointError):
+        try:
             checkpoint.verify("checksum")
-            return checkpoint
+        except CheckpointError as exc:
+            warnings.warn(f"skipping RAM step {copy.step}: {exc}", CheckpointWarning, stacklevel=2)
+            continue
+        return checkpoint
     return None
 
 
@@ -275,44 +288,59 @@ class _GiveUp(Exception):
 
 
 class _Resume:
-    """Finds, spreads and loads the newest full-state RAM step (a collective of the store's group)."""
+    """Finds, spreads and loads the newest full-state RAM step that loads (a collective of the store's group)."""
 
     def __init__(self, store: PeerCheckpointStore) -> None:
         self.store, self.ranks, self.job = store, store.ranks, str(store.job)
         self.path: Path | None = None  # the job's directory in this host's tier, once listed
 
     def load(
-        self, load: Callable[[Checkpoint], _Loaded], verify: Verify
+        self, load: Callable[[Checkpoint], _Loaded], verify: Verify, skipped: Skipped
     ) -> tuple[Checkpoint, _Loaded] | None:
-        try:
-            return self._load(load, verify)
-        except _GiveUp as exc:
-            if self.ranks.rank == 0:
-                warnings.warn(f"{exc}; resuming from {self.store.root}", CheckpointWarning, stacklevel=3)
-            return None
-
-    def _load(
-        self, load: Callable[[Checkpoint], _Loaded], verify: Verify
-    ) -> tuple[Checkpoint, _Loaded] | None:
-        newest = self.store.newest() if self.ranks.rank == 0 else None  # the root's, by run then step
+        """The RAM steps newer than the root's newest, newest first: the first that every rank loads, or None
+        (the root follows). Each one passed over goes into ``skipped``, rank 0 warning why."""
+        speaks = self.ranks.rank == 0
+        newest = self.store.newest() if speaks else None  # the root's, by run then step
         durable = self.ranks.from_zero((newest.run, newest.step) if newest is not None else None)
         held = self.ranks.gather(self._held(durable))
-        copies = newest_copy([c for h in held if not isinstance(h, str) for c in h[1]], durable)
-        if not copies:
+        every = [c for h in held if not isinstance(h, str) for c in h[1]]
+        unreachable = [h for h in held if isinstance(h, str)]
+        newer = newest_copy(every, durable)
+        if not newer:
             return None
-        step = copies[0].step
-        _give_up_if(f"RAM step {step} cannot be gathered", [h for h in held if isinstance(h, str)])
+        if unreachable:  # a host's tier cannot be asked: no RAM step can be gathered
+            why = f"it cannot be gathered: {'; '.join(unreachable)}"
+            skipped.add(f"RAM step {newer[0].step}", why, loud=speaks)
+            return None
         hosts: dict[str, list[int]] = {}
-        for rank, (host, _) in enumerate(held):
-            hosts.setdefault(host, []).append(rank)
+        for rank, (name, _) in enumerate(held):  # every rank's (host, copies), none unreachable
+            hosts.setdefault(name, []).append(rank)
         host = held[self.ranks.rank][0]
+        while copies := newest_copy(every, durable):
+            try:
+                return self._load(copies, hosts, host, load, verify)
+            except _GiveUp as exc:
+                skipped.add(f"RAM step {copies[0].step}", exc, loud=speaks)
+            every = [c for c in every if (c.run, c.step) != (copies[0].run, copies[0].step)]
+        return None
+
+    def _load(
+        self,
+        copies: Sequence[Copy],
+        hosts: Mapping[str, list[int]],
+        host: str,
+        load: Callable[[Checkpoint], _Loaded],
+        verify: Verify,
+    ) -> tuple[Checkpoint, _Loaded]:
+        """Check the hosts' copies of one step, spread a good one to the hosts without it, load it on every
+        rank; _GiveUp on every rank alike when any of it fails (a ``mismatch`` is raised)."""
         # A holder whose copy fails its CRCs drops out; a host without a good copy receives the first one's.
         good = self.ranks.gather(
             self._check(copies, host, verify) if self.ranks.rank == hosts[host][0] else None
         )
         holders = [c for c in copies if c.host in good]
         if not holders:
-            raise _GiveUp(f"no copy of RAM step {step} checks out: {'; '.join(g for g in good if g)}")
+            raise _GiveUp(f"no copy of it checks out: {'; '.join(g[1:] for g in good if g)}")
         checkpoint = _checkpoint(holders[0], self._spread(holders[0], hosts, host, {c.host for c in holders}))
         try:
             outcome: tuple[str | None, Any] = (None, load(checkpoint))
@@ -320,7 +348,7 @@ class _Resume:
             if exc.reason == "mismatch":
                 raise
             outcome = (f"rank {self.ranks.rank}: {exc}", None)
-        _give_up_if(f"RAM step {step} does not load", [f for f in self.ranks.gather(outcome[0]) if f])
+        _give_up_if("it does not load", [f for f in self.ranks.gather(outcome[0]) if f])
         return checkpoint, outcome[1]
 
     def _held(self, durable: tuple[int, int] | None) -> tuple[str, list[Copy]] | str:
@@ -394,7 +422,7 @@ class _Resume:
         if found and reservation is not None:
             with contextlib.suppress(RamTierError):
                 self.store.tiers.free(self.job, source.step)
-        _give_up_if(f"RAM step {source.step} could not be gathered", found)
+        _give_up_if("it could not be gathered", found)
         return Path(str(answers[hosts[host][0]]))
 
     def _keep(self, source: Copy, reservation: Reservation) -> list[str]:

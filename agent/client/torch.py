@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -27,8 +26,8 @@ from agent.client.store import (
     Checkpoint,
     CheckpointError,
     CheckpointStore,
-    CheckpointWarning,
     FileEntry,
+    Skipped,
     Verify,
     Writer,
 )
@@ -212,10 +211,6 @@ def agree_latest(store: CheckpointStore, group: Any = None, verify: Verify = "ch
     return None if found is None else found[0]
 
 
-# What a rank found of one candidate step in agree_load; the lowest across ranks decides.
-_MISMATCH, _SKIP, _LOADED = 0.0, 1.0, 2.0
-
-
 def agree_load(
     store: CheckpointStore,
     load: Callable[[Checkpoint], _Loaded],
@@ -224,21 +219,35 @@ def agree_load(
 ) -> tuple[Checkpoint, _Loaded] | None:
     """The newest step that every rank has a checkpoint of that verifies *and* loads on every rank (each
     rank reads its own ``store`` and calls ``load(checkpoint)``, e.g. :func:`load_torch`), with what ``load``
-    returned; None when there is none. A step that fails on any rank (CheckpointError: an emergency step
-    whose deferred CRCs were never written verifies by size alone, then torch cannot read it) is skipped on
-    every rank with a CheckpointWarning, so all ranks resume from the same step. The order is rank 0's
-    (newest run first, see :meth:`CheckpointStore.save`). A ``mismatch`` on any rank raises on every rank."""
+    returned; None when there is none. A step that fails on any rank (CheckpointError: a file damaged or
+    missing, a CRC the emergency save deferred and never wrote, torch cannot read it) is skipped on every
+    rank, each warning with the step and every rank's reason, so all ranks resume from the same step; when
+    none is left, one more warning lists what was skipped. The order is rank 0's (newest run first, see
+    :meth:`CheckpointStore.save`). A ``mismatch`` on any rank raises on every rank."""
     if not (dist.is_available() and dist.is_initialized()):
         return store.load_latest(load, verify)
     hold(group)
-    local = store.steps()
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
-    common = set(local)
-    for steps in gathered:
-        common &= set(steps or ())
-    device = Coordinator(group=group)._reduce_device()
-    for step in [s for s in gathered[0] or () if s in common]:
+    return load_agreed(store, load, group, verify, Skipped(store.root))
+
+
+def load_agreed(
+    store: CheckpointStore,
+    load: Callable[[Checkpoint], _Loaded],
+    group: Any,
+    verify: Verify,
+    skipped: Skipped,
+) -> tuple[Checkpoint, _Loaded] | None:
+    """:func:`agree_load` on an initialised ``group`` that the caller keeps (a store's own group is not held
+    for the exit, its store releases it); the steps passed over go into ``skipped``. One gather of the
+    ranks' listings, then one gather per step tried, of each rank's outcome."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    listings: list[Any] = [None] * world
+    dist.all_gather_object(listings, store.steps(), group=group)
+    for step in listings[0] or ():
+        lacking = [str(r) for r, steps in enumerate(listings) if step not in (steps or ())]
+        if lacking:
+            skipped.add(f"step {step}", f"not on rank {', '.join(lacking)}")
+            continue
         found: tuple[Checkpoint, _Loaded] | None = None
         error: CheckpointError | None = None
         try:
@@ -246,17 +255,21 @@ def agree_load(
             found = (checkpoint, load(checkpoint))
         except CheckpointError as exc:
             error = exc
-            if exc.reason != "mismatch":
-                warnings.warn(f"skipping checkpoint: {exc}", CheckpointWarning, stacklevel=2)
-        mine = _LOADED if found is not None else _MISMATCH if error and error.reason == "mismatch" else _SKIP
-        outcome = torch.tensor([mine], dtype=torch.float64, device=device)
-        dist.all_reduce(outcome, op=dist.ReduceOp.MIN, group=group)
-        if outcome.item() == _LOADED:
+        mine = None if error is None else (error.reason == "mismatch", f"rank {rank}: {error}")
+        said: list[Any] = [None] * world
+        dist.all_gather_object(said, mine, group=group)
+        failed = [s for s in said if s is not None]
+        if not failed and found is not None:
             return found
-        if outcome.item() == _MISMATCH:
+        if any(mismatch for mismatch, _ in failed):
             if error is not None and error.reason == "mismatch":
                 raise error
-            raise CheckpointError(f"step {step} does not match the state to load into on another rank")
+            why = next(text for mismatch, text in failed if mismatch)
+            raise CheckpointError(
+                f"step {step} does not match the state to load into: {why}", reason="mismatch"
+            )
+        skipped.add(f"step {step}", "; ".join(text for _, text in failed))
+    skipped.none_left()
     return None
 
 
