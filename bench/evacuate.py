@@ -87,8 +87,8 @@ def wait_for_tier(sock: Path, timeout: float = 60.0) -> None:
 
 
 def crc_implementation() -> str:
-    """Which CRC32 this process's checkpoint code uses (agent/client/checksum.py): "zlib-ng" or "zlib"."""
-    from agent.client.checksum import FAST
+    """Which CRC32 this process's checkpoint code uses (agent/checkpoint/checksum.py): "zlib-ng" or "zlib"."""
+    from agent.checkpoint.checksum import FAST
 
     return "zlib-ng" if FAST else "zlib"
 
@@ -437,7 +437,7 @@ def main() -> int:
         "--crc",
         choices=("fast", "zlib"),
         default="fast",
-        help="the ranks' CRC32: whatever agent/client/checksum.py picks (zlib-ng when installed), or the "
+        help="the ranks' CRC32: whatever agent/checkpoint/checksum.py picks (zlib-ng when installed), or the "
         "standard library's zlib (zlib-ng hidden from the ranks), for an A/B in one session",
     )
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)  # internal: run one rank against this socket
@@ -445,7 +445,7 @@ def main() -> int:
     parser.add_argument("--shm", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of:
-        if args.crc == "zlib":  # before anything imports agent.client.checksum: zlib-ng cannot be imported
+        if args.crc == "zlib":  # before agent.checkpoint.checksum is imported: zlib-ng cannot be imported
             sys.modules["zlib_ng"] = None  # type: ignore[assignment]
         return run_full_state(args) if args.full_state else run_rank(args)
     args.dir.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,9 @@ import modules of its own layer and of the layers below it, never above. Imports
 ``TYPE_CHECKING`` count too: they hide an upward dependency from Python, not from a reader.
 
 Run from anywhere: ``python3 scripts/check_layers.py [ROOT]`` (ROOT defaults to this checkout). Prints one
-line per upward import (file, line, what imports what, and the two layers) and exits 1 if there is any, or
-if a module under agent/ belongs to no layer; exits 0 otherwise. Standard library only (CI runs it next to
-ruff and mypy). Cycles within a layer are not its business: shared import-cycle checks find those.
+line per upward import (file, line, what imports what, and the two layers) and per import that ``APART``
+forbids within the order (the RAM tier never imports the client), and exits 1 if there is any, or if a module
+under agent/ belongs to no layer; exits 0 otherwise. Standard library only (CI runs it next to ruff and mypy). Cycles within a layer are not its business: shared import-cycle checks find those.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 # Bottom first. A module belongs to the layer of the longest prefix that names it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("agent.core",)),
+    ("checkpoint", ("agent.checkpoint",)),
     ("config, client, simulate", ("agent.config", "agent.client", "agent.simulate")),
     (
         "sources, actions, bridges, advisor",
@@ -25,6 +26,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("service", ("agent.service",)),
     ("cli", ("agent.cli",)),
     ("package face", ("agent", "agent.__main__", "agent._moved")),
+)
+
+# Imports the layer order allows but the design does not: (importer's package, imported package, why).
+APART: tuple[tuple[str, str, str], ...] = (
+    (
+        "agent.ramtier",
+        "agent.client",
+        "the RAM tier never imports the training-side library: the format both share is in agent.checkpoint",
+    ),
 )
 
 
@@ -73,6 +83,11 @@ def imported(module: str, path: Path, known: dict[str, Path]) -> list[tuple[int,
     return [(line, name) for line, name in out if name == "agent" or name.startswith("agent.")]
 
 
+def within(module: str, package: str) -> bool:
+    """Whether ``module`` is ``package`` or one of its modules."""
+    return module == package or module.startswith(package + ".")
+
+
 def check(root: Path) -> list[str]:
     """The problems found under ROOT, one sentence each; empty when the layering holds."""
     known = modules(root)
@@ -93,6 +108,9 @@ def check(root: Path) -> list[str]:
                     f"{where}:{line}: {module} ({LAYERS[rank][0]}) imports {target} ({LAYERS[target_rank][0]}), "
                     "a layer above it; move the shared part down or invert the dependency (a port in agent.core.ports)"
                 )
+            for importer, banned, why in APART:
+                if within(module, importer) and within(target, banned):
+                    problems.append(f"{where}:{line}: {module} imports {target}; {why}")
     return problems
 
 
@@ -103,7 +121,8 @@ def main(argv: list[str]) -> int:
         print(problem)
     if not problems:
         print(
-            f"layers: {len(modules(root))} modules, no import goes up ({' < '.join(name for name, _ in LAYERS)})"
+            f"layers: {len(modules(root))} modules, no import goes up ({' < '.join(name for name, _ in LAYERS)}), "
+            + ", ".join(f"{importer} imports no {banned}" for importer, banned, _ in APART)
         )
     return 1 if problems else 0
 

@@ -1,4 +1,4 @@
-"""The checkpoint files' CRC32 (agent/client/checksum.py): zlib-ng's where installed, zlib's otherwise, the
+"""The checkpoint files' CRC32 (agent/checkpoint/checksum.py): zlib-ng's where installed, zlib's otherwise, the
 same values either way, whole or summed piece by piece."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 import zlib
 
-from agent.client.checksum import FAST, crc32
+from agent.checkpoint.checksum import FAST, crc32
 from tests.support import REPO
 
 
@@ -31,7 +31,7 @@ def test_the_same_values_as_zlib_whole_and_in_pieces() -> None:
 def test_without_zlib_ng_the_standard_library_sums_the_same() -> None:
     probe = (
         "import sys, json; sys.modules['zlib_ng'] = None\n"
-        "from agent.client.checksum import FAST, crc32\n"
+        "from agent.checkpoint.checksum import FAST, crc32\n"
         "print(json.dumps([FAST, crc32.__module__, crc32(b'preemptd', 7)]))"
     )
     done = subprocess.run(

@@ -50,3 +50,18 @@ def test_a_module_outside_every_layer_is_named(tmp_path: Path) -> None:
     assert ["agent/stray.py: agent.stray belongs to no layer"] == [
         out.split(";")[0] for out in result.stdout.splitlines()
     ]
+
+
+def test_the_ram_tier_importing_the_client_is_named(tmp_path: Path) -> None:
+    """The RAM tier may import the layer below it, but never the training-side library: an import of
+    agent.client from agent/ramtier fails the check, which says where and what to import instead."""
+    shutil.copytree(REPO / "agent", tmp_path / "agent", ignore=shutil.ignore_patterns("__pycache__"))
+    tierfs = tmp_path / "agent" / "ramtier" / "tierfs.py"
+    tierfs.write_text(tierfs.read_text() + "\n\nfrom agent.client.transport import request_json  # noqa\n")
+    line = len(tierfs.read_text().splitlines())
+    result = run_check(tmp_path)
+    expected = (
+        f"agent/ramtier/tierfs.py:{line}: agent.ramtier.tierfs imports agent.client.transport; the RAM tier never "
+        "imports the training-side library: the format both share is in agent.checkpoint"
+    )
+    assert (1, [expected]) == (result.returncode, result.stdout.splitlines())

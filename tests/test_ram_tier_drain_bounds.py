@@ -21,7 +21,7 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from agent.client.manifest import Checkpoint
+from agent.checkpoint.manifest import Checkpoint
 from agent.client.ramtier import write_tier_file
 from agent.ramtier.drain import (
     CLAIM_NAMES,

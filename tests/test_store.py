@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.checkpoint.manifest import crc32_combine
 from agent.client import CheckpointError, CheckpointStore, CheckpointWarning
-from agent.client.manifest import crc32_combine
 
 
 def write_files(files: dict[str, bytes]) -> Callable[[Path], None]:
@@ -146,7 +146,7 @@ def test_save_removes_temporary_directories_of_dead_processes(tmp_path: Path) ->
 def test_large_file_checksum_matches_zlib_across_pieces(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("agent.client.manifest.HASH_PIECE", 1000)
+    monkeypatch.setattr("agent.checkpoint.manifest.HASH_PIECE", 1000)
     data = os.urandom(4567)
     checkpoint = store(tmp_path).save(1, write_files({"big": data}))
     assert zlib.crc32(data) == checkpoint.files[0].crc32

@@ -37,7 +37,7 @@ _RANK = textwrap.dedent(
     """
     import json, os, sys, warnings, zlib
     import torch, torch.distributed as dist
-    from agent.client.manifest import CheckpointError
+    from agent.checkpoint.manifest import CheckpointError
     from agent.client.ramtier import RamTier
     from agent.client.store_peer import PeerCheckpointStore
     from agent.client.torch import load_torch, torch_writer

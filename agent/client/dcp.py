@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from agent.checkpoint.durable import ChecksumThreads
 from agent.client.dcp_async import AsyncSave, BackgroundSaves, Budget, DeadlineBudget, with_slack
 from agent.client.dcp_commit import (
     CRC_SIDECAR,
@@ -51,7 +52,6 @@ from agent.client.dcp_commit import (
 )
 from agent.client.dcp_peer import PeerTier
 from agent.client.dcp_state import Progress, TrainState, layout
-from agent.client.durable import ChecksumThreads
 from agent.client.preempted import record_emergency
 from agent.client.ramtier import RamTier, resolve_job_id
 from agent.client.reporting import Reporter

@@ -26,9 +26,8 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from agent.client import group_exit  # noqa: F401  (its exit handler: the job's destroyed groups released)
-from agent.client.durable import fsync_dir, fsync_file, write_durably
-from agent.client.manifest import (
+from agent.checkpoint.durable import fsync_dir, fsync_file, write_durably
+from agent.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -42,6 +41,7 @@ from agent.client.manifest import (
     hash_pool,
     reason_of,
 )
+from agent.client import group_exit  # noqa: F401  (its exit handler: the job's destroyed groups released)
 from agent.client.store import _TMP_PREFIX, CheckpointStore, Skipped
 from agent.client.store_failure import os_error, summary
 

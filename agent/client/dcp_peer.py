@@ -15,10 +15,10 @@ from collections.abc import Callable, Collection, Mapping
 from datetime import datetime
 from typing import Any
 
+from agent.checkpoint.manifest import CheckpointError, CheckpointWarning, Verify
 from agent.client.dcp_async import DeadlineBudget, seconds_to, with_slack
 from agent.client.dcp_commit import Ranks, ShardedCheckpoint
 from agent.client.evacuate import Evacuation, PeerTierUnusable
-from agent.client.manifest import CheckpointError, CheckpointWarning, Verify
 from agent.client.peer_resume import PeerResume
 from agent.client.preempted import record_emergency
 from agent.client.ramtier import RamTier

@@ -34,11 +34,11 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
+from agent.checkpoint.manifest import Checkpoint, FileEntry
 from agent.client.dcp_commit import Ranks, owner, zip_crc_off
 from agent.client.evacuate_plan import PeerTierUnusable, Place, Plan, fallback_reason, plan
 from agent.client.evacuate_stream import Streams
 from agent.client.evacuate_transfer import file_crc, receive_file, send_file
-from agent.client.manifest import Checkpoint, FileEntry
 from agent.client.ramtier import TIER_FILE, RamTier, RamTierError, write_tier_file
 from agent.client.store_failure import convertible, summary
 

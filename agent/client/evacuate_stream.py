@@ -34,7 +34,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from agent.client.checksum import crc32
+from agent.checkpoint.checksum import crc32
 from agent.client.evacuate_transfer import CHUNK, SummingFileSystem
 
 OPEN, PIECE, CLOSE, END = 1, 2, 3, 4

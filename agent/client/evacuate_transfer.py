@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from agent.client.checksum import crc32
+from agent.checkpoint.checksum import crc32
 
 # Bytes per send and per CRC32 step: a bounded buffer on both sides whatever the size of a shard file, small
 # enough to stay in the cache between the socket, the CRC32 and the write, and for its two buffers' first

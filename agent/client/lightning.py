@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
 
+from agent.checkpoint.manifest import CheckpointError
 from agent.client.callbacks import FollowsNotices, WatchOptions
 from agent.client.dcp import ShardedStore, latest_committed
-from agent.client.manifest import CheckpointError
 from agent.client.ramtier import RamTier, RamTierError, resolve_job_id
 from agent.client.store import Checkpoint, CheckpointStore
 from agent.client.store_peer import PeerCheckpointStore, newest_held

@@ -23,10 +23,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from agent.client.dcp_commit import DCP_METADATA, Ranks, ShardedCheckpoint, load_failure
-from agent.client.evacuate import host_key, resolve
-from agent.client.evacuate_transfer import receive_file, send_file
-from agent.client.manifest import (
+from agent.checkpoint.manifest import (
     Checkpoint,
     CheckpointError,
     FileEntry,
@@ -35,6 +32,9 @@ from agent.client.manifest import (
     file_crc,
     hash_pool,
 )
+from agent.client.dcp_commit import DCP_METADATA, Ranks, ShardedCheckpoint, load_failure
+from agent.client.evacuate import host_key, resolve
+from agent.client.evacuate_transfer import receive_file, send_file
 from agent.client.ramtier import RamTier, RamTierError, read_tier_file
 from agent.client.store import Skipped
 

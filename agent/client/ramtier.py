@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from agent.client.checksum import crc32
+from agent.checkpoint.checksum import crc32
 from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
 
 TIER_FILE = "tier.json"

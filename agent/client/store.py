@@ -8,8 +8,8 @@ then step: a save of a step lower than the newest one starts a new run that outr
 :meth:`CheckpointStore.save`). Every failure to save or read is a :class:`CheckpointError` naming its cause.
 Each save is reported to the agent (started, finished or failed) so the advisor learns what a checkpoint costs.
 
-The manifest and its verification live in :mod:`agent.client.manifest`, the fsyncs, the sealing and
-:class:`DurableFile` in :mod:`agent.client.durable`, the reading of a failure's cause in
+The manifest and its verification live in :mod:`agent.checkpoint.manifest`, the fsyncs, the sealing and
+:class:`DurableFile` in :mod:`agent.checkpoint.durable`, the reading of a failure's cause in
 :mod:`agent.client.store_failure`.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.client.durable import (
+from agent.checkpoint.durable import (
     CHECKSUM_NOW,
     ChecksumThreads,
     DurableFile,
@@ -37,7 +37,7 @@ from agent.client.durable import (
     presealed,
     seal,
 )
-from agent.client.manifest import (
+from agent.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
     HASH_PIECE,
@@ -56,8 +56,8 @@ from agent.client.preempted import record_emergency
 from agent.client.reporting import Reporter
 from agent.client.store_failure import convertible, fall_back, free_bytes, save_failure
 
-# What other modules (and users) import from here: the on-disk format comes from agent.client.manifest, the
-# durable files from agent.client.durable.
+# What other modules (and users) import from here: the on-disk format comes from agent.checkpoint.manifest, the
+# durable files from agent.checkpoint.durable.
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from agent.client.manifest import MANIFEST, Checkpoint, CheckpointError, reason_of
+from agent.checkpoint.manifest import MANIFEST, Checkpoint, CheckpointError, reason_of
 from agent.client.preempted import record_emergency
 
 # Free space below this share of the file system (at most 1 MiB) right after a failed write means the write

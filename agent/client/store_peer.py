@@ -18,10 +18,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from agent.checkpoint.durable import presealed
+from agent.checkpoint.manifest import Checkpoint, CheckpointError, CheckpointWarning, FileEntry, Verify
 from agent.client.dcp_commit import Ranks
-from agent.client.durable import presealed
 from agent.client.evacuate import PeerTierUnusable, Place, host_key, plan, receive_file, send_file
-from agent.client.manifest import Checkpoint, CheckpointError, CheckpointWarning, FileEntry, Verify
 from agent.client.preempted import record_emergency
 from agent.client.ramtier import (
     TIER_FILE,

@@ -18,9 +18,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from agent.client.durable import DurableFile
+from agent.checkpoint.durable import DurableFile
+from agent.checkpoint.manifest import reason_of
 from agent.client.group_exit import hold
-from agent.client.manifest import reason_of
 from agent.client.reporting import CheckpointSchedule
 from agent.client.store import (
     Checkpoint,
@@ -41,7 +41,7 @@ _Loaded = TypeVar("_Loaded")
 
 def torch_writer(obj: Any, filename: str = STATE_FILE, checksum: bool | None = None) -> Writer:
     """A store writer that ``torch.save``s ``obj`` (a state dict, or a dict of them) into one file, written
-    back and checksummed while it is serialised (:class:`~agent.client.durable.DurableFile`)."""
+    back and checksummed while it is serialised (:class:`~agent.checkpoint.durable.DurableFile`)."""
 
     def write(directory: Path) -> dict[str, FileEntry]:
         with DurableFile(directory / filename, checksum=checksum) as handle:

@@ -19,7 +19,7 @@ describes the protocol between the hosts:
 A full-state step (``"layout": "full"`` in ``tier.json``: one host's files are the whole step, every surviving
 host holds a copy) is drained by one host alone (:func:`drain_full`): it claims the step with
 ``.drain-step-<N>.claim``, copies its files into its own ``.drain-step-<N>.<host>`` and commits them as an
-ordinary ``CheckpointStore`` step (the same :func:`~agent.client.durable.seal`); the other hosts wait while
+ordinary ``CheckpointStore`` step (the same :func:`~agent.checkpoint.durable.seal`); the other hosts wait while
 the claim is alive and then find the step committed, or take over when the claim is released without a commit
 (a damaged copy) or stops moving (a host lost mid-copy). Only a claim the job's own user owns is waited for: a
 name another user holds (planted in a shared root) is skipped for the next (:func:`take_claim`).
@@ -45,9 +45,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from agent.client.checksum import crc32
-from agent.client.durable import fsync_dir, fsync_file, seal, write_durably
-from agent.client.manifest import FORMAT, FORMAT_VERSION, MANIFEST, Checkpoint, CheckpointError, FileEntry
+from agent.checkpoint.checksum import crc32
+from agent.checkpoint.durable import fsync_dir, fsync_file, seal, write_durably
+from agent.checkpoint.manifest import FORMAT, FORMAT_VERSION, MANIFEST, Checkpoint, CheckpointError, FileEntry
 from agent.ramtier import identity
 
 DCP_METADATA = ".metadata"

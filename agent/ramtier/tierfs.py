@@ -17,7 +17,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from agent.client.checksum import crc32
+from agent.checkpoint.checksum import crc32
 from agent.ramtier.errors import TierError
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -1,8 +1,9 @@
 """Files made durable and checksummed: :func:`seal` (fsync a directory of finished files while their CRC32s
 are computed, then write its manifest), :class:`DurableFile` (a file written back and checksummed *while* it is
 written), the fsync helpers and the deferred checksums of an emergency save. The checkpoint stores
-(:mod:`agent.client.store`, :mod:`agent.client.dcp`) and the framework callbacks build on them; the manifest
-format and the CRC arithmetic itself are :mod:`agent.client.manifest`'s. Standard library only.
+(:mod:`agent.client.store`, :mod:`agent.client.dcp`), the framework callbacks and the RAM tier's drain build
+on them; the manifest format and the CRC arithmetic itself are :mod:`agent.checkpoint.manifest`'s. Standard
+library only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from agent.client.manifest import (
+from agent.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
     HASH_PIECE,

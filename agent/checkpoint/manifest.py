@@ -1,7 +1,7 @@
 """A committed checkpoint as it lies on disk: its manifest, read and checked field by field; its files'
 sizes and CRC32s (large files in pieces on several threads, combined after); the errors and warnings of reading
-it. Shared by the plain store (:mod:`agent.client.store`) and the sharded one (:mod:`agent.client.dcp`).
-Standard library only.
+it. Shared by the client's stores (:mod:`agent.client.store`, :mod:`agent.client.dcp`) and the RAM tier's
+drain (:mod:`agent.ramtier.drain`). Standard library only.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, TypeVar, cast
 
-from agent.client.checksum import crc32
+from agent.checkpoint.checksum import crc32
 
 MANIFEST = "manifest.json"
 FORMAT = "preemptd-checkpoint"
