@@ -5,8 +5,3 @@ module, so nothing heavy (aiohttp, pynvml, structlog) may be imported here.
 """
 
 __version__ = "0.1.0"
-
-# Modules moved into one folder per layer after 0.1.0; their old import paths warn for one release.
-from agent import _moved
-
-_moved.install()

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("service", ("agent.service",)),
     ("cli", ("agent.cli",)),
-    ("package face", ("agent", "agent.__main__", "agent._moved")),
+    ("package face", ("agent", "agent.__main__")),
 )
 
 # Imports the layer order allows but the design does not: (importer's package, imported package, why).

@@ -21,11 +21,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from agent import __version__
 from agent.core.errors import NoticeError, ReportError
 from agent.core.notice import Kind, Severity
+from agent.core.peers import is_admin, peer_credentials, peer_doc
 from agent.core.ports import ApiHost, MetricsView
 from agent.core.reports import brief, parse_report, seconds
 from agent.core.subscribers import CLOSE, HubFull
 from agent.service.clientlog import BadRequestFilter, ClientMistakes
-from agent.service.peers import is_admin, peer_credentials, peer_doc
 
 AGENT_KEY: web.AppKey[ApiHost] = web.AppKey("agent")
 MISTAKES_KEY: web.AppKey[ClientMistakes] = web.AppKey("mistakes")
