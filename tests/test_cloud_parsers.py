@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -348,6 +349,49 @@ def test_azure_started_event_without_history_is_due_now() -> None:
     )
     (obs,) = azure.parse_scheduled_events(body, "vm", NOW).observations
     assert obs.deadline == NOW
+
+
+@pytest.mark.parametrize(
+    ("status", "not_before", "known", "expected"),
+    [
+        # Approved early (StartRequests): the 15 minutes are gone, it is happening now.
+        ("Started", "", at("2026-03-01T12:15:00"), NOW),
+        # Started at its NotBefore, seen a poll later: the scheduled deadline stays.
+        ("Started", "", at("2026-03-01T11:59:59"), at("2026-03-01T11:59:59")),
+        # A mock that keeps NotBefore once started: still now, not the scheduled time.
+        ("Started", "Sun, 01 Mar 2026 12:15:00 GMT", None, NOW),
+        ("Started", "Sun, 01 Mar 2026 11:59:00 GMT", None, at("2026-03-01T11:59:00")),
+        ("Scheduled", "Sun, 01 Mar 2026 12:15:00 GMT", at("2026-03-01T12:20:00"), at("2026-03-01T12:15:00")),
+    ],
+)
+def test_azure_started_event_is_due_by_the_time_it_started(
+    status: str, not_before: str, known: datetime | None, expected: datetime
+) -> None:
+    """A Started event's deadline: the earliest of NotBefore, the deadline known from earlier reads and now."""
+    body = json.dumps(
+        {
+            "DocumentIncarnation": 3,
+            "Events": [
+                {"EventId": "E1", "EventStatus": status, "EventType": "Reboot", "Resources": ["vm"],
+                 "NotBefore": not_before}
+            ],
+        }
+    ).encode()  # fmt: skip
+    (obs,) = azure.parse_scheduled_events(body, "vm", NOW, {"E1": known} if known else None).observations
+    assert obs.deadline == expected
+
+
+def test_azure_started_deadline_stays_at_the_first_sighting() -> None:
+    """Later reads of a started event keep the time it was first seen started, not each read's now."""
+    body = (
+        b'{"DocumentIncarnation": 2, "Events": [{"EventId": "E1", "EventStatus": "Started", '
+        b'"EventType": "Reboot", "Resources": ["vm"], "NotBefore": ""}]}'
+    )
+    (first,) = azure.parse_scheduled_events(body, "vm", NOW, {"E1": at("2026-03-01T12:15:00")}).observations
+    assert first.deadline is not None
+    later = NOW + timedelta(seconds=5)
+    (again,) = azure.parse_scheduled_events(body, "vm", later, {"E1": first.deadline}).observations
+    assert (first.deadline, again.deadline) == (NOW, NOW)
 
 
 def test_azure_no_events() -> None:

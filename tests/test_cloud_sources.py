@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -21,7 +22,8 @@ from agent.simulate import (
 )
 from agent.sources import aws as aws_source
 from agent.sources.azure import AzureSource
-from tests.cloud_harness import CASES, rig
+from tests.cloud_harness import CASES, Rig, rig
+from tests.support import http_json
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -312,6 +314,52 @@ async def test_azure_acknowledge_immediate(base: Path) -> None:
         await r.notice("notice")
         await r.notice("update")
         assert r.sim.state()["acknowledged"] == ["P-1"]
+
+
+async def approved_at_once(r: Rig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Reboot 15 minutes out, approved as soon as seen: the notice, then its update once Started."""
+    r.sim.trigger({"type": "event", "event_type": "Reboot", "event_id": "R-9", "in_s": 900})
+    first = await r.notice("notice")
+    started = await r.notice("update")
+    assert started["detail"]["EventStatus"] == "Started"
+    return first, started
+
+
+async def test_azure_event_approved_at_once_is_due_now_under_the_same_id(base: Path) -> None:
+    """Azure starts an approved event early: the deadline 15 minutes out becomes the time it was seen
+    started, as an update of the same notice."""
+    async with rig("azure", base, settings={"azure.acknowledge": "immediate"}) as r:
+        first, started = await approved_at_once(r)
+        events = r.notice_events(first["id"])
+    scheduled = parse_time(first["deadline"]) - parse_time(first["detected_at"])
+    due = parse_time(started["deadline"])
+    assert (started["id"], ["notice", "update"], True, True) == (
+        first["id"],
+        events,
+        scheduled > timedelta(minutes=14),
+        parse_time(first["detected_at"]) <= due <= parse_time(started["updated_at"]),
+    )
+
+
+async def test_azure_started_deadline_reaches_the_ledger(base: Path) -> None:
+    """The ledger keeps the effective window: the started deadline, not the scheduled one."""
+    async with rig("azure", base, settings={"azure.acknowledge": "immediate"}) as r:
+        first, started = await approved_at_once(r)
+        scheduled = parse_time(first["deadline"]).timestamp()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        facts: list[dict[str, Any]] = []
+        while loop.time() < end:  # the ledger writes on its own thread: no event to wait on
+            _, ledger = await http_json(r.socket, "GET", "/v1/ledger")
+            facts = [n for n in ledger["notices"] if n["id"] == first["id"]]
+            if facts and facts[0]["deadline"] < scheduled:
+                break
+            await asyncio.sleep(0.05)
+    effective = parse_time(started["deadline"]).timestamp()
+    assert ([pytest.approx(effective, abs=0.001)], True) == (
+        [n["deadline"] for n in facts],
+        effective < scheduled - 600,
+    )
 
 
 async def test_azure_iso_not_before(base: Path) -> None:

@@ -347,6 +347,42 @@ async def test_azure_instance_metadata_names_the_vm(
     assert await get(http, url, headers=AZ) == (200, "vm-a")
 
 
+INSTANCE = "/metadata/instance?api-version=2021-02-01"
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [("absent", (404, {"error": "Not found"})), ("throttled", (429, {"error": "Too many requests"}))],
+)
+async def test_azure_instance_metadata_can_fail(
+    http: aiohttp.ClientSession, answer: str, expected: tuple[int, dict[str, str]]
+) -> None:
+    """404 as Microsoft's Scheduled Events mock answers it (it serves no instance metadata), 429 as IMDS."""
+    async with AzureSimulator(instance=answer) as sim:
+        status, body = await get(http, sim.url + INSTANCE, headers=AZ)
+        events_status, _ = await get(http, sim.url + EVENTS, headers=AZ)
+    assert (expected, 200) == ((status, json.loads(body)), events_status)
+
+
+async def test_azure_instance_answer_changes_by_event(
+    http: aiohttp.ClientSession, azure_sim: AzureSimulator
+) -> None:
+    azure_sim.trigger({"type": "instance", "answer": "absent"})
+    before, _ = await get(http, azure_sim.url + INSTANCE, headers=AZ)
+    azure_sim.trigger({"type": "instance", "answer": "serve"})
+    after, _ = await get(http, azure_sim.url + INSTANCE, headers=AZ)
+    assert (before, after) == (404, 200)
+
+
+async def test_simulator_counts_requests_by_path(
+    http: aiohttp.ClientSession, azure_sim: AzureSimulator
+) -> None:
+    for _ in range(2):
+        await get(http, azure_sim.url + EVENTS, headers=AZ)
+    await get(http, azure_sim.url + INSTANCE, headers=AZ)
+    assert {"/metadata/scheduledevents": 2, "/metadata/instance": 1} == dict(azure_sim.requests_by_path)
+
+
 async def test_azure_managed_identity_token(http: aiohttp.ClientSession, azure_sim: AzureSimulator) -> None:
     url = (
         azure_sim.url

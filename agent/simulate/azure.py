@@ -1,5 +1,6 @@
 """A simulated Azure IMDS: Scheduled Events (``DocumentIncarnation``, the event lifecycle Scheduled → Started
-→ gone, ``StartRequests``), instance metadata, the ``Metadata: true`` and ``api-version`` rules and the
+→ gone, ``StartRequests`` starting an event at once), instance metadata (or its 404, as Microsoft's Scheduled
+Events mock serves it, or IMDS's 429), the ``Metadata: true`` and ``api-version`` rules and the
 5-requests-per-second limit."""
 
 from __future__ import annotations
@@ -36,7 +37,18 @@ EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
 # Minimum notice per type (seconds) when an event does not say.
 DEFAULT_NOTICE_S = {"Preempt": 30, "Terminate": 300, "Redeploy": 600, "Reboot": 900, "Freeze": 900}
 RATE_LIMIT = 5  # requests per second per VM
+# What /metadata/instance answers: the document; 404, as a mock that serves only Scheduled Events does
+# (Microsoft's own); 429, IMDS's throttling answer.
+INSTANCE_ANSWERS = ("serve", "absent", "throttled")
 NEWEST = ["2021-12-13", "2021-11-15", "2021-11-01"]
+
+
+def _not_found() -> web.Response:
+    return web.json_response({"error": "Not found"}, status=404)
+
+
+def _too_many() -> web.Response:
+    return web.json_response({"error": "Too many requests"}, status=429)
 
 
 def _bad(message: str, newest: bool = False) -> web.Response:
@@ -78,13 +90,16 @@ class AzureSimulator(Simulator):
         vm_name: str = "gpu-trainer-0",
         not_before_format: str = "rfc1123",
         rate_limit: int = RATE_LIMIT,
+        instance: str = "serve",
     ) -> None:
-        """``not_before_format``: ``"rfc1123"`` as Azure sends it, or ``"iso"`` as Microsoft's mock does."""
+        """``not_before_format``: ``"rfc1123"`` as Azure sends it, or ``"iso"`` as Microsoft's mock does.
+        ``instance``: what ``/metadata/instance`` answers (:data:`INSTANCE_ANSWERS`)."""
         if not_before_format not in ("rfc1123", "iso"):
             raise SimulatorError('not_before_format must be "rfc1123" or "iso"')
         self.vm_name = vm_name
         self.not_before_format = not_before_format
         self.rate_limit = rate_limit
+        self.instance = self._instance_answer(instance)
         self.acknowledged: list[str] = []
         self.throttled = 0
         self._recent: dict[str, deque[float]] = {}
@@ -101,7 +116,16 @@ class AzureSimulator(Simulator):
             "acknowledged": list(self.acknowledged),
             "throttled": self.throttled,
             "vm_name": self.vm_name,
+            "instance": self.instance,
         }
+
+    @staticmethod
+    def _instance_answer(answer: Any) -> str:
+        if answer not in INSTANCE_ANSWERS:
+            raise SimulatorError(
+                f"instance answer must be one of {', '.join(INSTANCE_ANSWERS)}, got {answer!r}"
+            )
+        return str(answer)
 
     # --- event lifecycle ---
 
@@ -168,8 +192,13 @@ class AzureSimulator(Simulator):
         elif kind == "complete":
             target = self._find(event.get("event_id"))
             self.events = [e for e in self.events if e is not target]
+        elif kind == "instance":
+            self.instance = self._instance_answer(event.get("answer", "serve"))
+            return  # not a Scheduled Events change: the incarnation stays
         else:
-            raise SimulatorError(f"unknown Azure event {kind!r}; expected event, start, complete or reset")
+            raise SimulatorError(
+                f"unknown Azure event {kind!r}; expected event, start, complete, instance or reset"
+            )
         self._bump()
 
     def _not_before(self, event: Mapping[str, Any]) -> str:
@@ -263,7 +292,7 @@ class AzureSimulator(Simulator):
                 newest=True,
             )
         if self._throttled(request):
-            return web.json_response({"error": "Too many requests"}, status=429)
+            return _too_many()
         return None
 
     async def _h_events(self, request: web.Request) -> web.Response:
@@ -296,6 +325,10 @@ class AzureSimulator(Simulator):
         denied = self._check(request, INSTANCE_API_VERSIONS)
         if denied:
             return denied
+        if self.instance == "absent":
+            return _not_found()
+        if self.instance == "throttled":
+            return _too_many()
         node: Any = self.instance_document()
         for part in [p for p in request.match_info.get("tail", "").split("/") if p]:
             if isinstance(node, dict) and part in node:
@@ -303,7 +336,7 @@ class AzureSimulator(Simulator):
             elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
                 node = node[int(part)]
             else:
-                return web.json_response({"error": "Not found"}, status=404)
+                return _not_found()
         if request.query.get("format") == "text":
             if isinstance(node, (dict, list)):
                 return _bad("Bad request. format=text is only for leaf values")
@@ -333,4 +366,4 @@ class AzureSimulator(Simulator):
         )
 
     async def _h_other(self, request: web.Request) -> web.Response:
-        return web.json_response({"error": "Not found"}, status=404)
+        return _not_found()

@@ -3,7 +3,8 @@ injection and named scenarios.
 
 Control API (JSON; never part of any cloud's protocol):
 
-- ``GET /_sim/state``: the simulated cloud state, active faults, request count and the publication log
+- ``GET /_sim/state``: the simulated cloud state, active faults, request counts (in all and by path) and the
+  publication log
 - ``POST /_sim/event``: apply one event now (cloud-specific, e.g. ``{"type": "spot", "action": "terminate"}``);
   the answer says when it was published (``published_unix`` is ``time.time()``, for latency measurements)
 - ``POST /_sim/fault``: inject a fault, ``DELETE /_sim/fault``: remove them all
@@ -22,7 +23,7 @@ import random
 import socket
 import struct
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -69,6 +70,7 @@ class Simulator:
         self.host = host
         self.port = port
         self.requests = 0
+        self.requests_by_path: Counter[str] = Counter()  # cadence checks count one endpoint's requests
         self.faults: list[Fault] = []
         self.published: deque[dict[str, Any]] = deque(maxlen=200)
         self.publications = 0
@@ -221,6 +223,7 @@ class Simulator:
         if request.path.startswith(SIM_PREFIX):
             return await handler(request)  # type: ignore[no-any-return]
         self.requests += 1
+        self.requests_by_path[request.path] += 1
         now = time.monotonic()
         self.faults = [f for f in self.faults if f.until is None or f.until > now]
         for fault in list(self.faults):
@@ -287,6 +290,7 @@ class Simulator:
                 "cloud": self.cloud,
                 "port": self.port,
                 "requests": self.requests,
+                "requests_by_path": dict(self.requests_by_path),
                 "faults": [f.to_json() for f in self.faults],
                 "scenario": self._scenario_name,
                 "state": self.state(),

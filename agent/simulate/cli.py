@@ -63,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--vm-name", help="azure: this VM's name (default gpu-trainer-0)")
     p.add_argument("--not-before-format", choices=("rfc1123", "iso"), help="azure: NotBefore layout")
+    p.add_argument(
+        "--instance-metadata",
+        choices=("serve", "absent", "throttled"),
+        metavar="ANSWER",
+        help="azure: what /metadata/instance answers: serve (the document, default), absent (404, as "
+        "Microsoft's Scheduled Events mock) or throttled (429)",
+    )
     p.add_argument("--no-upcoming", action="store_true", help="gcp: no upcoming-maintenance endpoint (404)")
     p.add_argument(
         "--upcoming-idle",
@@ -86,6 +93,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             options["vm_name"] = args.vm_name
         if args.not_before_format:
             options["not_before_format"] = args.not_before_format
+        if args.instance_metadata:
+            options["instance"] = args.instance_metadata
     elif cloud == "gcp":
         options["offer_upcoming"] = not args.no_upcoming
         if args.upcoming_idle:

@@ -3,6 +3,7 @@ the hardened metadata mode's token."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from datetime import datetime
@@ -43,6 +44,8 @@ class AlibabaSource(TerminationTimeSource):
         self.config = config
         self._token: str | None = None
         self._token_expires = 0.0
+        # One fetch at a time: the identity read runs beside the termination poll and shares its token.
+        self._token_lock = asyncio.Lock()
 
     def parse_time(self, body: bytes) -> datetime:
         return parse_alibaba_time(body)
@@ -50,17 +53,18 @@ class AlibabaSource(TerminationTimeSource):
     async def request_headers(self) -> Mapping[str, str] | None:
         if not self.config.token:
             return None
-        if self._token is None or time.monotonic() >= self._token_expires:
-            ttl = max(1, min(21600, self.config.token_ttl_s))
-            reply = await self._client.request("PUT", TOKEN_PATH, headers={TOKEN_TTL_HEADER: str(ttl)})
-            if reply.status != 200:
-                raise status_error("PUT", self.endpoint + TOKEN_PATH, reply)
-            token = reply.text().strip()
-            if not token or not token.isprintable():
-                raise ParseError(f"PUT {TOKEN_PATH}: unusable token {reply.body[:40]!r}")
-            self._token = token
-            self._token_expires = time.monotonic() + ttl - min(60.0, ttl / 4)
-        return {TOKEN_HEADER: self._token}
+        async with self._token_lock:
+            if self._token is None or time.monotonic() >= self._token_expires:
+                ttl = max(1, min(21600, self.config.token_ttl_s))
+                reply = await self._client.request("PUT", TOKEN_PATH, headers={TOKEN_TTL_HEADER: str(ttl)})
+                if reply.status != 200:
+                    raise status_error("PUT", self.endpoint + TOKEN_PATH, reply)
+                token = reply.text().strip()
+                if not token or not token.isprintable():
+                    raise ParseError(f"PUT {TOKEN_PATH}: unusable token {reply.body[:40]!r}")
+                self._token = token
+                self._token_expires = time.monotonic() + ttl - min(60.0, ttl / 4)
+            return {TOKEN_HEADER: self._token}
 
     async def read(self, path: str) -> bytes | None:
         try:

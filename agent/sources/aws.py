@@ -27,6 +27,7 @@ from agent.sources.cloud_http import (
     Reply,
     status_error,
 )
+from agent.sources.cloud_identity import IdentityReader
 from agent.sources.clouds import CloudSpec
 
 log = structlog.get_logger("preemptd.sources.aws")
@@ -223,7 +224,7 @@ class AwsSource(Source):
         self._imdsv1 = False
         self._v2_retry_at = 0.0  # monotonic; when IMDSv1 is in use, when to try IMDSv2 again
         self._token_lock = asyncio.Lock()
-        self._identity: dict[str, str] = {}
+        self._identity = IdentityReader(self.name, "aws", self.read_identity, config.backoff_max_s)
         self._polls = 0
 
     def status(self) -> Mapping[str, Any]:
@@ -232,6 +233,7 @@ class AwsSource(Source):
             "mode": "imdsv1" if self._imdsv1 else "imdsv2",
             "poll_interval_s": self.config.poll_interval_s,
             "polls": self._polls,
+            "identity": self._identity.status(),
         }
 
     # token lifecycle
@@ -345,6 +347,7 @@ class AwsSource(Source):
         state = LevelState(parts)
         backoff = Backoff(self.config.poll_interval_s, self.config.backoff_max_s)
         interval = self.config.poll_interval_s
+        self._identity.start(sink)  # beside the poll: its failures never slow or degrade it
         try:
             next_tick = time.monotonic()
             while True:
@@ -365,12 +368,6 @@ class AwsSource(Source):
                             raise result
                 state.publish(sink)
                 self._polls += 1
-                if not errors and not self._identity:
-                    try:
-                        self._identity = await self.read_identity()
-                        sink.identify("aws", self._identity)
-                    except CloudError as exc:
-                        errors.append(exc)
                 if errors:
                     sink.error(str(errors[0]), errors=len(errors), endpoint=self.config.endpoint)
                     delay = backoff.next_delay(errors[0].retry_after_s)
@@ -383,6 +380,7 @@ class AwsSource(Source):
                 await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
         finally:
             bound.debug("source_stopping")
+            await self._identity.stop()
             await self._client.close()
 
 

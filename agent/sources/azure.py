@@ -21,7 +21,8 @@ from agent.core.errors import NoticeError
 from agent.core.notice import Kind, Observation, Severity, parse_time, utcnow
 from agent.core.ports import AZURE_ACK
 from agent.sources.base import Sink, Source
-from agent.sources.cloud_http import Backoff, CloudError, MetadataClient, ParseError, status_error
+from agent.sources.cloud_http import Backoff, CloudError, MetadataClient, ParseError, run_all, status_error
+from agent.sources.cloud_identity import IdentityReader
 from agent.sources.clouds import CloudSpec
 
 log = structlog.get_logger("preemptd.sources.azure")
@@ -89,8 +90,12 @@ def parse_scheduled_events(
     known_deadlines: Mapping[str, datetime] | None = None,
 ) -> ScheduledEvents:
     """The Scheduled Events document. Events whose ``Resources`` do not name ``vm_name`` are another VM's
-    (None: the name is unknown, keep them all). A started event has no ``NotBefore``: its deadline is the one
-    seen while it was scheduled (``known_deadlines``), else now."""
+    (None: the name is unknown, keep them all). ``known_deadlines``: each event's deadline as last read.
+
+    A ``Started`` event is happening now, whatever was scheduled: Azure starts an approved event
+    (``StartRequests``) early and then drops its ``NotBefore``. Its deadline is the earlier of the one seen
+    while it was scheduled and the time it was first seen started (``now`` on that read; the known deadline
+    keeps that time on later reads)."""
     try:
         doc = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -128,9 +133,11 @@ def parse_scheduled_events(
         event_type = str(event.get("EventType") or "")
         kind, severity = _KINDS.get(event_type.lower(), (Kind.MAINTENANCE, Severity.WARNING))
         deadline = parse_not_before(event.get("NotBefore"))
-        if deadline is None:
-            deadline = known.get(event_id, now)
         status = str(event.get("EventStatus") or "Scheduled")
+        if status.lower() == "started":
+            deadline = min(t for t in (deadline, known.get(event_id), now) if t is not None)
+        elif deadline is None:
+            deadline = known.get(event_id, now)
         detail = {
             k: event[k]
             for k in (
@@ -199,7 +206,8 @@ class RateLimiter:
 
 
 class AzureSource(Source):
-    """Polls Scheduled Events every ``poll_interval_s`` (1 s by default, as Microsoft advises)."""
+    """Polls Scheduled Events every ``poll_interval_s`` (1 s by default, as Microsoft advises); reads this VM's
+    identity (``/metadata/instance``) beside it, on its own schedule (:class:`IdentityReader`)."""
 
     name = "azure"
 
@@ -208,12 +216,11 @@ class AzureSource(Source):
         self._client = MetadataClient(config.endpoint, config.timeout_s, headers=HEADERS)
         self._limiter = RateLimiter(MAX_REQUESTS_PER_S, 1.0)
         self.vm_name: str | None = config.vm_name or None
-        self._identity: dict[str, str] = {}
+        self._identity = IdentityReader(self.name, "azure", self._read_identity, config.backoff_max_s)
         self._incarnation: int | None = None
         self._deadlines: dict[str, datetime] = {}
         self._acknowledged: set[str] = set()
         self._ignored = 0
-        self._identity_error: str | None = None
         self._held: set[str] = set()  # events not acknowledged for want of this VM's name (logged once)
         # The next Scheduled Events call may be the one that enables the service (after boot, or after a
         # server error): it gets first_call_timeout_s.
@@ -226,8 +233,8 @@ class AzureSource(Source):
         if self.vm_name:
             return None
         why = "this VM's name is unknown (set azure.vm_name, or let instance metadata answer"
-        if self._identity_error:
-            why += f"; it said: {self._identity_error}"
+        if self._identity.error:
+            why += f"; it said: {self._identity.error}"
         return why + "): acknowledging could start another VM's event"
 
     def capabilities(self) -> Mapping[str, Callable[..., Any]]:
@@ -242,6 +249,7 @@ class AzureSource(Source):
             "acknowledged": sorted(self._acknowledged),
             "acknowledge_blocked": self.acknowledge_blocked,
             "warming_up": self.warming_up,
+            "identity": self._identity.status(),
         }
 
     async def _request(
@@ -272,19 +280,11 @@ class AzureSource(Source):
         self._acknowledged.add(event_id)
         log.info("azure_event_acknowledged", source=self.name, event_id=event_id)
 
-    async def _read_identity(self, sink: Sink) -> None:
-        try:
-            identity = parse_instance(
-                await self._request("GET", INSTANCE_PATH, self.config.instance_api_version)
-            )
-        except CloudError as exc:
-            self._identity_error = str(exc)
-            raise
-        self._identity = identity
-        self._identity_error = None
+    async def _read_identity(self) -> dict[str, str]:
+        identity = parse_instance(await self._request("GET", INSTANCE_PATH, self.config.instance_api_version))
         if self.vm_name is None:
             self.vm_name = identity["name"]
-        sink.identify("azure", identity)
+        return identity
 
     async def poll_once(self, sink: Sink) -> ScheduledEvents:
         timeout = max(self.config.timeout_s, self.config.first_call_timeout_s) if self.warming_up else None
@@ -321,39 +321,39 @@ class AzureSource(Source):
                 await self.acknowledge(event_id)
 
     async def run(self, sink: Sink) -> None:
-        backoff = Backoff(self.config.poll_interval_s, self.config.backoff_max_s)
-        interval = max(self.config.poll_interval_s, 1.0 / MAX_REQUESTS_PER_S)
         try:
-            next_tick = time.monotonic()
-            while True:
-                error: CloudError | None = None
-                if not self._identity:
-                    # Without the VM's name, events are not filtered: a peer's false alarm is better than a
-                    # missed preemption while instance metadata is failing.
-                    try:
-                        await self._read_identity(sink)
-                    except CloudError as exc:
-                        error = exc
-                try:
-                    events = await self.poll_once(sink)
-                    if self.config.acknowledge == "immediate":
-                        await self._acknowledge_new(events)
-                except CloudError as exc:
-                    error = exc
-                if error is not None:
-                    sink.error(str(error), endpoint=self.config.endpoint, status=error.status)
-                    next_tick = time.monotonic() + backoff.next_delay(error.retry_after_s)
-                else:
-                    backoff.reset()
-                    sink.ok(
-                        endpoint=self.config.endpoint,
-                        document_incarnation=self._incarnation,
-                        vm_name=self.vm_name,
-                    )
-                    next_tick = max(next_tick + interval, time.monotonic())
-                await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+            await run_all([self._poll_events(sink), self._identity.run(sink)])
         finally:
             await self._client.close()
+
+    async def _poll_events(self, sink: Sink) -> None:
+        """The events poll: its health and cadence are the events read's alone. The identity read fails on
+        its own (``identity`` in status): with ``azure.vm_name`` set it only labels the instance, and
+        without it the events are not filtered, a peer's false alarm being better than a missed preemption.
+        """
+        if self.vm_name is None:
+            # One bounded request: without it the first poll would raise peers' events only to clear them.
+            await self._identity.attempted.wait()
+        backoff = Backoff(self.config.poll_interval_s, self.config.backoff_max_s)
+        interval = max(self.config.poll_interval_s, 1.0 / MAX_REQUESTS_PER_S)
+        next_tick = time.monotonic()
+        while True:
+            try:
+                events = await self.poll_once(sink)
+                if self.config.acknowledge == "immediate":
+                    await self._acknowledge_new(events)
+            except CloudError as exc:
+                sink.error(str(exc), endpoint=self.config.endpoint, status=exc.status)
+                next_tick = time.monotonic() + backoff.next_delay(exc.retry_after_s)
+            else:
+                backoff.reset()
+                sink.ok(
+                    endpoint=self.config.endpoint,
+                    document_incarnation=self._incarnation,
+                    vm_name=self.vm_name,
+                )
+                next_tick = max(next_tick + interval, time.monotonic())
+            await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
 
 
 # Every Azure VM's chassis asset tag (Microsoft's documented way to tell Azure from other Hyper-V hosts).

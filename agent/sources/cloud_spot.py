@@ -13,6 +13,7 @@ from typing import Any
 from agent.core.notice import Kind, Observation
 from agent.sources.base import Sink, Source
 from agent.sources.cloud_http import Backoff, CloudError, MetadataClient, status_error
+from agent.sources.cloud_identity import IdentityReader
 
 KEY_TERMINATION = "spot/termination-time"
 
@@ -29,7 +30,7 @@ class TerminationTimeSource(Source):
         self.poll_interval_s = poll_interval_s
         self.backoff_max_s = backoff_max_s
         self._client = MetadataClient(self.endpoint, timeout_s)
-        self._identity: dict[str, str] = {}
+        self._identity = IdentityReader(self.name, self.cloud, self._read_identity, backoff_max_s)
         self._polls = 0
 
     @abc.abstractmethod
@@ -47,7 +48,12 @@ class TerminationTimeSource(Source):
         )
 
     def status(self) -> Mapping[str, Any]:
-        return {"endpoint": self.endpoint, "poll_interval_s": self.poll_interval_s, "polls": self._polls}
+        return {
+            "endpoint": self.endpoint,
+            "poll_interval_s": self.poll_interval_s,
+            "polls": self._polls,
+            "identity": self._identity.status(),
+        }
 
     async def request_headers(self) -> Mapping[str, str] | None:
         """Headers for every GET (a token, where the cloud wants one)."""
@@ -62,26 +68,27 @@ class TerminationTimeSource(Source):
             raise status_error("GET", self.endpoint + path, reply)
         return reply.body
 
-    async def _read_identity(self, sink: Sink) -> None:
+    async def _read_identity(self) -> dict[str, str]:
         identity: dict[str, str] = {}
         for field_name, path in self.identity_paths.items():
             body = await self.read(path)
             if body is not None:
                 identity[field_name] = body.decode("utf-8", errors="replace").strip()[:256]
-        if identity:
-            self._identity = identity
-            sink.identify(self.cloud, identity)
+        if not identity:
+            raise CloudError(
+                f"GET {self.endpoint}: none of {', '.join(self.identity_paths)} found", status=404
+            )
+        return identity
 
     async def run(self, sink: Sink) -> None:
         backoff = Backoff(self.poll_interval_s, self.backoff_max_s)
+        self._identity.start(sink)  # beside the poll: its failures never slow or degrade it
         try:
             next_tick = time.monotonic()
             while True:
                 try:
                     body = await self.read(self.termination_path)
                     sink.replace([self.observation(body)] if body is not None else [])
-                    if not self._identity:
-                        await self._read_identity(sink)
                 except CloudError as exc:
                     sink.error(str(exc), endpoint=self.endpoint, status=exc.status)
                     next_tick = time.monotonic() + backoff.next_delay(exc.retry_after_s)
@@ -92,6 +99,7 @@ class TerminationTimeSource(Source):
                 self._polls += 1
                 await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
         finally:
+            await self._identity.stop()
             await self._client.close()
 
 

@@ -27,6 +27,7 @@ from agent.sources.cloud_http import (
     run_all,
     status_error,
 )
+from agent.sources.cloud_identity import IdentityReader
 from agent.sources.clouds import CloudSpec
 
 log = structlog.get_logger("preemptd.sources.gcp")
@@ -186,7 +187,8 @@ def parse_last_segment(body: bytes) -> str:
 
 
 class GcpSource(Source):
-    """One hanging-GET watcher per notice key, plus a one-off read of identity and scheduling."""
+    """One hanging-GET watcher per notice key, plus a read of identity and scheduling on its own schedule
+    (:class:`IdentityReader`: its failures never make the watchers' source degraded)."""
 
     name = "gcp"
 
@@ -197,11 +199,16 @@ class GcpSource(Source):
         self._failing: dict[str, str] = {}
         self._etags: dict[str, str] = {}
         self._scheduling: dict[str, str] = {}
-        self._identity: dict[str, str] = {}
+        self._identity = IdentityReader(self.name, "gcp", self._read_context, config.backoff_max_s)
         self._sink: Sink | None = None
 
     def status(self) -> Mapping[str, Any]:
-        return {"endpoint": self.endpoint, "etags": dict(self._etags), "scheduling": dict(self._scheduling)}
+        return {
+            "endpoint": self.endpoint,
+            "etags": dict(self._etags),
+            "scheduling": dict(self._scheduling),
+            "identity": self._identity.status(),
+        }
 
     def _failed(self, part: str, exc: CloudError) -> None:
         self._failing[part] = str(exc)
@@ -220,26 +227,15 @@ class GcpSource(Source):
             raise status_error("GET", self.endpoint + BASE + path, reply)
         return reply.body
 
-    async def _read_context(self, sink: Sink) -> None:
-        backoff = Backoff(0.5, self.config.backoff_max_s)
-        while not self._identity:
+    async def _read_context(self) -> dict[str, str]:
+        identity = {name: parse_last_segment(await self._get(path)) for name, path in IDENTITY_PATHS.items()}
+        for name, path in SCHEDULING_PATHS.items():
             try:
-                identity = {
-                    name: parse_last_segment(await self._get(path)) for name, path in IDENTITY_PATHS.items()
-                }
-                for name, path in SCHEDULING_PATHS.items():
-                    try:
-                        self._scheduling[name] = parse_last_segment(await self._get(path))
-                    except CloudError as exc:
-                        if exc.status != 404:  # provisioning-model is missing on older VMs
-                            raise
-                self._identity = identity | self._scheduling
-                sink.identify("gcp", self._identity)
+                self._scheduling[name] = parse_last_segment(await self._get(path))
             except CloudError as exc:
-                self._failed("identity", exc)
-                await asyncio.sleep(backoff.next_delay())
-            else:
-                self._succeeded("identity")
+                if exc.status != 404:  # provisioning-model is missing on older VMs
+                    raise
+        return identity | self._scheduling
 
     def _parse(self, path: str, body: bytes) -> list[Observation]:
         now = utcnow()
@@ -318,7 +314,7 @@ class GcpSource(Source):
         state = LevelState(watched)
         try:
             await run_all(
-                [self._read_context(sink), *(self._watch(path, state, sink) for path in watched)],
+                [self._identity.run(sink), *(self._watch(path, state, sink) for path in watched)],
             )
         finally:
             await self._client.close()
