@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.lazy import Lazy
+from tests.lazy import HAS_TORCH, Lazy
 from tests.support import short_tmp
 
 if TYPE_CHECKING:
@@ -79,6 +79,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if grouped:
             for name in sorted(fixtures & SHARED_FIXTURES):
                 item.add_marker(pytest.mark.xdist_group(name))
+        if not HAS_TORCH and item.get_closest_marker("torch_mp"):
+            # Its torch runs in child processes (torchrun, ranks): nothing in this one would skip it.
+            item.add_marker(pytest.mark.skip(reason="torch is not installed (pip install -e '.[torch]')"))
     if not config.getoption("fast"):
         # The long tests first (stable: each kind keeps its order): on parallel workers they start together
         # and the short ones fill in around them, rather than a long one drawn last running on alone.

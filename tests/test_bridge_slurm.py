@@ -34,6 +34,7 @@ from agent.core.errors import ConfigError
 from agent.core.notice import EventType, Notice
 from agent.service.daemon import Agent
 from tests.actions_support import event, make_notice
+from tests.lazy import needs_torch
 from tests.slurm_cluster import NODE, SlurmCluster
 from tests.support import REPO, SSEClient, agent_config, http_json, running_agent
 
@@ -485,6 +486,7 @@ async def notice_phase(sock: Path, notice_id: str, phase: str, timeout: float = 
     return shown
 
 
+@needs_torch
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_drill_drains_flushes_requeues_and_resumes(cluster: SlurmCluster, base: Path) -> None:

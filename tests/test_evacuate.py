@@ -225,7 +225,7 @@ def test_no_agent_is_an_unreachable_tier(tmp_path: Path) -> None:
 
 @pytest.fixture
 def group_of_one() -> Iterator[None]:
-    import torch.distributed as dist
+    dist = pytest.importorskip("torch.distributed")  # a skip, as every torch test here, without torch
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
@@ -433,6 +433,7 @@ def test_dcp_files_are_summed_as_they_are_written(tmp_path: Path) -> None:
     """SummingFileSystem under DCP's writer: every file it writes (the shard with two threads' worth of
     tensors, .metadata after its rename) gets the CRC32 and size of its bytes on disk, and DCP reads the
     step back."""
+    pytest.importorskip("torch")
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save

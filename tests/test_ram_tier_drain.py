@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from agent.ramtier.drains import Drain
+from tests.lazy import needs_torch
 from tests.support import REPO, http_json, short_tmp
 from tests.test_ram_tier import JOB, as_user, request_as, tier_agent, write_step
 
@@ -79,6 +80,7 @@ async def drained(tier: Any, step: int = STEP, uid: int | None = None) -> Drain:
     return drain
 
 
+@needs_torch
 @pytest.mark.slow
 async def test_a_step_split_over_two_hosts_is_committed_once_both_parts_are_in(
     base: Path, other: Path
@@ -110,6 +112,7 @@ async def test_a_step_split_over_two_hosts_is_committed_once_both_parts_are_in(
     assert {"step": STEP, "w": [float(i) for i in range(12)]} == json.loads(loaded)
 
 
+@needs_torch
 @pytest.mark.slow
 async def test_a_durable_step_frees_the_older_steps_of_the_job_from_ram(base: Path) -> None:
     files = await asyncio.to_thread(dcp_files, base / "saved")

@@ -67,7 +67,9 @@ async def test_a_full_state_peer_step_drained_by_both_survivors_is_committed_onc
     step 7 is freed on both hosts once step 8 is durable."""
     async with hosts(3) as three:
         out = await _ranks(three, tmp_path, "twice", noticed=[1], drain=True)
-        drains = {s: [await _drained(h, s) for h in (three[0], three[2])] for s in (STEP, STEP + 1)}
+        drains: dict[int, list[dict[str, Any]]] = {}
+        for s in (STEP, STEP + 1):  # a loop: an await in a comprehension inside another is 3.11 syntax
+            drains[s] = [await _drained(h, s) for h in (three[0], three[2])]
         held = [_held(host) for host in three]
     root = tmp_path / "ckpt"
     read = await asyncio.to_thread(

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from agent.core.errors import NoticeError
+from agent.core.notice import parse_time as parse_rfc3339
+
 NOTICE = "notice"
 UPDATE = "update"
 CLEARED = "cleared"
@@ -88,19 +91,12 @@ class TriggerPolicy:
 
 
 def parse_time(text: Any) -> datetime | None:
-    """An RFC 3339 time as an aware UTC datetime; None for null or anything unreadable."""
-    if not isinstance(text, str) or not text:
-        return None
-    candidate = text.strip()
-    if candidate[-1:] in ("Z", "z"):
-        candidate = candidate[:-1] + "+00:00"
+    """An RFC 3339 time as an aware UTC datetime; None for null or anything unreadable (the agent's own
+    parser, which reads the same times on Python 3.10 as on 3.11)."""
     try:
-        parsed = datetime.fromisoformat(candidate)
-    except ValueError:
+        return parse_rfc3339(text)
+    except NoticeError:
         return None
-    if parsed.tzinfo is None:
-        return None
-    return parsed.astimezone(timezone.utc)
 
 
 def parse_notice(doc: Any) -> Notice | None:

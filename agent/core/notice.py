@@ -9,6 +9,7 @@ on its own.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -69,6 +70,12 @@ def format_time(value: datetime) -> str:
     return value.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+# RFC 3339 allows a fraction of a second of any length ("…:00.5Z", Go's "…:00.123456789Z"); Python 3.10's
+# datetime.fromisoformat takes exactly 3 or 6 digits, 3.11's any number (cut to microseconds). Padded or cut
+# to 6 digits first, a time reads the same on both.
+_FRACTION = re.compile(r"(?<=:[0-9][0-9])\.([0-9]+)")
+
+
 def parse_time(text: str) -> datetime:
     """Parse an RFC 3339 time (``Z`` or an offset) into an aware UTC datetime."""
     if not isinstance(text, str) or not text:
@@ -76,6 +83,7 @@ def parse_time(text: str) -> datetime:
     candidate = text.strip()
     if candidate.endswith(("Z", "z")):
         candidate = candidate[:-1] + "+00:00"
+    candidate = _FRACTION.sub(lambda m: "." + m.group(1)[:6].ljust(6, "0"), candidate, count=1)
     try:
         parsed = datetime.fromisoformat(candidate)
     except ValueError as exc:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +55,13 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
         from agent.bridges.kubernetes.api import KubeApi
         from agent.bridges.kubernetes.bridge import Collector, KubernetesBridge
     except ImportError as exc:
+        if sys.version_info < (3, 11):  # the extra installs nothing there (pyproject.toml)
+            raise ConfigError(
+                f"{TABLE}.enabled: the Kubernetes bridge needs Python 3.11 or newer (its client library, "
+                f"lightkube on httpx2, does), and this agent runs on Python {platform.python_version()}; "
+                "run it from the DaemonSet's image (packaging/kubernetes, Python 3.11) or install preemptd "
+                "with 'preemptd[kubernetes]' on a Python 3.11 or newer"
+            ) from None
         raise ConfigError(
             f"{TABLE}.enabled: the Kubernetes bridge needs its client library ({exc.name or exc}); "
             "install it with: pip install 'preemptd[kubernetes]'"
