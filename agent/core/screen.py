@@ -55,7 +55,8 @@ def wrap(
 ) -> list[str]:
     """``text`` (escaped for the terminal) in lines of at most ``width`` columns, broken between words: the
     first line starts with ``first``, the others with ``indent`` (by default as many spaces as ``first``
-    is long). With ``max_lines``, what does not fit ends in `` ...``. Only a word longer than a line is cut."""
+    is long). With ``max_lines``, what does not fit ends in `` ...``. A word longer than a line (a long path)
+    stands alone on its own line, whole: cut, it could not be copied."""
     rest = " " * len(first) if indent is None else indent
     lines = textwrap.wrap(
         printable(text),
@@ -63,6 +64,7 @@ def wrap(
         initial_indent=first,
         subsequent_indent=rest,
         break_on_hyphens=False,
+        break_long_words=False,
         max_lines=max_lines,
         placeholder=ELIDED,
     ) or [first.rstrip()]
