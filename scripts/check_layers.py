@@ -21,7 +21,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config, client, simulate", ("agent.config", "agent.client", "agent.simulate")),
     (
         "sources, actions, bridges, advisor",
-        ("agent.sources", "agent.actions", "agent.bridges", "agent.advisor", "agent.ledger", "agent.ramtier"),
+        (
+            "agent.sources",
+            "agent.actions",
+            "agent.bridges",
+            "agent.advisor",
+            "agent.ledger",
+            "agent.ramtier",
+            "agent.window",
+        ),
     ),
     ("service", ("agent.service",)),
     ("cli", ("agent.cli",)),

@@ -21,8 +21,8 @@ pytest.importorskip("lightkube", reason="the kubernetes extra is not installed")
 from agent.bridges.kubernetes.jobname import JOBSET_UID, job_of_pod
 from agent.client.ramtier import NoJobId, job_id, resolve_job_id
 from agent.core.jobs import JobName, JobNameRegistry, UnknownJob
-from agent.core.window import WINDOW_LIMITS
 from agent.service.daemon import Agent
+from agent.window.limits import WINDOW_LIMITS
 from tests.k8s_fake import FakeKube
 from tests.support import REPO, agent_config, http_json, running_agent
 from tests.test_bridge_kubernetes_agent import pod_cgroup

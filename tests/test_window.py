@@ -1,4 +1,4 @@
-"""The effective notice window (agent/core/window.py): the shortest of the cloud's notice and the host's limits,
+"""The effective notice window (agent/window/): the shortest of the cloud's notice and the host's limits,
 the binding one, the verdict against the predicted flush, unknown limits; and, on a real agent, a limit source
 that hangs or fails is shown as unknown while status keeps answering."""
 
@@ -12,26 +12,25 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.actions.signal_window import parse_timespan
 from agent.bridges.slurm_commands import SlurmCommands
 from agent.bridges.slurm_window import READ_S, KillWait, parse_kill_wait
 from agent.client.reporting import Reporter, client_info
 from agent.core.reports import parse_report
-from agent.core.window import (
+from agent.simulate.gcp import GcpSimulator
+from agent.window.component import WindowComponent, exec_hold_s
+from agent.window.effective import (
     EXEC_HOLD_MAX_S,
     Flush,
     FlushBook,
     Lead,
-    Limit,
     build_window,
     cloud_leads,
     launcher_limits,
-    limit_registry,
     metric_values,
     window_lines,
 )
-from agent.service.window import WindowComponent, exec_hold_s
-from agent.simulate.gcp import GcpSimulator
+from agent.window.limits import Limit, limit_registry
+from agent.window.signals import parse_timespan
 from tests.cloud_harness import settings_for
 from tests.support import http_json, running_agent
 

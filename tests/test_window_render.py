@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent.cli.render import format_status
-from agent.core.window import Flush, build_window
+from agent.window.effective import Flush, build_window
 from tests.test_window import LEAD, NOW, TORCHRUN
 
 

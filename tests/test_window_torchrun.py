@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from agent.core.window import window_lines
-from agent.service.window import _is_exec, _is_torchrun
 from agent.simulate.aws import AwsSimulator
+from agent.window.component import _is_exec, _is_torchrun
+from agent.window.effective import window_lines
 from tests.cloud_harness import settings_for
 from tests.support import REPO, http_json, running_agent
 from tests.test_window import window_until

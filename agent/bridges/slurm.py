@@ -28,7 +28,7 @@ from agent.bridges.slurm_work import Work
 from agent.core.notice import Event, EventType, utcnow
 from agent.core.ports import Host
 from agent.core.tasks import TaskSet
-from agent.core.window import withdraw_limits
+from agent.window.limits import withdraw_limits
 
 log = structlog.get_logger("preemptd.slurm")
 
@@ -165,5 +165,5 @@ def build_reactor(host: Host) -> SlurmBridge | None:
         return None
     bridge = SlurmBridge(config)
     register_metrics(host, "slurm", "Slurm", bridge)
-    offer_window_limit(host, bridge.commands)  # KillWait, for the window (agent/core/window.py)
+    offer_window_limit(host, bridge.commands)  # KillWait, for the window (agent/window/)
     return bridge

@@ -1,4 +1,4 @@
-"""The Slurm bridge's limit on the notice window (agent/core/window.py): a job that Slurm stops (the bridge's
+"""The Slurm bridge's limit on the notice window (agent/window/): a job that Slurm stops (the bridge's
 requeue, a cancel, the end of its time) gets SIGTERM and, ``KillWait`` seconds later, SIGKILL. Read from
 ``scontrol show config`` with the bridge's own tools (SLURM_CONF, timeouts, bin_dir), at most every
 ``READ_S``: every node's agent asks the one controller."""
@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agent.bridges.slurm_commands import SlurmCommands
-from agent.core.window import Limit, limit_registry
+from agent.window.limits import Limit, limit_registry
 
 READ_S = 300.0
 # "KillWait                = 30 sec"; a controller that says "UNLIMITED" gives no limit.

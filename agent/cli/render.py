@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from agent.core.screen import WIDTH, duration, keep, parse_time, plural, printable, when, wrap
-from agent.core.window import window_lines
+from agent.window.effective import window_lines
 
 __all__ = ["WIDTH", "countdown", "format_event", "format_status", "left", "note", "parse_time", "printable"]
 

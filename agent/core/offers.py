@@ -1,5 +1,5 @@
 """What one part offers the others through a named host capability: a registry of sources by name (the
-window's limits, agent/core/window.py; the job names, agent/core/jobs.py). A later source of a name replaces
+window's limits, agent/window/limits.py; the job names, agent/core/jobs.py). A later source of a name replaces
 the earlier one (a reloaded bridge), and a part that a reload turned off withdraws its own."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ def build_components(config: Config) -> list[Component[Any]]:
     from agent.ledger.config import LedgerConfig
     from agent.ramtier import RamTierComponent
     from agent.service.metrics import MetricsComponent
-    from agent.service.window import WindowComponent
+    from agent.window.component import WindowComponent
 
     components: list[Component[Any]] = [ActionsComponent(config)]
     if config.advisor.enabled:

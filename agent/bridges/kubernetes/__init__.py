@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from agent.bridges.kubernetes.config import NODE_NAME, TABLE, KubernetesConfig
 from agent.core.errors import ConfigError
 from agent.core.jobs import withdraw_job_names
-from agent.core.window import withdraw_limits
+from agent.window.limits import withdraw_limits
 
 if TYPE_CHECKING:
     from agent.bridges.kubernetes.bridge import Collector, KubernetesBridge
@@ -81,6 +81,6 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
     collector.bridge = bridge
     from agent.bridges.kubernetes import jobname, window
 
-    window.offer(host, bridge)  # the training pods' grace, for the window (agent/core/window.py)
+    window.offer(host, bridge)  # the training pods' grace, for the window (agent/window/)
     jobname.offer(host, bridge)  # the pods' owners, for the RAM tier's job ids (agent/core/jobs.py)
     return bridge

@@ -1,4 +1,4 @@
-"""The Kubernetes bridge's limit on the notice window (agent/core/window.py): a training pod that is evicted
+"""The Kubernetes bridge's limit on the notice window (agent/window/): a training pod that is evicted
 (by this bridge's drain, or by the kubelet when the node shuts down) gets SIGTERM and, its
 ``terminationGracePeriodSeconds`` later, SIGKILL. The pods are the node's pods a participant runs in, found as
 the drain finds them (plan.pods_with_participants); the list is read again at most every ``POD_LIST_S``
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.bridges.kubernetes import plan
 from agent.bridges.kubernetes.drain import alive
-from agent.core.window import Limit, limit_registry
+from agent.window.limits import Limit, limit_registry
 
 if TYPE_CHECKING:
     from agent.bridges.kubernetes.bridge import KubernetesBridge

@@ -1,7 +1,7 @@
 """The effective notice window as an agent component (docs/window.md): it gathers, in the background, the
 limits this host puts on a job's time after its notice (the participants' launchers, and what the bridges
 offer through the ``window_limits`` capability), sets them against the cloud's notice and the predicted flush
-(:mod:`agent.core.window`), and shows the result in the ``window`` status section, the log
+(:mod:`agent.window.effective`), and shows the result in the ``window`` status section, the log
 (``window_too_short``) and the ``preemptd_window_*`` metrics.
 
 Nothing here runs on the notice path: status and metrics read the last result; each limit source runs
@@ -24,26 +24,23 @@ import psutil
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from agent.actions.signal_window import signal_limits
 from agent.config import ActionsConfig, AdvisorConfig, GcpConfig
 from agent.core.errors import PreemptdError
 from agent.core.notice import parse_time
 from agent.core.ports import Board, ConfigView, HistoryFile, Tasks
 from agent.core.reports import Report, parse_report
-from agent.core.window import (
+from agent.window.effective import (
     EXEC_HOLD_MAX_S,
     FlushBook,
-    Limit,
-    LimitRegistry,
-    LimitSource,
     build_window,
     cloud_leads,
     launcher_limits,
-    limit_registry,
     metric_values,
     notice_leads,
     verdicts,
 )
+from agent.window.limits import Limit, LimitRegistry, LimitSource, limit_registry
+from agent.window.signals import signal_limits
 
 HISTORY_TAIL_BYTES = 1 << 20  # the end of the history read at start-up for the saves of earlier runs
 REFRESH_S = 30.0  # limits are read again this often, and soon after a new participant or prediction

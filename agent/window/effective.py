@@ -1,29 +1,22 @@
 """Pure: the effective notice window (docs/window.md). Per notice kind, the cloud's lead and each limit found on
 this host (a launcher that kills its workers soon after SIGTERM, a pod's grace period, Slurm's KillWait), the
 shortest of them (the one that binds) and whether the predicted emergency flush fits in it; the status
-section, its terminal lines and the metric values. The gathering is :mod:`agent.service.window`'s.
-
-A part that knows a limit (a scheduler bridge) offers it through the ``window_limits`` capability, a
-:class:`LimitRegistry` that whichever comes first (the part or the window component) provides:
-``limit_registry(host).add(name, source)``, where ``source`` is an async callable returning :class:`Limit`
-values. The window module never imports the part, and the order the parts are built in does not matter.
+section, its terminal lines and the metric values. The gathering is :mod:`agent.window.component`'s; the
+limits parts offer come through :mod:`agent.window.limits`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from agent.core.notice import Kind, Notice, format_time
-from agent.core.offers import Capabilities, SourceRegistry, provided, withdraw
 from agent.core.reports import Report
 from agent.core.screen import WIDTH, duration, keep, wrap
-
-# The capability under which the LimitRegistry is shared.
-WINDOW_LIMITS = "window_limits"
+from agent.window.limits import Limit
 
 # torchrun (torch.distributed.elastic) SIGKILLs its workers this long after it receives SIGTERM (the
 # ``timeout=30`` of LocalElasticAgent._shutdown; not configurable).
@@ -35,51 +28,6 @@ EXEC_HOLD_MAX_S = 90.0
 KINDS = (Kind.TERMINATION.value, Kind.MAINTENANCE.value, Kind.REBALANCE.value)
 
 HINT_PEER = 'the peer tier (ShardedStore(tier="peer")) moves the emergency step into other hosts\' RAM, a shorter flush'
-
-
-@dataclass(frozen=True)
-class Limit:
-    """One limit on the time a job gets once it is told to stop. ``seconds`` None: unknown (``detail`` says
-    why). ``kinds`` empty: every kind with a deadline. ``lengthen``: what would make it longer."""
-
-    name: str
-    seconds: float | None
-    source: str
-    lengthen: str = ""
-    detail: str = ""
-    kinds: tuple[str, ...] = ()
-    held: bool = False  # something holds the SIGTERM that starts it until the save is recorded
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "name": self.name,
-            "seconds": self.seconds,
-            "state": "unknown" if self.seconds is None else "held" if self.held else "known",
-            "source": self.source,
-        }
-        if self.detail:
-            doc["detail"] = self.detail
-        if self.lengthen:
-            doc["lengthen"] = self.lengthen
-        return doc
-
-
-LimitSource = Callable[[], Awaitable[Sequence[Limit]]]
-
-
-class LimitRegistry(SourceRegistry[LimitSource]):
-    """The limit sources parts offer, by name; ``changed`` (each addition or removal) makes the window
-    component read the limits again."""
-
-
-def withdraw_limits(host: Capabilities, name: str) -> None:
-    """Take back the limit source ``name`` offered (a bridge a reload turned off)."""
-    withdraw(host, WINDOW_LIMITS, name)
-
-
-def limit_registry(host: Capabilities) -> LimitRegistry:
-    """The host's registry of limit sources, provided now if nobody did yet."""
-    return provided(host, WINDOW_LIMITS, LimitRegistry)
 
 
 @dataclass(frozen=True)

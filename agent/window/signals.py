@@ -1,4 +1,4 @@
-"""The signal action's limits on the notice window (agent/core/window.py), from ``[[actions.signals]]``: a rule
+"""The signal action's limits on the notice window (docs/window.md), from ``[[actions.signals]]``: a rule
 that escalates (``escalate_after_s``) kills what is still alive that long after its signal, which it sends at
 the notice; and a unit a rule signals is stopped by systemd at shutdown (GCP's ACPI soft-off comes with the
 notice) and SIGKILLed its ``TimeoutStopSec`` later, read with ``systemctl show``. Blocking (runs systemctl):
@@ -11,7 +11,7 @@ import subprocess
 from collections.abc import Iterable
 
 from agent.config.actions import SignalRuleConfig
-from agent.core.window import Limit
+from agent.window.limits import Limit
 
 SYSTEMCTL_TIMEOUT_S = 2.0
 _SPAN = re.compile(r"(\d+(?:\.\d+)?)\s*(us|ms|s|min|h|d|w|month|y)\b")
