@@ -73,7 +73,7 @@ def start_agent(base: Path, ram: Path, cap: int) -> subprocess.Popen[bytes]:
 
 
 def wait_for_tier(sock: Path, timeout: float = 60.0) -> None:
-    from agent.client.ramtier import RamTier, RamTierError
+    from agent.client.peer.ramtier import RamTier, RamTierError
 
     deadline = time.monotonic() + timeout
     while True:
@@ -151,7 +151,7 @@ def launch(args: argparse.Namespace) -> int:
 def instrument() -> dict[str, float]:
     """Seconds this rank spends in each phase of an evacuation (added up until cleared): the evacuation's
     own functions, wrapped where the module looks them up, so the figures say where the time goes."""
-    from agent.client import evacuate
+    from agent.client.peer import evacuate
 
     spent: dict[str, float] = {}
 
@@ -185,7 +185,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from torch.distributed.tensor import DTensor, Shard
 
     from agent.client.dcp import ShardedStore
-    from agent.client.ramtier import RamTier
+    from agent.client.peer.ramtier import RamTier
 
     torch.set_num_threads(1)
     phases = instrument()
@@ -342,8 +342,8 @@ def run_full_state(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from agent.client.ramtier import RamTier
-    from agent.client.store_peer import PeerCheckpointStore
+    from agent.client.peer.ramtier import RamTier
+    from agent.client.peer.store import PeerCheckpointStore
     from agent.client.torch import torch_writer
 
     torch.set_num_threads(1)

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import fully_shard
 
 from agent.client import EXIT_PREEMPTED, CheckpointError, CheckpointSchedule, Watcher
 from agent.client.dcp import Progress, ShardedStore, TrainState
-from agent.client.ramtier import RamTier
+from agent.client.peer.ramtier import RamTier
 from agent.client.torch import Coordinator
 
 GLOBAL_BATCH = 16

@@ -428,7 +428,7 @@ def test_torch_zip_crc_is_off_only_while_the_store_writes_and_the_step_loads_and
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     from agent.client.dcp import ShardedStore
-    from agent.client.dcp_commit import zip_crc_off
+    from agent.client.dcp._commit import zip_crc_off
 
     store = ShardedStore(tmp_path / "ckpt", report=False)
     seen: list[bool] = []

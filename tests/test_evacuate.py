@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from agent.client.ramtier import RamTier, RamTierError, job_id, read_tier_file, write_tier_file
+from agent.client.peer.ramtier import RamTier, RamTierError, job_id, read_tier_file, write_tier_file
 from agent.ramtier import RamTierComponent
 from agent.service.daemon import Agent
 from tests.lazy import Lazy
@@ -30,11 +30,11 @@ from tests.support import REPO, agent_config, http_json, short_tmp
 
 # torch and the modules that import it are imported by the first test that uses them (tests/lazy.py).
 torch = Lazy("torch")
-PeerTierUnusable = Lazy("agent.client.evacuate", "PeerTierUnusable")
-Place = Lazy("agent.client.evacuate", "Place")
-plan = Lazy("agent.client.evacuate", "plan")
-Holding = Lazy("agent.client.peer_resume", "Holding")
-choose = Lazy("agent.client.peer_resume", "choose")
+PeerTierUnusable = Lazy("agent.client.peer.evacuate", "PeerTierUnusable")
+Place = Lazy("agent.client.peer.evacuate", "Place")
+plan = Lazy("agent.client.peer.evacuate", "plan")
+Holding = Lazy("agent.client.peer.resume", "Holding")
+choose = Lazy("agent.client.peer.resume", "choose")
 
 JOB = "job-1"
 
@@ -366,7 +366,7 @@ _TRANSFER = textwrap.dedent(
     import json, sys, zlib
     from pathlib import Path
     import torch.distributed as dist
-    from agent.client.evacuate import receive_file, send_file
+    from agent.client.peer.evacuate import receive_file, send_file
 
     dist.init_process_group("gloo")
     where = Path(sys.argv[1])
@@ -438,7 +438,7 @@ def test_dcp_files_are_summed_as_they_are_written(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from agent.client.evacuate_transfer import SummingFileSystem
+    from agent.client.peer._transfer import SummingFileSystem
 
     state = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(7, 3), "n": 5}
     writer = FileSystemWriter(tmp_path, sync_files=False, thread_count=2)
@@ -501,7 +501,7 @@ _STREAM = textwrap.dedent(
     import json, sys, zlib
     from pathlib import Path
     import torch.distributed as dist
-    from agent.client.evacuate_stream import StreamingFileSystem, Streams
+    from agent.client.peer._stream import StreamingFileSystem, Streams
 
     dist.init_process_group("gloo")
     group = dist.new_group(backend="gloo")  # the stream's own, as the store makes it
@@ -583,10 +583,10 @@ _DIES_STREAMING = textwrap.dedent(
     """
     import json, os, sys
     import torch, torch.distributed as dist
-    import agent.client.evacuate_stream as evacuate_stream
-    from agent.client.dcp_commit import Ranks
-    from agent.client.evacuate import Evacuation
-    from agent.client.ramtier import RamTier
+    import agent.client.peer._stream as evacuate_stream
+    from agent.client.dcp._commit import Ranks
+    from agent.client.peer.evacuate import Evacuation
+    from agent.client.peer.ramtier import RamTier
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -284,13 +284,13 @@ async def test_with_the_notified_host_gone_the_job_resumes_from_the_other_hosts_
 _DIE_SENDING = textwrap.dedent(
     """
     import os, runpy, sys
-    import agent.client.evacuate as evacuate
+    import agent.client.peer.evacuate as evacuate
 
     def die(*args, **kwargs):
         os._exit(9)
 
     evacuate.send_file = die
-    import agent.client.evacuate_stream as evacuate_stream
+    import agent.client.peer._stream as evacuate_stream
     evacuate_stream.send_piece = die  # every frame a notified rank streams goes through it
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")

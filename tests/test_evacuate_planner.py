@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from agent.cli import format_status
-from agent.client.ramtier import RamTier
+from agent.client.peer.ramtier import RamTier
 from agent.core.errors import ReportError
 from agent.core.reports import Report, parse_report
 from agent.ramtier import RamTierComponent
@@ -35,7 +35,7 @@ from tests.test_evacuate import group_of_one, tier_agent
 
 # torch and the modules that import it are imported by the first test that uses them (tests/lazy.py).
 torch = Lazy("torch")
-choose_tier = Lazy("agent.client.dcp_peer", "choose_tier")
+choose_tier = Lazy("agent.client.dcp._peer", "choose_tier")
 
 __all__ = ["group_of_one"]  # a fixture of the tests here
 

@@ -22,7 +22,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from agent.checkpoint.manifest import Checkpoint
-from agent.client.ramtier import write_tier_file
+from agent.client.peer.ramtier import write_tier_file
 from agent.ramtier.drain import (
     CLAIM_NAMES,
     CLAIM_STALE_S,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from agent.checkpoint.manifest import Checkpoint
-from agent.client.ramtier import RamTier, write_tier_file
+from agent.client.peer.ramtier import RamTier, write_tier_file
 from agent.client.store import CheckpointStore
 from agent.ramtier.drain import claim_file, drain, final_dir
 from agent.ramtier.drains import Drain

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("lightkube", reason="the kubernetes extra is not installed")
 
 from agent.bridges.kubernetes.jobname import JOBSET_UID, job_of_pod
-from agent.client.ramtier import NoJobId, job_id, resolve_job_id
+from agent.client.peer.ramtier import NoJobId, job_id, resolve_job_id
 from agent.core.jobs import JobName, JobNameRegistry, UnknownJob
 from agent.service.daemon import Agent
 from agent.window.limits import WINDOW_LIMITS
@@ -34,7 +34,7 @@ NODE = "gpu-node-1"
 ASK = textwrap.dedent(
     """
     import sys
-    from agent.client.ramtier import NoJobId, resolve_job_id
+    from agent.client.peer.ramtier import NoJobId, resolve_job_id
     sys.stdin.readline()
     try:
         print(resolve_job_id(None, sys.argv[1]))

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from agent.client import CheckpointError, CheckpointStore, CheckpointWarning
-from agent.client.ramtier import read_tier_file, write_tier_file
+from agent.client.peer.ramtier import read_tier_file, write_tier_file
 from agent.ramtier import RamTierComponent
 from agent.service.daemon import Agent
 from tests.lazy import HAS_TORCH, Lazy
@@ -37,7 +37,7 @@ load_torch = Lazy("agent.client.torch", "load_torch")
 torch_writer = Lazy("agent.client.torch", "torch_writer")
 ShardedStore = Lazy("agent.client.dcp", "ShardedStore")
 CRC_SIDECAR = Lazy("agent.client.dcp", "CRC_SIDECAR")
-PeerCheckpointStore = Lazy("agent.client.store_peer", "PeerCheckpointStore")
+PeerCheckpointStore = Lazy("agent.client.peer.store", "PeerCheckpointStore")
 
 pytestmark = pytest.mark.timeout(120)
 JOB = "damaged-job"

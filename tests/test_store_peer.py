@@ -26,8 +26,8 @@ from tests.support import REPO
 from tests.test_evacuate_hosts import Host, _free_port, hosts
 
 # Resolved by the first test that uses them (tests/lazy.py): collecting this module imports no torch.
-Copy = Lazy("agent.client.store_peer", "Copy")
-newest_copy = Lazy("agent.client.store_peer", "newest_copy")
+Copy = Lazy("agent.client.peer.store", "Copy")
+newest_copy = Lazy("agent.client.peer.store", "newest_copy")
 
 JOB = "full-state-test"
 STEP = 7
@@ -38,8 +38,8 @@ _RANK = textwrap.dedent(
     import json, os, sys, warnings, zlib
     import torch, torch.distributed as dist
     from agent.checkpoint.manifest import CheckpointError
-    from agent.client.ramtier import RamTier
-    from agent.client.store_peer import PeerCheckpointStore
+    from agent.client.peer.ramtier import RamTier
+    from agent.client.peer.store import PeerCheckpointStore
     from agent.client.torch import load_torch, torch_writer
 
     mode, root, sock, noticed = sys.argv[1], sys.argv[2], sys.argv[3], set(json.loads(sys.argv[4]))

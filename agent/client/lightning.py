@@ -11,7 +11,7 @@ Under a strategy that writes a sharded checkpoint on every rank (``FSDPStrategy(
 ``ModelParallelStrategy``) every rank writes its shard in Lightning's own format into one shared step
 directory, committed once for all ranks by :class:`~agent.client.dcp.ShardedStore`; ``ckpt_path`` resumes it,
 at any world size. ``tier="peer"``: a full-state emergency save goes into the RAM of the hosts without a
-notice (:class:`~agent.client.store_peer.PeerCheckpointStore`, docs/client.md); under a sharded strategy it
+notice (:class:`~agent.client.peer.store.PeerCheckpointStore`, docs/client.md); under a sharded strategy it
 does not apply (a warning says so): Lightning writes its sharded checkpoint into the one directory rank 0
 names for every rank (``strategy.save_checkpoint`` broadcasts the path), not into each host's own RAM.
 """
@@ -28,9 +28,9 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 from agent.checkpoint.manifest import CheckpointError
 from agent.client.callbacks import FollowsNotices, WatchOptions
 from agent.client.dcp import ShardedStore, latest_committed
-from agent.client.ramtier import RamTier, RamTierError, resolve_job_id
+from agent.client.peer.ramtier import RamTier, RamTierError, resolve_job_id
+from agent.client.peer.store import PeerCheckpointStore, newest_held
 from agent.client.store import Checkpoint, CheckpointStore
-from agent.client.store_peer import PeerCheckpointStore, newest_held
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

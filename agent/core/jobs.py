@@ -2,7 +2,7 @@
 job is identified by an explicit id or one taken from the launcher or the scheduler).
 
 A client takes its job's id from its own environment first (``PREEMPTD_JOB_ID``, torchrun's rendezvous id,
-``SLURM_JOB_ID``: :func:`agent.client.ramtier.job_id`). What a process cannot see from inside, such as the
+``SLURM_JOB_ID``: :func:`agent.client.peer.ramtier.job_id`). What a process cannot see from inside, such as the
 owner of the pod it runs in, a part that knows it offers through the ``job_names`` capability:
 ``job_name_registry(host).add(name, source)``, where ``source`` is an async callable taking the process's pid
 (in the agent's PID namespace, from SO_PEERCRED) and returning a :class:`JobName`, or raising

@@ -5,13 +5,13 @@ On the notified rank, :class:`StreamingFileSystem` is DCP's file system: each sh
 asked to create goes to the buddy piece by piece as DCP writes it (small writes gathered into one piece,
 large ones sent from DCP's own buffer in ``CHUNK`` pieces while their CRC32 is summed on a thread), then its
 size and CRC32; any other file (rank 0's ``.metadata``) is written locally and summed, as
-:class:`~agent.client.evacuate_transfer.SummingFileSystem` does, and sent afterwards by path. On the buddy,
+:class:`~agent.client.peer._transfer.SummingFileSystem` does, and sent afterwards by path. On the buddy,
 a :class:`StreamReceiver` thread per sender writes the pieces into its RAM tier's step directory (the CRC32
 of each piece on one thread, its write on another, while the next one arrives) and checks each file's CRC32
 and size. The stream runs on a gloo group of its own (made once with the store), never on the group DCP's
 collectives use. The sender always ends with :meth:`StreamSender.end` (ok or aborted); a sender that dies
 makes the receiver's ``recv`` fail: either way the receiver stops with a problem and nothing it received is
-confirmed. Part of :mod:`agent.client.evacuate`.
+confirmed. Part of :mod:`agent.client.peer.evacuate`.
 
 Frames: a header of four int64 (kind, file index, a, b) and, for ``OPEN`` and ``PIECE``, a payload of ``a``
 bytes (the file's name, or a piece); ``CLOSE`` carries (CRC32, size); ``END`` carries 1 (every file was
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from agent.checkpoint.checksum import crc32
-from agent.client.evacuate_transfer import CHUNK, SummingFileSystem
+from agent.client.peer._transfer import CHUNK, SummingFileSystem
 
 OPEN, PIECE, CLOSE, END = 1, 2, 3, 4
 _GATHER = 256 << 10  # writes smaller than this are gathered into one piece (torch.save writes ~40 per tensor)

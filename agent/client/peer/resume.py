@@ -32,10 +32,10 @@ from agent.checkpoint.manifest import (
     file_crc,
     hash_pool,
 )
-from agent.client.dcp_commit import DCP_METADATA, Ranks, ShardedCheckpoint, load_failure
-from agent.client.evacuate import host_key, resolve
-from agent.client.evacuate_transfer import receive_file, send_file
-from agent.client.ramtier import RamTier, RamTierError, read_tier_file
+from agent.client.dcp._commit import DCP_METADATA, Ranks, ShardedCheckpoint, load_failure
+from agent.client.peer._transfer import receive_file, send_file
+from agent.client.peer.evacuate import host_key, resolve
+from agent.client.peer.ramtier import RamTier, RamTierError, read_tier_file
 from agent.client.store import Skipped
 
 

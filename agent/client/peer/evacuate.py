@@ -2,7 +2,7 @@
 
 Every rank of a host without a notice writes its DCP shard into its own host's RAM tier (tmpfs, reserved from
 the agent first); each rank of a host with a notice streams its shard, as DCP writes it, through a gloo group
-of the store's own (no new listener; :mod:`agent.client.evacuate_stream`) to a buddy rank on the next host in
+of the store's own (no new listener; :mod:`agent.client.peer._stream`) to a buddy rank on the next host in
 the ring that has none, which writes it into its own RAM tier beside its own DCP write (without a stream
 group, it writes its shard into its own host's tier and sends the files through the store's group after the
 save); one gather
@@ -35,18 +35,18 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from agent.checkpoint.manifest import Checkpoint, FileEntry
-from agent.client.dcp_commit import Ranks, owner, zip_crc_off
-from agent.client.evacuate_plan import PeerTierUnusable, Place, Plan, fallback_reason, plan
-from agent.client.evacuate_stream import Streams
-from agent.client.evacuate_transfer import file_crc, receive_file, send_file
-from agent.client.ramtier import TIER_FILE, RamTier, RamTierError, write_tier_file
+from agent.client.dcp._commit import Ranks, owner, zip_crc_off
+from agent.client.peer._plan import PeerTierUnusable, Place, Plan, fallback_reason, plan
+from agent.client.peer._stream import Streams
+from agent.client.peer._transfer import file_crc, receive_file, send_file
+from agent.client.peer.ramtier import TIER_FILE, RamTier, RamTierError, write_tier_file
 from agent.client.store_failure import convertible, summary
 
 # Room reserved beyond the tensors' bytes: DCP's framing per rank, and rank 0's .metadata.
 _SLACK = 1.05
 _SLACK_BYTES = 4 << 20
 
-__all__ = [  # send_file and receive_file: re-exported from evacuate_transfer, where they live
+__all__ = [  # send_file and receive_file: re-exported from _transfer, where they live
     "Evacuated",
     "Evacuation",
     "PeerTierUnusable",

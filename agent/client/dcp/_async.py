@@ -22,8 +22,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
-from agent.client.dcp_commit import Commit, Ranks, ShardedCheckpoint
-from agent.client.dcp_state import layout
+from agent.client.dcp._commit import Commit, Ranks, ShardedCheckpoint
+from agent.client.dcp._state import layout
 from agent.client.preempted import record_emergency
 from agent.client.store import Checkpoint, CheckpointError, CheckpointStore
 from agent.client.store_failure import convertible, free_bytes

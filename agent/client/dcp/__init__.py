@@ -12,9 +12,9 @@ State goes through torch's own helpers: :class:`TrainState` wraps a model and it
 ``get_state_dict`` / ``set_state_dict`` as a DCP ``Stateful``, so a job saved on N ranks resumes on M with
 DCP's resharding.
 
-This module is the public face; the parts live next to it: the commit protocol and manifest
-(``dcp_commit``), background saves and the deadline budget (``dcp_async``), the state helpers
-(``dcp_state``), the peer tier and the planner (``dcp_peer``: ``tier="peer"`` and ``"auto"``).
+This package's ``__init__`` is the public face; the parts live in the package: the commit protocol and manifest
+(``_commit``), background saves and the deadline budget (``_async``), the state helpers
+(``_state``), the peer tier and the planner (``_peer``: ``tier="peer"`` and ``"auto"``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from agent.checkpoint.durable import ChecksumThreads
-from agent.client.dcp_async import AsyncSave, BackgroundSaves, Budget, DeadlineBudget, with_slack
-from agent.client.dcp_commit import (
+from agent.client.dcp._async import AsyncSave, BackgroundSaves, Budget, DeadlineBudget, with_slack
+from agent.client.dcp._commit import (
     CRC_SIDECAR,
     DCP_METADATA,
     Commit,
@@ -50,10 +50,10 @@ from agent.client.dcp_commit import (
     verify_share,
     zip_crc_off,
 )
-from agent.client.dcp_peer import PeerTier
-from agent.client.dcp_state import Progress, TrainState, layout
+from agent.client.dcp._peer import PeerTier
+from agent.client.dcp._state import Progress, TrainState, layout
+from agent.client.peer.ramtier import RamTier, resolve_job_id
 from agent.client.preempted import record_emergency
-from agent.client.ramtier import RamTier, resolve_job_id
 from agent.client.reporting import Reporter
 from agent.client.store import (
     Checkpoint,
@@ -92,8 +92,9 @@ class ShardedStore:
     before training starts, not at the emergency. ``keep`` newest steps are kept (0: all).
 
     ``tier="peer"``: emergency saves go into the RAM of the hosts without a notice, resumes look there first
-    (:mod:`agent.client.dcp_peer`; ``job`` or :func:`.ramtier.resolve_job_id` names the job); ``"auto"``:
-    to the root when the durable save's predicted duration times ``margin`` fits the time left, else as "peer".
+    (:mod:`agent.client.dcp._peer`; ``job`` or :func:`agent.client.peer.ramtier.resolve_job_id` names the
+    job); ``"auto"``: to the root when the durable save's predicted duration times ``margin`` fits the time
+    left, else as "peer".
     """
 
     def __init__(
@@ -300,7 +301,7 @@ class ShardedStore:
         return self._background.inflight
 
     def predict(self) -> float | None:
-        """Seconds a save of this state should take (see :class:`~agent.client.dcp_async.DeadlineBudget`)."""
+        """Seconds a save of this state should take (see :class:`~agent.client.dcp._async.DeadlineBudget`)."""
         return self._budget.predict()
 
     def _commit(self, group: Any, tmp: Path, what: Commit, checksum: bool) -> Checkpoint:
@@ -365,7 +366,7 @@ class ShardedStore:
 
     def close(self, timeout: float = 10.0) -> None:
         """Before exit: finish a background save, deferred checksums and queued reports, each bounded by
-        ``timeout``; then destroy the store's process groups (see :class:`.dcp_commit.Ranks`): the store
+        ``timeout``; then destroy the store's process groups (see :class:`._commit.Ranks`): the store
         saves and loads no more. Call it before ``destroy_process_group()``, or at least before exit."""
         try:
             self.wait_async(timeout)
@@ -454,7 +455,7 @@ class ShardedStore:
         that failed). A ``mismatch`` is raised at once.
 
         ``tier="peer"``/``"auto"``: the complete steps across the hosts' RAM tiers that are newer than the
-        root's newest come first, newest first (``dcp_peer``)."""
+        root's newest come first, newest first (``_peer``)."""
         skipped = Skipped(self.root)
         if self.peer is not None:
             resumed = self.peer.load(state, verify, skipped)

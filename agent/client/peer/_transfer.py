@@ -5,7 +5,7 @@ Files cross in chunks through two small buffers on each side: the sender reads t
 while this one is sent (and checksums it only when its CRC32 was not summed as the file was written); the
 receiver checksums each chunk on one thread and writes it on another while the next one arrives.
 (Mapping the files instead was measured slower: a page fault per 4 KiB page costs more than the copy on a
-VM.) Part of :mod:`agent.client.evacuate`.
+VM.) Part of :mod:`agent.client.peer.evacuate`.
 """
 
 from __future__ import annotations

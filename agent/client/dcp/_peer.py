@@ -1,7 +1,7 @@
 """The sharded store's peer tier (``ShardedStore(tier="peer")``): an emergency save evacuated into the RAM
-tiers of the hosts without a notice (:mod:`agent.client.evacuate`), reported and recorded for ``preemptd
+tiers of the hosts without a notice (:mod:`agent.client.peer.evacuate`), reported and recorded for ``preemptd
 exec`` like a durable one, or handed back to the durable save with a warning saying why; and a resume that
-looks at the hosts' RAM tiers before the durable root (:mod:`agent.client.peer_resume`). With
+looks at the hosts' RAM tiers before the durable root (:mod:`agent.client.peer.resume`). With
 ``tier="auto"`` the planner (:func:`choose_tier`) picks the durable save when it is predicted to fit the time
 left with a margin, else the evacuation. Part of :mod:`agent.client.dcp`; import from there.
 """
@@ -16,12 +16,10 @@ from datetime import datetime
 from typing import Any
 
 from agent.checkpoint.manifest import CheckpointError, CheckpointWarning, Verify
-from agent.client.dcp_async import DeadlineBudget, seconds_to, with_slack
-from agent.client.dcp_commit import Ranks, ShardedCheckpoint
-from agent.client.evacuate import Evacuation, PeerTierUnusable
-from agent.client.peer_resume import PeerResume
+from agent.client.dcp._async import DeadlineBudget, seconds_to, with_slack
+from agent.client.dcp._commit import Ranks, ShardedCheckpoint
+from agent.client.peer.ramtier import RamTier
 from agent.client.preempted import record_emergency
-from agent.client.ramtier import RamTier
 from agent.client.store import CheckpointStore, Skipped
 from agent.client.store_failure import fall_back, summary
 
@@ -105,6 +103,10 @@ class PeerTier:
         self._report("started", step, emergency=True, notice_id=notice_id, flush=flush)
         # The run a durable save of this step would have, so that a resume orders RAM and durable steps alike.
         run = int(self.ranks.from_zero(self.local.run_for(step) if self.ranks.rank == 0 else 0))
+        # Imported here, not at the top: agent.client.peer's modules import agent.client.dcp._commit, which
+        # runs this package's __init__ (and this module) first; a top-level import would find them half-made.
+        from agent.client.peer.evacuate import Evacuation, PeerTierUnusable
+
         try:
             if noticed is None:
                 raise PeerTierUnusable(
@@ -153,6 +155,8 @@ class PeerTier:
         is none (the durable resume follows)."""
         newest = self.ranks.from_zero(self._durable_newest() if self.ranks.rank == 0 else None)
         durable = (int(newest[0]), int(newest[1])) if newest else None
+        from agent.client.peer.resume import PeerResume  # on use: see save()
+
         resume = PeerResume(self.ranks, self.ranks.group, self.tiers, self.job)
         return resume.load(state, durable, verify, skipped)
 

@@ -1,6 +1,6 @@
 """The evacuation's plan: who holds what (the hosts in a ring, those with a notice, each notified rank's buddy),
 computed alike by every rank from what each one tells the others, and the refusal every rank raises when the
-peer tier cannot be used. Part of :mod:`agent.client.evacuate`; import from there.
+peer tier cannot be used. Part of :mod:`agent.client.peer.evacuate`; import from there.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.client.ramtier import RamTierError
+from agent.client.peer.ramtier import RamTierError
 
 
 class PeerTierUnusable(Exception):
