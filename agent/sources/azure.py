@@ -83,6 +83,20 @@ def parse_not_before(text: Any) -> datetime | None:
     return (parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)).astimezone(timezone.utc)
 
 
+# The fields of an event a notice keeps in its detail, as Azure names them.
+_DETAIL_KEYS = (
+    "EventId",
+    "EventType",
+    "EventStatus",
+    "ResourceType",
+    "Resources",
+    "NotBefore",
+    "Description",
+    "EventSource",
+    "DurationInSeconds",
+)
+
+
 def parse_scheduled_events(
     body: bytes,
     vm_name: str | None,
@@ -96,6 +110,22 @@ def parse_scheduled_events(
     (``StartRequests``) early and then drops its ``NotBefore``. Its deadline is the earlier of the one seen
     while it was scheduled and the time it was first seen started (``now`` on that read; the known deadline
     keeps that time on later reads)."""
+    incarnation, events = _parse_document(body)
+    known = known_deadlines or {}
+    wanted = vm_name.lower() if vm_name else None
+    observations: list[Observation] = []
+    ignored = 0
+    for event in events:
+        event_id, resources = _event_identity(event)
+        if wanted is not None and resources and wanted not in {str(r).lower() for r in resources}:
+            ignored += 1
+            continue
+        observations.append(_event_observation(event, event_id, incarnation, known, now))
+    return ScheduledEvents(incarnation, tuple(observations), ignored)
+
+
+def _parse_document(body: bytes) -> tuple[int, list[Any]]:
+    """The document's ``DocumentIncarnation`` and its ``Events`` array (empty when absent)."""
     try:
         doc = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -114,57 +144,48 @@ def parse_scheduled_events(
         events = []
     if not isinstance(events, list):
         raise ParseError(f"scheduled events: Events must be an array, got {events!r}")
-    known = known_deadlines or {}
-    wanted = vm_name.lower() if vm_name else None
-    observations: list[Observation] = []
-    ignored = 0
-    for event in events:
-        if not isinstance(event, Mapping):
-            raise ParseError(f"scheduled events: expected event objects, got {event!r}")
-        event_id = event.get("EventId")
-        if not isinstance(event_id, str) or not event_id:
-            raise ParseError(f"scheduled events: event without an EventId: {event!r}")
-        resources = event.get("Resources") or []
-        if not isinstance(resources, list):
-            raise ParseError(f"scheduled events: Resources must be an array in {event_id}")
-        if wanted is not None and resources and wanted not in {str(r).lower() for r in resources}:
-            ignored += 1
-            continue
-        event_type = str(event.get("EventType") or "")
-        kind, severity = _KINDS.get(event_type.lower(), (Kind.MAINTENANCE, Severity.WARNING))
-        deadline = parse_not_before(event.get("NotBefore"))
-        status = str(event.get("EventStatus") or "Scheduled")
-        if status.lower() == "started":
-            deadline = min(t for t in (deadline, known.get(event_id), now) if t is not None)
-        elif deadline is None:
-            deadline = known.get(event_id, now)
-        detail = {
-            k: event[k]
-            for k in (
-                "EventId",
-                "EventType",
-                "EventStatus",
-                "ResourceType",
-                "Resources",
-                "NotBefore",
-                "Description",
-                "EventSource",
-                "DurationInSeconds",
-            )
-            if k in event
-        }
-        detail["DocumentIncarnation"] = incarnation
-        observations.append(
-            Observation(
-                key=EVENT_KEY_PREFIX + event_id,
-                kind=kind,
-                severity=severity,
-                reason=f"Azure scheduled event {event_type or 'unknown'} ({status.lower()})",
-                deadline=deadline,
-                detail=detail,
-            )
-        )
-    return ScheduledEvents(incarnation, tuple(observations), ignored)
+    return incarnation, events
+
+
+def _event_identity(event: Any) -> tuple[str, list[Any]]:
+    """An event's ``EventId`` and the ``Resources`` it names (empty: every VM)."""
+    if not isinstance(event, Mapping):
+        raise ParseError(f"scheduled events: expected event objects, got {event!r}")
+    event_id = event.get("EventId")
+    if not isinstance(event_id, str) or not event_id:
+        raise ParseError(f"scheduled events: event without an EventId: {event!r}")
+    resources = event.get("Resources") or []
+    if not isinstance(resources, list):
+        raise ParseError(f"scheduled events: Resources must be an array in {event_id}")
+    return event_id, resources
+
+
+def _event_observation(
+    event: Mapping[str, Any],
+    event_id: str,
+    incarnation: int,
+    known: Mapping[str, datetime],
+    now: datetime,
+) -> Observation:
+    """One of this VM's events as an observation (its deadline as ``parse_scheduled_events`` says)."""
+    event_type = str(event.get("EventType") or "")
+    kind, severity = _KINDS.get(event_type.lower(), (Kind.MAINTENANCE, Severity.WARNING))
+    deadline = parse_not_before(event.get("NotBefore"))
+    status = str(event.get("EventStatus") or "Scheduled")
+    if status.lower() == "started":
+        deadline = min(t for t in (deadline, known.get(event_id), now) if t is not None)
+    elif deadline is None:
+        deadline = known.get(event_id, now)
+    detail = {k: event[k] for k in _DETAIL_KEYS if k in event}
+    detail["DocumentIncarnation"] = incarnation
+    return Observation(
+        key=EVENT_KEY_PREFIX + event_id,
+        kind=kind,
+        severity=severity,
+        reason=f"Azure scheduled event {event_type or 'unknown'} ({status.lower()})",
+        deadline=deadline,
+        detail=detail,
+    )
 
 
 def parse_instance(body: bytes) -> dict[str, str]:
