@@ -65,3 +65,15 @@ def test_the_ram_tier_importing_the_client_is_named(tmp_path: Path) -> None:
         "imports the training-side library: the format both share is in agent.checkpoint"
     )
     assert (1, [expected]) == (result.returncode, result.stdout.splitlines())
+
+
+def test_a_function_too_long_is_named_with_file_line_and_length(tmp_path: Path) -> None:
+    """A function over the gate's line bound, not in ALLOWED, fails the check, which names it, where and how long."""
+    shutil.copytree(REPO / "agent", tmp_path / "agent", ignore=shutil.ignore_patterns("__pycache__"))
+    board = tmp_path / "agent" / "core" / "board.py"
+    line = len(board.read_text().splitlines()) + 3
+    body = "".join(f"    x{n} = {n}\n" for n in range(70))
+    board.write_text(board.read_text() + f"\n\ndef _sprawling() -> None:\n{body}")
+    result = run_check(tmp_path)
+    expected = f"agent/core/board.py:{line}: function _sprawling is 71 lines (max 60)"
+    assert (1, [expected]) == (result.returncode, [out.split(";")[0] for out in result.stdout.splitlines()])
