@@ -155,15 +155,7 @@ class CheckpointStore:
         tmp = self.root / f"{_TMP_PREFIX}{_owner_tag()}-{uuid.uuid4().hex[:8]}"
         defer = emergency and self.checksum and self.defer_emergency_checksum
         checksum_now = self.checksum and not defer
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            run = self.run_for(step)
-        except OSError as exc:
-            self._report("failed", step, emergency=emergency, notice_id=notice_id)
-            raise save_failure(exc, step, self.root, None, None, self.newest) from exc
-        except CheckpointError:  # the root cannot be listed: it says so already
-            self._report("failed", step, emergency=emergency, notice_id=notice_id)
-            raise
+        run = self._open_run(step, emergency, notice_id)
         free_before = free_bytes(self.root)
         try:
             tmp.mkdir()
@@ -185,34 +177,75 @@ class CheckpointStore:
                 run=run,
                 deferred=defer,
             )
-            final = self.path_of(step)
-            # A deferred checksum of this step still running would write the old manifest into the new one.
-            self._checksummers.join_named(f"preemptd-checksum {final.name}")
-            self._replace(tmp, final)
-            fsync_dir(self.root)
+            final = self._commit(tmp, step)
         except BaseException as exc:
-            if not convertible(exc):  # an interrupt or exit: not a storage failure, passed on as it is
-                shutil.rmtree(tmp, ignore_errors=True)
-                self._report("failed", step, emergency=emergency, notice_id=notice_id)
+            error = self._failed(exc, step, tmp, free_before, emergency, notice_id)
+            if error is exc:
                 raise
-            error = save_failure(exc, step, self.root, tmp, free_before, self.newest)
-            shutil.rmtree(tmp, ignore_errors=True)
-            flush = None
-            if emergency:
-                error.fallback = fall_back(self.committed, step, notice_id, error, sharded=False)
-                flush = {"fallback_step": error.fallback.step} if error.fallback is not None else None
-            self._report("failed", step, emergency=emergency, notice_id=notice_id, flush=flush)
             raise error from exc
-        duration = time.monotonic() - started
-        checkpoint = replace(sealed, path=final, duration_s=duration)
+        checkpoint = replace(sealed, path=final, duration_s=time.monotonic() - started)
+        self._finished(checkpoint, emergency=emergency, notice_id=notice_id, defer=defer)
+        return checkpoint
+
+    def _open_run(self, step: int, emergency: bool, notice_id: str | None) -> int:
+        """The root made and the run ``step`` belongs to; a failure is reported and raised as the save's."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return self.run_for(step)
+        except OSError as exc:
+            self._report("failed", step, emergency=emergency, notice_id=notice_id)
+            raise save_failure(exc, step, self.root, None, None, self.newest) from exc
+        except CheckpointError:  # the root cannot be listed: it says so already
+            self._report("failed", step, emergency=emergency, notice_id=notice_id)
+            raise
+
+    def _commit(self, tmp: Path, step: int) -> Path:
+        """The sealed ``tmp`` renamed to ``step``'s directory, durably; that directory."""
+        final = self.path_of(step)
+        # A deferred checksum of this step still running would write the old manifest into the new one.
+        self._checksummers.join_named(f"preemptd-checksum {final.name}")
+        self._replace(tmp, final)
+        fsync_dir(self.root)
+        return final
+
+    def _failed(
+        self,
+        exc: BaseException,
+        step: int,
+        tmp: Path,
+        free_before: int | None,
+        emergency: bool,
+        notice_id: str | None,
+    ) -> BaseException:
+        """What a save that raised ``exc`` raises, its temporary directory removed and its failure reported:
+        an interrupt or exit as it is, else the :class:`CheckpointError` naming the cause (with an emergency
+        save's fallback)."""
+        if not convertible(exc):  # an interrupt or exit: not a storage failure, passed on as it is
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._report("failed", step, emergency=emergency, notice_id=notice_id)
+            return exc
+        error = save_failure(exc, step, self.root, tmp, free_before, self.newest)
+        shutil.rmtree(tmp, ignore_errors=True)
+        flush = None
+        if emergency:
+            error.fallback = fall_back(self.committed, step, notice_id, error, sharded=False)
+            flush = {"fallback_step": error.fallback.step} if error.fallback is not None else None
+        self._report("failed", step, emergency=emergency, notice_id=notice_id, flush=flush)
+        return error
+
+    def _finished(
+        self, checkpoint: Checkpoint, *, emergency: bool, notice_id: str | None, defer: bool
+    ) -> None:
+        """A durable save recorded and reported; its deferred checksums started, or older checkpoints pruned."""
+        final = checkpoint.path
         self.last_save = checkpoint
         self._new_run = False
         if emergency:  # durable now: `preemptd exec` may turn the launcher's failure into 75
-            record_emergency(step, path=final, notice_id=notice_id)
+            record_emergency(checkpoint.step, path=final, notice_id=notice_id)
         self._report(
             "finished",
-            step,
-            duration_s=duration,
+            checkpoint.step,
+            duration_s=checkpoint.duration_s,
             size=checkpoint.bytes,
             emergency=emergency,
             notice_id=notice_id,
@@ -224,7 +257,6 @@ class CheckpointStore:
             )
         if not emergency:  # never spend a notice window deleting old checkpoints: the next save prunes
             self.prune(protect=final)
-        return checkpoint
 
     def wait_checksums(self, timeout: float | None = None) -> bool:
         """Wait for deferred checksums (bounded by ``timeout`` in all); False if some are still running."""
