@@ -71,13 +71,9 @@ class Report:
         }
 
 
-def parse_report(
-    doc: Any, received_at: datetime, peer_pid: int | None = None, peer_uid: int | None = None
-) -> Report:
-    """Validate a decoded JSON report; raise ReportError naming the field and what was expected."""
-    if not isinstance(doc, Mapping):
-        raise ReportError(f"a report must be a JSON object, got {_json_type(doc)}")
-    known = {
+# The fields a report may have.
+_FIELDS = frozenset(
+    {
         "kind",
         "phase",
         "step",
@@ -89,48 +85,26 @@ def parse_report(
         "client",
         "flush",
     }
-    unknown = sorted(set(doc) - known)
-    if unknown:
-        shown = ", ".join(brief(name) for name in unknown[:5]) + (
-            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        )
-        raise ReportError(f"unknown field(s) {shown}; known: {', '.join(sorted(known))}")
-    kind = doc.get("kind")
-    if kind not in KINDS:
-        raise ReportError(f"field 'kind' must be one of {', '.join(map(repr, KINDS))}, got {brief(kind)}")
-    phase = doc.get("phase")
-    phases = PHASES_OF_KIND[kind]
-    if phase not in phases:
-        raise ReportError(
-            f"field 'phase' of a {kind!r} report must be one of {', '.join(map(repr, phases))}, got {brief(phase)}"
-        )
+)
+
+
+def parse_report(
+    doc: Any, received_at: datetime, peer_pid: int | None = None, peer_uid: int | None = None
+) -> Report:
+    """Validate a decoded JSON report; raise ReportError naming the field and what was expected."""
+    _check_fields(doc)
+    kind, phase = _kind_and_phase(doc)
     step = _optional_int(doc, "step")
     size = _optional_int(doc, "bytes")
-    duration = doc.get("duration_s")
-    if duration is not None:
-        duration = seconds(duration, "duration_s", MAX_DURATION_S, ReportError)
-    if phase == "finished" and duration is None:
-        raise ReportError("a 'finished' report needs 'duration_s' (seconds the checkpoint blocked training)")
+    duration = _duration(doc, phase)
     emergency = doc.get("emergency", False)
     if not isinstance(emergency, bool):
         raise ReportError(f"field 'emergency' must be true or false, got {emergency!r}")
     notice_id = _optional_text(doc, "notice_id")
     path = _optional_text(doc, "path")
-    client = doc.get("client") or {}
-    if not isinstance(client, Mapping):
-        raise ReportError(f"field 'client' must be an object, got {_json_type(client)}")
-    checked: dict[str, Any] = {}
-    for key, value in client.items():
-        expected = _CLIENT_KEYS.get(key)
-        if expected is None:
-            continue  # clients may add their own descriptive fields; they are dropped, not rejected
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ReportError(f"field 'client.{key}' must be {expected.__name__}, got {brief(value)}")
-        if isinstance(value, str) and len(value) > MAX_TEXT:
-            raise ReportError(f"field 'client.{key}' is longer than {MAX_TEXT} characters")
-        checked[key] = value
+    client = _client(doc.get("client") or {})
     flush = _flush(doc.get("flush"))
-    if kind == "participant" and checked.get("participant") is not True:
+    if kind == "participant" and client.get("participant") is not True:
         raise ReportError(
             "a 'participant' report registers the process as a participant: it needs 'client.participant': true"
         )
@@ -144,11 +118,64 @@ def parse_report(
         emergency=emergency,
         notice_id=notice_id,
         path=path,
-        client=checked,
+        client=client,
         peer_pid=peer_pid,
         peer_uid=peer_uid,
         flush=flush,
     )
+
+
+def _check_fields(doc: Any) -> None:
+    """Refuse a report that is not a JSON object or has a field no report has."""
+    if not isinstance(doc, Mapping):
+        raise ReportError(f"a report must be a JSON object, got {_json_type(doc)}")
+    unknown = sorted(set(doc) - _FIELDS)
+    if unknown:
+        shown = ", ".join(brief(name) for name in unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        )
+        raise ReportError(f"unknown field(s) {shown}; known: {', '.join(sorted(_FIELDS))}")
+
+
+def _kind_and_phase(doc: Mapping[str, Any]) -> tuple[str, str]:
+    """The report's ``kind`` and a ``phase`` that kind has."""
+    kind = doc.get("kind")
+    if kind not in KINDS:
+        raise ReportError(f"field 'kind' must be one of {', '.join(map(repr, KINDS))}, got {brief(kind)}")
+    phase = doc.get("phase")
+    phases = PHASES_OF_KIND[kind]
+    if phase not in phases:
+        raise ReportError(
+            f"field 'phase' of a {kind!r} report must be one of {', '.join(map(repr, phases))}, got {brief(phase)}"
+        )
+    return kind, phase
+
+
+def _duration(doc: Mapping[str, Any], phase: str) -> float | None:
+    """``duration_s``, which a ``finished`` report must have."""
+    duration = doc.get("duration_s")
+    if duration is not None:
+        duration = seconds(duration, "duration_s", MAX_DURATION_S, ReportError)
+    if phase == "finished" and duration is None:
+        raise ReportError("a 'finished' report needs 'duration_s' (seconds the checkpoint blocked training)")
+    return duration
+
+
+def _client(value: Any) -> dict[str, Any]:
+    """The ``client`` object: the keys the agent knows, checked (the others are dropped)."""
+    if not isinstance(value, Mapping):
+        raise ReportError(f"field 'client' must be an object, got {_json_type(value)}")
+    checked: dict[str, Any] = {}
+    for key, item in value.items():
+        expected = _CLIENT_KEYS.get(key)
+        if expected is None:
+            continue  # clients may add their own descriptive fields; they are dropped, not rejected
+        if not isinstance(item, expected) or (expected is int and isinstance(item, bool)):
+            raise ReportError(f"field 'client.{key}' must be {expected.__name__}, got {brief(item)}")
+        if isinstance(item, str) and len(item) > MAX_TEXT:
+            raise ReportError(f"field 'client.{key}' is longer than {MAX_TEXT} characters")
+        checked[key] = item
+    return checked
 
 
 # What a client says about a flush besides its timing (sharded saves, the deadline budget): name → type.
