@@ -115,8 +115,38 @@ def seal(
     )
     if not paths:
         raise CheckpointError(f"the writer put no files into {directory}")
-    done = dict(presealed or {})
-    workers = hash_workers or default_hash_workers()
+    files = _sync_files(
+        directory, paths, dict(presealed or {}), checksum, hash_workers or default_hash_workers()
+    )
+    for sub in sorted({p.parent for p in paths if p.parent != directory}, key=lambda p: -len(p.parts)):
+        fsync_dir(sub)
+    now = datetime.now(timezone.utc)
+    total = sum(f.bytes for f in files)
+    # A file a writer sealed without its CRC (DurableFile(checksum=False)) leaves the step by sizes alone.
+    marker = "crc32" if all(f.crc32 is not None for f in files) else "deferred" if deferred else None
+    checkpoint = Checkpoint(
+        step=step,
+        path=directory,
+        time=now,
+        bytes=total,
+        files=tuple(files),
+        emergency=emergency,
+        notice_id=notice_id,
+        duration_s=round(time.monotonic() - started, 6) if started is not None else None,
+        metadata=dict(metadata or {}),
+        run=run,
+        checksum=marker,
+    )
+    write_durably(directory / manifest, json.dumps(_manifest_doc(checkpoint), indent=1).encode())
+    fsync_dir(directory)
+    return checkpoint
+
+
+def _sync_files(
+    directory: Path, paths: list[Path], done: dict[str, FileEntry], checksum: bool, workers: int
+) -> list[FileEntry]:
+    """The entries of ``paths`` (under ``directory``), each fsynced and, with ``checksum``, checksummed on a
+    thread pool; a file in ``done`` was sealed while it was written and only its size is checked."""
     with ThreadPoolExecutor(max_workers=workers + 1) as pool:
         pending: list[tuple[str, int, Future[None] | None, Callable[[], int | None]]] = []
         for path in paths:
@@ -136,46 +166,29 @@ def seal(
             if sync is not None:
                 sync.result()
             files.append(FileEntry(name, size, checksum_of()))
-    for sub in sorted({p.parent for p in paths if p.parent != directory}, key=lambda p: -len(p.parts)):
-        fsync_dir(sub)
-    now = datetime.now(timezone.utc)
-    total = sum(f.bytes for f in files)
-    # A file a writer sealed without its CRC (DurableFile(checksum=False)) leaves the step by sizes alone.
-    marker = "crc32" if all(f.crc32 is not None for f in files) else "deferred" if deferred else None
-    duration = round(time.monotonic() - started, 6) if started is not None else None
-    doc = {
+    return files
+
+
+def _manifest_doc(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The manifest that describes ``checkpoint``, as JSON values."""
+    return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
-        "step": step,
-        "run": run,
-        "time": now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-        "bytes": total,
-        "emergency": emergency,
-        "notice_id": notice_id,
-        "duration_s": duration,
+        "step": checkpoint.step,
+        "run": checkpoint.run,
+        "time": checkpoint.time.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "bytes": checkpoint.bytes,
+        "emergency": checkpoint.emergency,
+        "notice_id": checkpoint.notice_id,
+        "duration_s": checkpoint.duration_s,
         "files": [
             {"path": f.path, "bytes": f.bytes, **({"crc32": f.crc32} if f.crc32 is not None else {})}
-            for f in files
+            for f in checkpoint.files
         ],
-        "checksum": marker,
+        "checksum": checkpoint.checksum,
         "host": socket.gethostname(),
-        "metadata": dict(metadata or {}),
+        "metadata": dict(checkpoint.metadata),
     }
-    write_durably(directory / manifest, json.dumps(doc, indent=1).encode())
-    fsync_dir(directory)
-    return Checkpoint(
-        step=step,
-        path=directory,
-        time=now,
-        bytes=total,
-        files=tuple(files),
-        emergency=emergency,
-        notice_id=notice_id,
-        duration_s=duration,
-        metadata=dict(metadata or {}),
-        run=run,
-        checksum=marker,
-    )
 
 
 def _fsync(path: Path, flags: int) -> None:
