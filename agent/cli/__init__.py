@@ -289,21 +289,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
-    """The whole command line; with ``verb`` (the verb about to run, or "" for none), the extension verbs
-    other than ``verb`` are listed by name and summary without importing their modules."""
-    parser = argparse.ArgumentParser(
-        prog="preemptd", description="Warn GPU training jobs before their host goes away."
-    )
-    parser.add_argument("--version", action="version", version=f"preemptd {__version__}")
-    subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
-    _add_run(subparsers)
-
+def _add_status(subparsers: Any) -> None:
     p = subparsers.add_parser("status", help="show the agent's status")
     _socket_arg(p)
     p.add_argument("--json", action="store_true", help="print the raw status document")
     p.set_defaults(func=cmd_status)
 
+
+def _add_watch(subparsers: Any) -> None:
     p = subparsers.add_parser("watch", help="stream notices as they happen, with a live countdown")
     _socket_arg(p)
     p.add_argument("--json", action="store_true", help="one JSON event per line (NDJSON)")
@@ -315,6 +308,8 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_watch)
 
+
+def _add_drill(subparsers: Any) -> None:
     p = subparsers.add_parser("drill", help="inject a drill notice to rehearse a checkpoint flush (admin)")
     _socket_arg(p)
     p.add_argument(
@@ -338,9 +333,13 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_drill)
 
+
+def _add_version(subparsers: Any) -> None:
     p = subparsers.add_parser("version", help="print the version")
     p.set_defaults(func=cmd_version)
 
+
+def _add_demo(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "demo", help="run the agent on a simulated cloud that sends a spot termination notice"
     )
@@ -369,6 +368,22 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "their JSON progress lines)",
     )
     p.set_defaults(func=cmd_demo)
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``verb`` (the verb about to run, or "" for none), the extension verbs
+    other than ``verb`` are listed by name and summary without importing their modules."""
+    parser = argparse.ArgumentParser(
+        prog="preemptd", description="Warn GPU training jobs before their host goes away."
+    )
+    parser.add_argument("--version", action="version", version=f"preemptd {__version__}")
+    subparsers = parser.add_subparsers(dest="verb", metavar="VERB")
+    _add_run(subparsers)
+    _add_status(subparsers)
+    _add_watch(subparsers)
+    _add_drill(subparsers)
+    _add_version(subparsers)
+    _add_demo(subparsers)
 
     for name, module_name in _EXTENSIONS.items():
         if verb is None or verb == name:
