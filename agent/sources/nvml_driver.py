@@ -14,7 +14,7 @@ import asyncio
 import ctypes
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -347,6 +347,31 @@ def watch_events(
     except Exception as exc:
         on_state("unavailable", None, f"nvmlEventSetCreate: {exc!r}")
         return
+    if not _register_events(watch, gpus, event_set, on_state):
+        on_state("unavailable", None, "no GPU supports the events")
+        watch.run("nvmlEventSetFree", pynvml.nvmlEventSetFree, event_set)
+        return
+    on_state("waiting", None, None)
+    try:
+        while not stop.is_set():
+            data = _wait_event(watch, event_set, wait_ms, stop, on_state)
+            if data is not None:
+                on_event(_event_uuid(watch, data, by_address), int(data.eventType), int(data.eventData))
+    finally:
+        try:
+            watch.run("nvmlEventSetFree", pynvml.nvmlEventSetFree, event_set)
+        except Exception as exc:
+            log.debug("nvml_event_set_free_failed", error=repr(exc))
+
+
+def _register_events(
+    watch: CallWatch,
+    gpus: Sequence[tuple[str, Any]],
+    event_set: Any,
+    on_state: Callable[[str, str | None, str | None], None],
+) -> int:
+    """Register each GPU for the events it supports of ``EVENT_MASK``; the number registered."""
+    pynvml = _pynvml()
     registered = 0
     for gpu_uuid, handle in gpus:
         try:
@@ -363,41 +388,40 @@ def watch_events(
             code = error_code(exc)
             state = "not_supported" if code in (NOT_SUPPORTED, FUNCTION_NOT_FOUND) else "error"
             on_state(state, gpu_uuid, error_text(code) if code else repr(exc))
-    if not registered:
-        on_state("unavailable", None, "no GPU supports the events")
-        watch.run("nvmlEventSetFree", pynvml.nvmlEventSetFree, event_set)
-        return
-    on_state("waiting", None, None)
+    return registered
+
+
+def _wait_event(
+    watch: CallWatch,
+    event_set: Any,
+    wait_ms: int,
+    stop: threading.Event,
+    on_state: Callable[[str, str | None, str | None], None],
+) -> Any:
+    """One wait of ``wait_ms`` on the event set: the event's data, or None when none came (a timeout, or an
+    NVML error, told through ``on_state`` and followed by a pause); an error that is not NVML's is raised."""
+    pynvml = _pynvml()
     try:
-        while not stop.is_set():
-            try:
-                data = watch.run(
-                    "nvmlEventSetWait_v2",
-                    pynvml.nvmlEventSetWait_v2,
-                    event_set,
-                    wait_ms,
-                )
-            except Exception as exc:
-                code = error_code(exc)
-                if code == TIMEOUT:
-                    continue
-                if code is None:
-                    raise
-                on_state("error", None, error_text(code))
-                stop.wait(1.0)
-                continue
-            uuid: str | None
-            try:
-                # Compare UUIDs, not the ctypes pointer objects.
-                uuid = _text(watch.run("nvmlDeviceGetUUID", pynvml.nvmlDeviceGetUUID, data.device))
-            except Exception as exc:
-                if error_code(exc) is None:
-                    raise
-                # A lost GPU cannot say its UUID: fall back to the handle's address.
-                uuid = by_address.get(_address(data.device))
-            on_event(uuid, int(data.eventType), int(data.eventData))
-    finally:
-        try:
-            watch.run("nvmlEventSetFree", pynvml.nvmlEventSetFree, event_set)
-        except Exception as exc:
-            log.debug("nvml_event_set_free_failed", error=repr(exc))
+        return watch.run("nvmlEventSetWait_v2", pynvml.nvmlEventSetWait_v2, event_set, wait_ms)
+    except Exception as exc:
+        code = error_code(exc)
+        if code == TIMEOUT:
+            return None
+        if code is None:
+            raise
+        on_state("error", None, error_text(code))
+        stop.wait(1.0)
+        return None
+
+
+def _event_uuid(watch: CallWatch, data: Any, by_address: Mapping[int | None, str]) -> str | None:
+    """The UUID of the GPU an event came from."""
+    pynvml = _pynvml()
+    try:
+        # Compare UUIDs, not the ctypes pointer objects.
+        return _text(watch.run("nvmlDeviceGetUUID", pynvml.nvmlDeviceGetUUID, data.device))
+    except Exception as exc:
+        if error_code(exc) is None:
+            raise
+        # A lost GPU cannot say its UUID: fall back to the handle's address.
+        return by_address.get(_address(data.device))
