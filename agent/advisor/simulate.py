@@ -70,48 +70,19 @@ def simulate(
 ) -> SimulationResult:
     """Simulate ``runs`` jobs of ``periods_per_run``·τ of work each, interrupted at mean interval ``mtbp`` (all
     interruptions), a share ``announced_share`` of them with a notice long enough to flush."""
-    if not (tau > 0 and delta >= 0 and mtbp > 0 and restart >= 0):
-        raise ValueError("interval and MTBP must be positive, save and restart times not negative")
-    if not 0.0 <= announced_share <= 1.0:
-        raise ValueError(f"announced share must be between 0 and 1, got {announced_share!r}")
-    if runs < 2 or periods_per_run < 1 or runs * periods_per_run > MAX_SEGMENTS:
-        raise ValueError(
-            f"runs x periods must be between 2 and {MAX_SEGMENTS}, got {runs} x {periods_per_run}"
-        )
+    _check(tau, delta, mtbp, restart, announced_share, runs, periods_per_run)
     flush = delta if emergency_delta is None else emergency_delta
     rng = random.Random(seed)
-    rate = 1.0 / mtbp
-    target = periods_per_run * tau
     works: list[float] = []
     walls: list[float] = []
     lost = announced = 0
     for _ in range(runs):
-        clock = saved = 0.0
-        need_restart = False
-        while need_restart or saved < target:
-            if need_restart:
-                hit = rng.expovariate(rate)
-                if hit < restart:
-                    clock += hit  # struck while restarting: start the restart again (nothing new to lose)
-                    continue
-                clock += restart
-                need_restart = False
-                continue
-            hit = rng.expovariate(rate)
-            if hit >= tau + delta:
-                clock += tau + delta
-                saved += tau
-                continue
-            need_restart = True
-            if rng.random() < announced_share:
-                announced += 1
-                saved += min(hit, tau)
-                clock += hit + flush
-            else:
-                lost += 1
-                clock += hit
-        works.append(saved)
-        walls.append(clock)
+        run = _Run(tau, delta, 1.0 / mtbp, restart, flush, announced_share)
+        run.until(periods_per_run * tau, rng)
+        works.append(run.saved)
+        walls.append(run.clock)
+        lost += run.lost
+        announced += run.announced
     total_work, total_wall = sum(works), sum(walls)
     eff = total_work / total_wall
     # Delta method for a ratio of means: Var(η̂) ≈ Σ(wᵢ - η̂·tᵢ)² / (n(n-1)·t̄²).
@@ -141,3 +112,67 @@ def simulate(
         announced=announced,
         wall_s=total_wall,
     )
+
+
+def _check(
+    tau: float,
+    delta: float,
+    mtbp: float,
+    restart: float,
+    announced_share: float,
+    runs: int,
+    periods_per_run: int,
+) -> None:
+    """ValueError naming the first of :func:`simulate`'s arguments out of its range."""
+    if not (tau > 0 and delta >= 0 and mtbp > 0 and restart >= 0):
+        raise ValueError("interval and MTBP must be positive, save and restart times not negative")
+    if not 0.0 <= announced_share <= 1.0:
+        raise ValueError(f"announced share must be between 0 and 1, got {announced_share!r}")
+    if runs < 2 or periods_per_run < 1 or runs * periods_per_run > MAX_SEGMENTS:
+        raise ValueError(
+            f"runs x periods must be between 2 and {MAX_SEGMENTS}, got {runs} x {periods_per_run}"
+        )
+
+
+@dataclass
+class _Run:
+    """One simulated job: the work saved, the wall clock, and its interruptions so far."""
+
+    tau: float
+    delta: float
+    rate: float
+    restart: float
+    flush: float
+    announced_share: float
+    clock: float = 0.0
+    saved: float = 0.0
+    lost: int = 0
+    announced: int = 0
+
+    def until(self, target: float, rng: random.Random) -> None:
+        """Run until ``target`` of work is saved (and a restart it needs is done), drawing from ``rng``."""
+        need_restart = False
+        while need_restart or self.saved < target:
+            if need_restart:
+                hit = rng.expovariate(self.rate)
+                if hit < self.restart:
+                    self.clock += (
+                        hit  # struck while restarting: start the restart again (nothing new to lose)
+                    )
+                    continue
+                self.clock += self.restart
+                need_restart = False
+                continue
+            hit = rng.expovariate(self.rate)
+            if hit >= self.tau + self.delta:
+                self.clock += self.tau + self.delta
+                self.saved += self.tau
+                continue
+            need_restart = True
+            if rng.random() < self.announced_share:
+                self.announced += 1
+                self.saved += min(hit, self.tau)
+                self.clock += hit + self.flush
+            else:
+                self.lost += 1
+                self.clock += hit
