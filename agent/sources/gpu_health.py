@@ -102,64 +102,90 @@ def observation(gpu: GpuIdentity, condition: str, finding: Finding, source_path:
 def evaluate(check: str, value: Any, limits: Thresholds) -> Finding | None:
     """The finding for one successful reading of ``check``, or None when the reading is healthy."""
     if check == "ecc":
-        count = int(value)
-        if count > 0:
-            return Finding(
-                XidClass.DEGRADED,
-                "volatile uncorrected ECC errors since the driver loaded; reset the GPU after the job",
-                {"ecc_uncorrected_volatile": count},
-            )
-        return None
+        return _ecc_finding(int(value))
     if check == "retired_pages":
-        if int(value):
-            return Finding(
-                XidClass.DEGRADED,
-                "memory pages are pending retirement; reset the GPU after the job",
-                {"retired_pages_pending": True},
-            )
-        return None
+        return _retired_pages_finding(int(value))
     if check == "remapped_rows":
-        corr, unc, pending, failure = (int(v) for v in value)
-        detail = {
-            "correctable": corr,
-            "uncorrectable": unc,
-            "pending": bool(pending),
-            "failure": bool(failure),
-        }
-        if failure:
-            return Finding(XidClass.FATAL, "row remapping failed: the GPU needs service", detail)
-        if pending:
-            return Finding(XidClass.DEGRADED, "a row remap is pending; reset the GPU after the job", detail)
-        return None
+        return _remapped_rows_finding(value)
     if check == "temperature":
-        temp, slowdown, shutdown = value
-        detail = {"temperature_c": temp, "slowdown_c": slowdown, "shutdown_c": shutdown}
-        if shutdown is not None and temp >= shutdown - limits.temperature_shutdown_margin_c:
-            return Finding(XidClass.FATAL, "temperature near its shutdown threshold", detail)
-        if slowdown is not None and temp >= slowdown:
-            return Finding(XidClass.DEGRADED, "temperature at or above its slowdown threshold", detail)
-        return None
+        return _temperature_finding(value, limits)
     if check == "clocks":
-        reasons = int(value) & limits.clock_event_mask
-        if reasons:
-            names = [name for bit, name in CLOCK_REASON_NAMES.items() if reasons & bit]
-            return Finding(
-                XidClass.DEGRADED,
-                "clocks slowed by " + ", ".join(names),
-                {"clock_event_reasons": int(value), "reasons": names},
-            )
-        return None
+        return _clocks_finding(int(value), limits)
     if check == "power":
-        usage, limit = value
-        if limit and usage > limit * (1.0 + limits.power_tolerance):
-            return Finding(
-                XidClass.DEGRADED,
-                "power draw above the enforced limit",
-                {"power_w": usage / 1000.0, "limit_w": limit / 1000.0},
-            )
-        return None
+        return _power_finding(value, limits)
     if check == "recovery_action":
         return recovery_finding(int(value))
+    return None
+
+
+def _ecc_finding(count: int) -> Finding | None:
+    if count > 0:
+        return Finding(
+            XidClass.DEGRADED,
+            "volatile uncorrected ECC errors since the driver loaded; reset the GPU after the job",
+            {"ecc_uncorrected_volatile": count},
+        )
+    return None
+
+
+def _retired_pages_finding(pending: int) -> Finding | None:
+    if pending:
+        return Finding(
+            XidClass.DEGRADED,
+            "memory pages are pending retirement; reset the GPU after the job",
+            {"retired_pages_pending": True},
+        )
+    return None
+
+
+def _remapped_rows_finding(value: Any) -> Finding | None:
+    """``value``: the counts of correctable and uncorrectable remaps, and the pending and failure flags."""
+    corr, unc, pending, failure = (int(v) for v in value)
+    detail = {
+        "correctable": corr,
+        "uncorrectable": unc,
+        "pending": bool(pending),
+        "failure": bool(failure),
+    }
+    if failure:
+        return Finding(XidClass.FATAL, "row remapping failed: the GPU needs service", detail)
+    if pending:
+        return Finding(XidClass.DEGRADED, "a row remap is pending; reset the GPU after the job", detail)
+    return None
+
+
+def _temperature_finding(value: Any, limits: Thresholds) -> Finding | None:
+    """``value``: the temperature and the slowdown and shutdown thresholds (None: unknown)."""
+    temp, slowdown, shutdown = value
+    detail = {"temperature_c": temp, "slowdown_c": slowdown, "shutdown_c": shutdown}
+    if shutdown is not None and temp >= shutdown - limits.temperature_shutdown_margin_c:
+        return Finding(XidClass.FATAL, "temperature near its shutdown threshold", detail)
+    if slowdown is not None and temp >= slowdown:
+        return Finding(XidClass.DEGRADED, "temperature at or above its slowdown threshold", detail)
+    return None
+
+
+def _clocks_finding(event_reasons: int, limits: Thresholds) -> Finding | None:
+    reasons = event_reasons & limits.clock_event_mask
+    if reasons:
+        names = [name for bit, name in CLOCK_REASON_NAMES.items() if reasons & bit]
+        return Finding(
+            XidClass.DEGRADED,
+            "clocks slowed by " + ", ".join(names),
+            {"clock_event_reasons": event_reasons, "reasons": names},
+        )
+    return None
+
+
+def _power_finding(value: Any, limits: Thresholds) -> Finding | None:
+    """``value``: the power draw and the enforced limit, in milliwatts."""
+    usage, limit = value
+    if limit and usage > limit * (1.0 + limits.power_tolerance):
+        return Finding(
+            XidClass.DEGRADED,
+            "power draw above the enforced limit",
+            {"power_w": usage / 1000.0, "limit_w": limit / 1000.0},
+        )
     return None
 
 
