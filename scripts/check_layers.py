@@ -62,7 +62,6 @@ ALLOWED: dict[str, str] = {
     "agent/cli/demo.py:_demo_with": "68 lines; to be split",
     "agent/cli/render.py:format_status": "29 branches; to be split",
     "agent/client/dcp/__init__.py:ShardedStore.__init__": "66 lines; to be split",
-    "agent/client/dcp/_peer.py:PeerTier.save": "75 lines; to be split",
     "agent/config/loader.py:_prepare": "21 branches; to be split",
     "agent/ramtier/drain.py:drain_full": "71 lines; to be split",
     "agent/service/api.py:events": "86 lines; to be split",

@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable, Collection, Mapping
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.checkpoint.manifest import CheckpointError, CheckpointWarning, Verify
 from agent.client.dcp._async import DeadlineBudget, seconds_to, with_slack
@@ -22,6 +22,9 @@ from agent.client.peer.ramtier import RamTier
 from agent.client.preempted import record_emergency
 from agent.client.store import CheckpointStore, Skipped
 from agent.client.store_failure import fall_back, summary
+
+if TYPE_CHECKING:  # imported on use at run time: see PeerTier.save
+    from agent.client.peer.evacuate import Evacuated
 
 _log = logging.getLogger("agent.client.dcp")
 
@@ -86,41 +89,18 @@ class PeerTier:
         it (a rank died), CheckpointError with the newest earlier committed durable step as its ``fallback``
         (recorded for ``preemptd exec``), as a failed durable emergency save does."""
         started = time.monotonic()
-        mine = (self.budget.predict(), seconds_to(deadline))  # rank 0's decide, for every rank alike
-        predicted, left = self.ranks.from_zero(mine if self.ranks.rank == 0 else None)
-        if self.margin is not None:
-            tier, why = choose_tier(predicted, left, self.margin)
-            _log.info("emergency save of step %s: %s (%s)", step, tier, why)
-            if tier == "durable":
-                return None
-        flush = {
-            "sharded": True,
-            "world_size": self.ranks.world_size,
-            "tier": "peer",
-            "predicted_s": None if predicted is None else round(predicted, 3),
-            "time_left_s": None if left is None else round(max(0.0, left), 3),
-        }
+        flush = self._plan(step, deadline)
+        if flush is None:
+            return None
         self._report("started", step, emergency=True, notice_id=notice_id, flush=flush)
         # The run a durable save of this step would have, so that a resume orders RAM and durable steps alike.
         run = int(self.ranks.from_zero(self.local.run_for(step) if self.ranks.rank == 0 else 0))
         # Imported here, not at the top: agent.client.peer's modules import agent.client.dcp._commit, which
         # runs this package's __init__ (and this module) first; a top-level import would find them half-made.
-        from agent.client.peer.evacuate import Evacuation, PeerTierUnusable
+        from agent.client.peer.evacuate import PeerTierUnusable
 
         try:
-            if noticed is None:
-                raise PeerTierUnusable(
-                    "the ranks with a notice are unknown: pass noticed=decision.noticed", "noticed_unknown"
-                )
-            evacuation = Evacuation(
-                self.ranks,
-                self.ranks.group,
-                self.tiers,
-                self.job,
-                self.thread_count,
-                self.ranks.stream if self.streaming else None,
-            )
-            done = evacuation.run(step, run, state, noticed, notice_id)
+            done = self._evacuate(step, run, state, noticed, notice_id)
         except PeerTierUnusable as exc:
             warnings.warn(
                 f"step {step} was not evacuated into the RAM of the hosts without a notice ({exc}); "
@@ -131,21 +111,77 @@ class PeerTier:
             self.budget.planned = {"fallback": exc.reason}  # the durable save's reports say why
             return None
         except Exception as exc:  # the group failed under it (a rank died mid-transfer): nothing committed
-            error = CheckpointError(
-                f"evacuation of step {step} failed, nothing was committed: {summary(exc)}"
-            )
-            error.fallback = fall_back(self.local.committed, step, notice_id, error, sharded=True)
-            if error.fallback is not None:
-                flush = {**flush, "fallback_step": error.fallback.step}
-            self._report("failed", step, emergency=True, notice_id=notice_id, flush=flush)
-            raise error from exc
+            raise self._group_failed(exc, step, notice_id, flush) from exc
         duration = time.monotonic() - started
         extra = {"world_size": self.ranks.world_size, "tier": "peer", "job": done.job}
         checkpoint = done.checkpoint(notice_id, {**dict(metadata or {}), **extra}, run, duration)
-        self._report("finished", step, duration_s=duration, size=done.sent_bytes, emergency=True,
-                     notice_id=notice_id, path=checkpoint.path, flush=with_slack(flush, duration))  # fmt: skip
+        self._report(
+            "finished",
+            step,
+            duration_s=duration,
+            size=done.sent_bytes,
+            emergency=True,
+            notice_id=notice_id,
+            path=checkpoint.path,
+            flush=with_slack(flush, duration),
+        )
         record_emergency(step, path=checkpoint.path, notice_id=notice_id, sharded=True, tier="peer")
         return ShardedCheckpoint(checkpoint, self.ranks.world_size)
+
+    def _plan(self, step: int, deadline: datetime | None) -> dict[str, Any] | None:
+        """The reports' ``flush`` of an emergency step into the RAM tiers, or None when the planner chose
+        the durable save; rank 0 decides for every rank alike."""
+        mine = (self.budget.predict(), seconds_to(deadline))
+        predicted, left = self.ranks.from_zero(mine if self.ranks.rank == 0 else None)
+        if self.margin is not None:
+            tier, why = choose_tier(predicted, left, self.margin)
+            _log.info("emergency save of step %s: %s (%s)", step, tier, why)
+            if tier == "durable":
+                return None
+        return {
+            "sharded": True,
+            "world_size": self.ranks.world_size,
+            "tier": "peer",
+            "predicted_s": None if predicted is None else round(predicted, 3),
+            "time_left_s": None if left is None else round(max(0.0, left), 3),
+        }
+
+    def _evacuate(
+        self,
+        step: int,
+        run: int,
+        state: Mapping[str, Any],
+        noticed: Collection[int] | None,
+        notice_id: str | None,
+    ) -> Evacuated:
+        """``step`` evacuated into the RAM of the hosts without a notice; PeerTierUnusable when it cannot be."""
+        from agent.client.peer.evacuate import Evacuation, PeerTierUnusable  # on use: see save()
+
+        if noticed is None:
+            raise PeerTierUnusable(
+                "the ranks with a notice are unknown: pass noticed=decision.noticed", "noticed_unknown"
+            )
+        evacuation = Evacuation(
+            self.ranks,
+            self.ranks.group,
+            self.tiers,
+            self.job,
+            self.thread_count,
+            self.ranks.stream if self.streaming else None,
+        )
+        return evacuation.run(step, run, state, noticed, notice_id)
+
+    def _group_failed(
+        self, exc: Exception, step: int, notice_id: str | None, flush: dict[str, Any]
+    ) -> CheckpointError:
+        """The error of an evacuation the group failed under (a rank died mid-transfer), with the newest
+        earlier committed durable step as its ``fallback``; the failure reported."""
+        error = CheckpointError(f"evacuation of step {step} failed, nothing was committed: {summary(exc)}")
+        error.fallback = fall_back(self.local.committed, step, notice_id, error, sharded=True)
+        if error.fallback is not None:
+            flush = {**flush, "fallback_step": error.fallback.step}
+        self._report("failed", step, emergency=True, notice_id=notice_id, flush=flush)
+        return error
 
     def load(
         self, state: Mapping[str, Any], verify: Verify = "checksum", skipped: Skipped | None = None
