@@ -63,7 +63,6 @@ ALLOWED: dict[str, str] = {
     "agent/cli/render.py:format_status": "29 branches; to be split",
     "agent/client/dcp/__init__.py:ShardedStore.__init__": "66 lines; to be split",
     "agent/config/loader.py:_prepare": "21 branches; to be split",
-    "agent/ramtier/drain.py:drain_full": "71 lines; to be split",
     "agent/service/api.py:events": "86 lines; to be split",
     "agent/service/api.py:AgentCollector.collect": "79 lines; to be split",
     "agent/sources/gcp.py:GcpSource._watch": "62 lines; to be split",

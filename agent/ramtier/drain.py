@@ -441,13 +441,7 @@ def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -
     own staging directory, sealed and renamed to ``step-<N>`` as CheckpointStore.save does. A host that finds
     the step committed (before or after waiting for another host's claim) copies nothing."""
     root, step, host = Path(plan["durable_root"]), int(plan["step"]), str(plan["host"])
-    files: Mapping[str, Mapping[str, Any]] = plan["files"]
-    whole = plan.get("step_files")
-    if not isinstance(whole, Mapping) or not whole:
-        raise DrainError(f"tier.json of step {step} lists no step_files: not a full-state step")
-    lacking = [n for n, size in sorted(whole.items()) if int(files.get(n, {}).get("size", -1)) != int(size)]
-    if lacking:
-        raise DrainError(f"this host's copy of step {step} lacks {', '.join(lacking)}: it is not whole")
+    whole = _whole(plan, step)
     final = final_dir(root, step)
     already = {"state": "committed", "path": str(final), "already": True}
     if committed(final):
@@ -477,29 +471,9 @@ def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -
             return already
         shutil.rmtree(staging, ignore_errors=True)  # an earlier try of this host's
         staging.mkdir()
-        pace = Pace(float(plan.get("rate_mb_s") or 0), sum(int(size) for size in whole.values()), say)
-        entries = {}
-        for name in sorted(whole):
-            size, crc = int(files[name]["size"]), int(files[name]["crc32"])
-            copy_file(Path(plan["source"]) / name, staging / name, size, crc, pace, host)
-            entries[name] = FileEntry(name, size, crc)
-        pace.report()
-        metadata = plan.get("metadata")
-        notice = plan.get("notice_id")
-        run = plan.get("run")
-        seal(  # the manifest CheckpointStore.save writes; the files are fsynced and their CRCs checked already
-            staging, step, emergency=True, notice_id=notice if isinstance(notice, str) else None,
-            metadata={**(metadata if isinstance(metadata, dict) else {}), "drained_from": "ram_tier"},
-            presealed=entries, run=run if isinstance(run, int) and not isinstance(run, bool) and run >= 0 else 0,
-        )  # fmt: skip
-        try:
-            os.rename(staging, final)
-        except OSError as exc:
-            if committed(final):  # another host committed it after all (a claim taken over as stale)
-                return already
-            raise DrainError(
-                f"{final} is there and is not a committed step ({exc}): nothing replaced it"
-            ) from exc
+        _stage_full(plan, whole, staging, say)
+        if not _rename_full(staging, final):
+            return already
         fsync_dir(root)
         return {"state": "committed", "path": str(final)}
     finally:
@@ -507,6 +481,60 @@ def drain_full(plan: Mapping[str, Any], say: Callable[[dict[str, Any]], None]) -
         heartbeat.join()
         shutil.rmtree(staging, ignore_errors=True)
         release_claim(claim, claim_fd)
+
+
+def _whole(plan: Mapping[str, Any], step: int) -> Mapping[str, Any]:
+    """The full-state step's files and their sizes (``step_files``), each held whole by this host; DrainError
+    when the plan lists none or this host's copy of one is not whole."""
+    files: Mapping[str, Mapping[str, Any]] = plan["files"]
+    whole = plan.get("step_files")
+    if not isinstance(whole, Mapping) or not whole:
+        raise DrainError(f"tier.json of step {step} lists no step_files: not a full-state step")
+    lacking = [n for n, size in sorted(whole.items()) if int(files.get(n, {}).get("size", -1)) != int(size)]
+    if lacking:
+        raise DrainError(f"this host's copy of step {step} lacks {', '.join(lacking)}: it is not whole")
+    return whole
+
+
+def _stage_full(
+    plan: Mapping[str, Any], whole: Mapping[str, Any], staging: Path, say: Callable[[dict[str, Any]], None]
+) -> None:
+    """The step's files copied (paced, their CRCs checked) into ``staging`` and sealed there."""
+    files: Mapping[str, Mapping[str, Any]] = plan["files"]
+    host = str(plan["host"])
+    pace = Pace(float(plan.get("rate_mb_s") or 0), sum(int(size) for size in whole.values()), say)
+    entries = {}
+    for name in sorted(whole):
+        size, crc = int(files[name]["size"]), int(files[name]["crc32"])
+        copy_file(Path(plan["source"]) / name, staging / name, size, crc, pace, host)
+        entries[name] = FileEntry(name, size, crc)
+    pace.report()
+    metadata = plan.get("metadata")
+    notice = plan.get("notice_id")
+    run = plan.get("run")
+    seal(  # the manifest CheckpointStore.save writes; the files are fsynced and their CRCs checked already
+        staging,
+        int(plan["step"]),
+        emergency=True,
+        notice_id=notice if isinstance(notice, str) else None,
+        metadata={**(metadata if isinstance(metadata, dict) else {}), "drained_from": "ram_tier"},
+        presealed=entries,
+        run=run if isinstance(run, int) and not isinstance(run, bool) and run >= 0 else 0,
+    )
+
+
+def _rename_full(staging: Path, final: Path) -> bool:
+    """Whether ``staging`` was renamed to ``final``: False when another host committed the step after all (a
+    claim taken over as stale); DrainError when something else is there."""
+    try:
+        os.rename(staging, final)
+    except OSError as exc:
+        if committed(final):
+            return False
+        raise DrainError(
+            f"{final} is there and is not a committed step ({exc}): nothing replaced it"
+        ) from exc
+    return True
 
 
 def _heartbeat(claim_fd: int, stop: threading.Event) -> None:
