@@ -57,7 +57,6 @@ MAX_BRANCHES = 20
 ALLOWED: dict[str, str] = {
     "agent/advisor/advice.py:advise": "62 lines; to be split",
     "agent/advisor/cli.py:_print_human": "61 lines; to be split",
-    "agent/advisor/plot.py:plot_waste": "69 lines; to be split",
     "agent/bridges/kubernetes/bridge.py:KubernetesBridge._reconcile_spec": "21 branches; to be split",
     "agent/cli/demo.py:_demo_with": "68 lines; to be split",
     "agent/cli/render.py:format_status": "29 branches; to be split",
