@@ -58,7 +58,6 @@ ALLOWED: dict[str, str] = {
     "agent/advisor/advice.py:advise": "62 lines; to be split",
     "agent/advisor/cli.py:_print_human": "61 lines; to be split",
     "agent/bridges/kubernetes/bridge.py:KubernetesBridge._reconcile_spec": "21 branches; to be split",
-    "agent/cli/demo.py:_demo_with": "68 lines; to be split",
     "agent/cli/render.py:format_status": "29 branches; to be split",
     "agent/client/dcp/__init__.py:ShardedStore.__init__": "66 lines; to be split",
     "agent/config/loader.py:_prepare": "21 branches; to be split",

@@ -351,15 +351,8 @@ async def _preempt_and_resume(
     return again
 
 
-async def _demo_with(
-    args: argparse.Namespace,
-    state_dir: Path,
-    socket_path: Path,
-    simulator: AwsSimulator,
-    screen: Screen,
-    choice: JobChoice | str,
-) -> int:
-    """The demo with the training job ``choice`` (a string: why there is none)."""
+def _demo_agent(state_dir: Path, socket_path: Path, simulator: AwsSimulator) -> Agent:
+    """The demo's agent: on ``socket_path``, its state under ``state_dir``, watching the simulated EC2."""
     config = load_config(
         path=None,
         env={},
@@ -372,7 +365,19 @@ async def _demo_with(
             "drill_linger_s": 2.0,
         },
     )
-    agent = Agent(config, sources=cloud_sources(config))
+    return Agent(config, sources=cloud_sources(config))
+
+
+async def _demo_with(
+    args: argparse.Namespace,
+    state_dir: Path,
+    socket_path: Path,
+    simulator: AwsSimulator,
+    screen: Screen,
+    choice: JobChoice | str,
+) -> int:
+    """The demo with the training job ``choice`` (a string: why there is none)."""
+    agent = _demo_agent(state_dir, socket_path, simulator)
     finished = asyncio.Event()
     tasks = TaskSet("demo", "task_failed")
 
