@@ -59,7 +59,6 @@ ALLOWED: dict[str, str] = {
     "agent/advisor/cli.py:_print_human": "61 lines; to be split",
     "agent/bridges/kubernetes/bridge.py:KubernetesBridge._reconcile_spec": "21 branches; to be split",
     "agent/cli/render.py:format_status": "29 branches; to be split",
-    "agent/client/dcp/__init__.py:ShardedStore.__init__": "66 lines; to be split",
     "agent/config/loader.py:_prepare": "21 branches; to be split",
     "agent/service/api.py:events": "86 lines; to be split",
     "agent/service/api.py:AgentCollector.collect": "79 lines; to be split",

@@ -140,20 +140,7 @@ class ShardedStore:
         self.rank = self.ranks.rank
         self.world_size = self.ranks.world_size
         self._budget = DeadlineBudget(self._local, self.world_size)
-        self._background = BackgroundSaves(
-            self.ranks,
-            self.root,
-            self._budget,
-            thread_count=thread_count,
-            checksum=checksum,
-            recent_s=recent_s,
-            report=self._report,
-            commit=self._commit,
-            finish=lambda checkpoint, blocked, total, flush: self._finished(
-                checkpoint, blocked, total, False, None, False, flush
-            ),
-            fail=self._failure,
-        )
+        self._background = self._background_saves(recent_s)
         self._checksummers = ChecksumThreads()
         # The steps whose deferred checksums this store started (on every rank alike: the saves are collective).
         self._deferred: set[str] = set()
@@ -163,6 +150,23 @@ class ShardedStore:
         self.peer = PeerTier(*args) if tier != "durable" else None  # none for "durable": no stream group
         self.root.mkdir(parents=True, exist_ok=True)
         self.ranks.check_shared(self.root)
+
+    def _background_saves(self, recent_s: float) -> BackgroundSaves:
+        """The store's background saves (:meth:`save_async`), committed and reported as its own saves are."""
+        return BackgroundSaves(
+            self.ranks,
+            self.root,
+            self._budget,
+            thread_count=self.thread_count,
+            checksum=self.checksum,
+            recent_s=recent_s,
+            report=self._report,
+            commit=self._commit,
+            finish=lambda checkpoint, blocked, total, flush: self._finished(
+                checkpoint, blocked, total, False, None, False, flush
+            ),
+            fail=self._failure,
+        )
 
     @property
     def recent_s(self) -> float:
@@ -220,8 +224,15 @@ class ShardedStore:
             writer = FileSystemWriter(directory, sync_files=True, thread_count=self.thread_count)
             dcp_save(dict(state), storage_writer=writer, process_group=self.ranks.group)
 
-        return self.save_files(step, write, emergency=emergency, notice_id=notice_id, metadata=metadata,
-                               deadline=deadline, layout=layout(state))  # fmt: skip
+        return self.save_files(
+            step,
+            write,
+            emergency=emergency,
+            notice_id=notice_id,
+            metadata=metadata,
+            deadline=deadline,
+            layout=layout(state),
+        )
 
     def save_files(
         self,
