@@ -145,23 +145,7 @@ def advise(obs: Observations, config: AdvisorConfig, now: datetime) -> dict[str,
         "expected_waste": None,
         "reason": None,
     }
-    missing = []
-    if obs.save.value_s is None or obs.save.value_s <= 0:
-        missing.append(
-            f"no checkpoint save time yet ({plural(obs.save.checkpoints, 'finished periodic checkpoint')} "
-            f"reported, {config.min_reports} needed, and advisor.save_time_s is not set)"
-        )
-    if obs.lost.value_s is None:
-        bound = obs.lost.lower_bound_s
-        missing.append(
-            f"too few work-losing interruptions to estimate M ({obs.lost.events} in "
-            f"{format_duration(obs.exposure_s)} of uptime, {config.min_losses} needed, and no advisor.prior_mtbp_s)"
-            + (
-                f"; M is probably above {format_duration(bound)}"
-                if bound and obs.exposure_s >= BOUND_AFTER_S
-                else ""
-            )
-        )
+    missing = _missing(obs, config)
     if missing:
         doc["reason"] = "; ".join(missing)
         doc["explanation"] = "No advice yet: " + doc["reason"] + "."
@@ -184,6 +168,28 @@ def advise(obs: Observations, config: AdvisorConfig, now: datetime) -> dict[str,
         doc["interval_range_s"] = [round(low, 3), _round(high)]
     doc["explanation"] = explain(doc, obs, config)
     return doc
+
+
+def _missing(obs: Observations, config: AdvisorConfig) -> list[str]:
+    """What advice still lacks (a save time, enough work-losing interruptions), one phrase each."""
+    missing = []
+    if obs.save.value_s is None or obs.save.value_s <= 0:
+        missing.append(
+            f"no checkpoint save time yet ({plural(obs.save.checkpoints, 'finished periodic checkpoint')} "
+            f"reported, {config.min_reports} needed, and advisor.save_time_s is not set)"
+        )
+    if obs.lost.value_s is None:
+        bound = obs.lost.lower_bound_s
+        missing.append(
+            f"too few work-losing interruptions to estimate M ({obs.lost.events} in "
+            f"{format_duration(obs.exposure_s)} of uptime, {config.min_losses} needed, and no advisor.prior_mtbp_s)"
+            + (
+                f"; M is probably above {format_duration(bound)}"
+                if bound and obs.exposure_s >= BOUND_AFTER_S
+                else ""
+            )
+        )
+    return missing
 
 
 def _with_m(inputs: Inputs, mtbp: float) -> Inputs:
