@@ -55,7 +55,6 @@ MAX_BRANCHES = 20
 
 # Functions past a bound that the gate lets be, by "path:qualified name", each with why; shrink it, never grow it.
 ALLOWED: dict[str, str] = {
-    "agent/advisor/cli.py:_print_human": "61 lines; to be split",
     "agent/bridges/kubernetes/bridge.py:KubernetesBridge._reconcile_spec": "21 branches; to be split",
     "agent/cli/render.py:format_status": "29 branches; to be split",
     "agent/config/loader.py:_prepare": "21 branches; to be split",

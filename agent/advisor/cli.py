@@ -308,24 +308,21 @@ def _simulate(inputs: Inputs, args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def _print_human(doc: dict[str, Any], inputs: Inputs, out: TextIO) -> None:
-    from agent.advisor.advice import waste_at
-
-    def say(text: str) -> None:
-        _say(out, text)
-
-    if doc["mode"] == "live" and doc.get("explanation"):
-        print(fill(doc["explanation"]), file=out)
-        print(file=out)
+def _inputs_line(inputs: Inputs) -> str:
+    """The inputs the advice was computed from, as a sentence."""
     line = (
         f"Inputs: checkpoint save time δ = {duration(inputs.save_s)}, "
         f"M (work-losing interruptions) = {duration(inputs.mtbp_lost_s)}"
     )
     if inputs.mtbp_announced_s:
         line += f", announced interruptions every {duration(inputs.mtbp_announced_s)}"
-    line += f", restart R = {duration(inputs.restart_s)}"
-    say(line)
-    scale, unit = _unit(doc["interval_s"])
+    return line + f", restart R = {duration(inputs.restart_s)}"
+
+
+def _print_table(inputs: Inputs, scale: float, unit: str, out: TextIO) -> None:
+    """Each formula's interval (in ``unit``, ``scale`` seconds each), waste and efficiency."""
+    from agent.advisor.advice import waste_at
+
     # The table is 72 columns wide: it needs no wrapping.
     print(f"\n  {'formula':<36} {'interval τ':>12} {'waste':>8} {'efficiency':>11}", file=out)
     for name, tau in _rows(inputs):
@@ -334,6 +331,18 @@ def _print_human(doc: dict[str, Any], inputs: Inputs, out: TextIO) -> None:
             f"  {_LABELS[name]:<36} {tau / scale:>8.1f} {unit:<3} {100 * waste:>7.1f}% {100 * (1 - waste):>10.1f}%",
             file=out,
         )
+
+
+def _print_human(doc: dict[str, Any], inputs: Inputs, out: TextIO) -> None:
+    def say(text: str) -> None:
+        _say(out, text)
+
+    if doc["mode"] == "live" and doc.get("explanation"):
+        print(fill(doc["explanation"]), file=out)
+        print(file=out)
+    say(_inputs_line(inputs))
+    scale, unit = _unit(doc["interval_s"])
+    _print_table(inputs, scale, unit, out)
     waste = doc["expected_waste"]
     print(file=out)
     say(
