@@ -126,8 +126,14 @@ class PeerCheckpointStore(CheckpointStore):
                 record_emergency(step, path=outcome.path, notice_id=notice_id)
         return outcome
 
-    def _evacuate(self, step: int, writer: Writer, notice_id: str | None, metadata: Mapping[str, Any] | None,
-                  noticed: Collection[int] | None) -> Checkpoint | None:  # fmt: skip
+    def _evacuate(
+        self,
+        step: int,
+        writer: Writer,
+        notice_id: str | None,
+        metadata: Mapping[str, Any] | None,
+        noticed: Collection[int] | None,
+    ) -> Checkpoint | None:
         """The peer save; None (with the same warning on every rank) when the root must take the step."""
         started = time.monotonic()
         self._report("started", step, emergency=True, notice_id=notice_id)
@@ -149,11 +155,21 @@ class PeerCheckpointStore(CheckpointStore):
         duration = time.monotonic() - started
         extra = {"tier": "peer", "job": self.job, "world_size": self.ranks.world_size}
         held = Copy("", step, run, entries, {"notice_id": notice_id})
-        checkpoint = replace(_checkpoint(held, path, datetime.now(timezone.utc)), duration_s=duration,
-                             metadata={**dict(metadata or {}), **extra})  # fmt: skip
+        checkpoint = replace(
+            _checkpoint(held, path, datetime.now(timezone.utc)),
+            duration_s=duration,
+            metadata={**dict(metadata or {}), **extra},
+        )
         self.last_save = checkpoint
-        self._report("finished", step, duration_s=duration, size=checkpoint.bytes, emergency=True,
-                     notice_id=notice_id, path=path)  # fmt: skip
+        self._report(
+            "finished",
+            step,
+            duration_s=duration,
+            size=checkpoint.bytes,
+            emergency=True,
+            notice_id=notice_id,
+            path=path,
+        )
         record_emergency(step, path=path, notice_id=notice_id, tier="peer")
         return checkpoint
 
@@ -184,8 +200,14 @@ class PeerCheckpointStore(CheckpointStore):
 class _Evacuation:
     """One peer save of a full-state step (a collective of the store's group)."""
 
-    def __init__(self, store: PeerCheckpointStore, step: int, run: int, notice_id: str | None,
-                 metadata: Mapping[str, Any] | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: PeerCheckpointStore,
+        step: int,
+        run: int,
+        notice_id: str | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> None:
         self.store, self.step, self.run_, self.notice_id = store, step, run, notice_id
         self.metadata = dict(metadata or {})  # the drained step's manifest carries it, as the root's would
         self.ranks = store.ranks
@@ -233,10 +255,20 @@ class _Evacuation:
             files = _listed(reservation.path, self.ranks.rank, presealed(writer(reservation.path)))
             every = {name: int(entry["size"]) for name, entry in files.items()}
             write_tier_file(
-                reservation.path, job=job, step=self.step, run=self.run_, world_size=self.ranks.world_size,
-                files=files, complete=True,
-                extra={"layout": LAYOUT, "step_files": every, "notice_id": self.notice_id, "metadata": self.metadata},
-            )  # fmt: skip
+                reservation.path,
+                job=job,
+                step=self.step,
+                run=self.run_,
+                world_size=self.ranks.world_size,
+                files=files,
+                complete=True,
+                extra={
+                    "layout": LAYOUT,
+                    "step_files": every,
+                    "notice_id": self.notice_id,
+                    "metadata": self.metadata,
+                },
+            )
             store.tiers.commit(job, self.step, reservation.id)
         except Exception as exc:  # the writer's, the tier's (full) or tmpfs's failure: the root may take it
             with contextlib.suppress(RamTierError):
@@ -470,7 +502,14 @@ def _checkpoint(copy: Copy, directory: Path, moment: datetime | None = None) -> 
             moment = datetime.fromisoformat(str(copy.doc.get("time")).replace("Z", "+00:00"))
     notice = copy.doc.get("notice_id")
     entries = tuple(FileEntry(name, size, crc) for name, (size, crc) in sorted(copy.files.items()))
-    return Checkpoint(step=copy.step, path=directory, time=moment, bytes=sum(e.bytes for e in entries),
-                      files=entries, emergency=True, notice_id=notice if isinstance(notice, str) else None,
-                      metadata={"tier": "peer", "world_size": int(copy.doc.get("world_size", 0) or 0)},
-                      run=copy.run)  # fmt: skip
+    return Checkpoint(
+        step=copy.step,
+        path=directory,
+        time=moment,
+        bytes=sum(e.bytes for e in entries),
+        files=entries,
+        emergency=True,
+        notice_id=notice if isinstance(notice, str) else None,
+        metadata={"tier": "peer", "world_size": int(copy.doc.get("world_size", 0) or 0)},
+        run=copy.run,
+    )
