@@ -244,23 +244,12 @@ def _prepare(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> A
     """What msgspec cannot do for a config table, done before it converts: refuse unknown keys (with a
     "did you mean"), check :class:`Url` keys, and read the string forms an environment variable or a flag
     can only give (``none`` for an optional key, ``yes``/``off`` for a boolean, ``a,b`` for an array)."""
-    if typing.get_origin(hint) is Annotated:
-        hint, *marks = typing.get_args(hint)
-        problem = next((p for m in marks if isinstance(m, CHECKS) and (p := m.problem(value))), None)
-        if problem is not None:
-            raise fail(origin, dotted, problem, value)
+    hint = _checked(hint, value, dotted, origin)
     kind = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return _prepare_table(hint, value, dotted, origin)
     if kind in (Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if (
-            len(args) < len(typing.get_args(hint))
-            and isinstance(value, str)
-            and value.lower() in ("", "none")
-        ):
-            return None
-        return _prepare(args[0], value, dotted, origin) if len(args) == 1 else value
+        return _prepare_union(hint, value, dotted, origin)
     if kind in (tuple, list) and isinstance(value, (str, list, tuple)):
         items = [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
         item = (typing.get_args(hint) or (Any,))[0]
@@ -271,6 +260,26 @@ def _prepare(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> A
     if hint is bool and isinstance(value, str):
         return _BOOL_WORDS.get(value.lower(), value)
     return value
+
+
+def _checked(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
+    """``hint`` without its ``Annotated`` checks, once ``value`` passed them (the error of the first it fails)."""
+    if typing.get_origin(hint) is not Annotated:
+        return hint
+    hint, *marks = typing.get_args(hint)
+    problem = next((p for m in marks if isinstance(m, CHECKS) and (p := m.problem(value))), None)
+    if problem is not None:
+        raise fail(origin, dotted, problem, value)
+    return hint
+
+
+def _prepare_union(hint: Any, value: Any, dotted: str, origin: Mapping[str, str]) -> Any:
+    """``value`` for a union ``hint``: None for ``none`` (or nothing) when it is optional, prepared for its one
+    other type, else as it is."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if len(args) < len(typing.get_args(hint)) and isinstance(value, str) and value.lower() in ("", "none"):
+        return None
+    return _prepare(args[0], value, dotted, origin) if len(args) == 1 else value
 
 
 def _prepare_table(cls: Any, table: Any, dotted: str, origin: Mapping[str, str]) -> dict[str, Any]:
