@@ -39,26 +39,7 @@ def format_status(doc: dict[str, Any], now: datetime | None = None, width: int =
     def row(text: str, first: str = _ITEM, indent: str = _MORE, max_lines: int | None = None) -> None:
         lines.extend(wrap(text, first, indent, width, max_lines))
 
-    agent = doc.get("agent") or {}
-    overall = doc.get("overall")
-    name = f"preemptd {agent['version']}" if agent.get("version") else "preemptd"
-    row(f"{name}  overall: {str(overall).upper() if overall else 'not reported'}", "")
-    where = [f"socket {agent['socket']}" if agent.get("socket") else ""]
-    if agent:
-        where.append(f"cloud {agent.get('cloud') or 'unknown'}")
-    instance = agent.get("instance")
-    if isinstance(instance, dict) and instance.get("instance_id"):
-        where.append(f"instance {instance['instance_id']}")
-    if any(where):
-        row(", ".join(part for part in where if part))
-    if agent:
-        since = [f"up {duration(float(agent.get('uptime_s') or 0))}"]
-        if agent.get("state_dir"):
-            since.append(f"state dir {agent['state_dir']}")
-        row(", ".join(since))
-    state = doc.get("state") or {}
-    if state.get("ok") is False:
-        row(f"STATE PROBLEM: {state.get('error') or 'the state directory cannot be used'}")
+    lines.extend(_agent_lines(doc, width))
     lines.extend(_notices(doc.get("notices") or [], now, width))
     lines.extend(_sources(doc.get("sources") or {}, width))
     gpus = doc.get("gpus") or []
@@ -86,6 +67,37 @@ def format_status(doc: dict[str, Any], now: datetime | None = None, width: int =
     if isinstance(advice, dict) and advice.get("interval_s"):
         lines.append(f"Advice: checkpoint every {duration(float(advice['interval_s']))}")
     return "\n".join(printable(line) for line in lines)
+
+
+def _agent_lines(doc: dict[str, Any], width: int) -> list[str]:
+    """The agent's own lines: its version and overall state, where it listens and runs, its uptime, and a
+    problem with its state directory."""
+    lines: list[str] = []
+
+    def row(text: str, first: str = _ITEM) -> None:
+        lines.extend(wrap(text, first, _MORE, width, None))
+
+    agent = doc.get("agent") or {}
+    overall = doc.get("overall")
+    name = f"preemptd {agent['version']}" if agent.get("version") else "preemptd"
+    row(f"{name}  overall: {str(overall).upper() if overall else 'not reported'}", "")
+    where = [f"socket {agent['socket']}" if agent.get("socket") else ""]
+    if agent:
+        where.append(f"cloud {agent.get('cloud') or 'unknown'}")
+    instance = agent.get("instance")
+    if isinstance(instance, dict) and instance.get("instance_id"):
+        where.append(f"instance {instance['instance_id']}")
+    if any(where):
+        row(", ".join(part for part in where if part))
+    if agent:
+        since = [f"up {duration(float(agent.get('uptime_s') or 0))}"]
+        if agent.get("state_dir"):
+            since.append(f"state dir {agent['state_dir']}")
+        row(", ".join(since))
+    state = doc.get("state") or {}
+    if state.get("ok") is False:
+        row(f"STATE PROBLEM: {state.get('error') or 'the state directory cannot be used'}")
+    return lines
 
 
 def _notices(notices: list[dict[str, Any]], now: datetime, width: int) -> list[str]:
