@@ -296,39 +296,12 @@ class KubernetesBridge:
         cfg = self.config
         for attempt in range(CONFLICT_RETRIES + 1):
             node = await self._call(lambda api: api.get_node(), "get", "nodes")
-            spec, meta = node.get("spec", {}), node.get("metadata", {})
-            annotations = meta.get("annotations") or {}
-            current = spec.get("taints") or []
-            patch: dict[str, Any] = {}
-            wanted: dict[str, dict[str, str]] = {}
-            if cfg.taint:
-                for notice in reversed(notices):  # the earliest deadline's value wins a shared key
-                    taint = plan.taint_for(cfg, notice)
-                    wanted[taint["key"]] = taint
-            ours = plan.taint_keys(cfg) - set(wanted)
-            taints, changed = list(current), False
-            removed = plan.without_taints(taints, ours, cfg.taint_effect) if ours else None
-            if removed is not None:
-                taints, changed = removed, True
-            for taint in wanted.values():
-                added = plan.with_taint(taints, taint)
-                if added is not None:
-                    taints, changed = added, True
-            if changed:
-                patch.setdefault("spec", {})["taints"] = taints
-            if notices and cfg.cordon and not spec.get("unschedulable"):
-                patch.setdefault("spec", {})["unschedulable"] = True
-                patch.setdefault("metadata", {}).setdefault("annotations", {})[plan.CORDON_ANNOTATION] = (
-                    notices[0].id
-                )
-            elif not notices and plan.CORDON_ANNOTATION in annotations:
-                if spec.get("unschedulable"):
-                    patch.setdefault("spec", {})["unschedulable"] = None
-                patch.setdefault("metadata", {}).setdefault("annotations", {})[plan.CORDON_ANNOTATION] = None
+            patch = _node_patch(cfg, node, notices)
             if not patch:
                 self._note_node(node)
                 return
-            patch.setdefault("metadata", {})["resourceVersion"] = meta.get("resourceVersion")
+            version = node.get("metadata", {}).get("resourceVersion")
+            patch.setdefault("metadata", {})["resourceVersion"] = version
             try:
                 node = await self._call(partial(KubeApi.patch_node, patch=patch), "patch", "nodes")
             except KubeError as exc:
@@ -447,3 +420,35 @@ class Collector:
         )
         waiting.add_metric([], bridge.drainer.pending())
         yield waiting
+
+
+def _node_patch(cfg: KubernetesConfig, node: Mapping[str, Any], notices: list[Notice]) -> dict[str, Any]:
+    """The patch that brings ``node``'s taints and cordon to what ``notices`` ask for; empty when it has them."""
+    spec, meta = node.get("spec", {}), node.get("metadata", {})
+    annotations = meta.get("annotations") or {}
+    current = spec.get("taints") or []
+    patch: dict[str, Any] = {}
+    wanted: dict[str, dict[str, str]] = {}
+    if cfg.taint:
+        for notice in reversed(notices):  # the earliest deadline's value wins a shared key
+            taint = plan.taint_for(cfg, notice)
+            wanted[taint["key"]] = taint
+    ours = plan.taint_keys(cfg) - set(wanted)
+    taints, changed = list(current), False
+    removed = plan.without_taints(taints, ours, cfg.taint_effect) if ours else None
+    if removed is not None:
+        taints, changed = removed, True
+    for taint in wanted.values():
+        added = plan.with_taint(taints, taint)
+        if added is not None:
+            taints, changed = added, True
+    if changed:
+        patch.setdefault("spec", {})["taints"] = taints
+    if notices and cfg.cordon and not spec.get("unschedulable"):
+        patch.setdefault("spec", {})["unschedulable"] = True
+        patch.setdefault("metadata", {}).setdefault("annotations", {})[plan.CORDON_ANNOTATION] = notices[0].id
+    elif not notices and plan.CORDON_ANNOTATION in annotations:
+        if spec.get("unschedulable"):
+            patch.setdefault("spec", {})["unschedulable"] = None
+        patch.setdefault("metadata", {}).setdefault("annotations", {})[plan.CORDON_ANNOTATION] = None
+    return patch
