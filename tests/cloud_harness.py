@@ -17,7 +17,14 @@ from tests.support import SSEClient, http_json, running_agent
 
 # Fast polling so that tests take milliseconds per poll; the defaults are what the benchmark measures.
 FAST: Mapping[str, Mapping[str, Any]] = {
-    "aws": {"poll_interval_s": 0.1, "timeout_s": 0.5, "backoff_max_s": 0.3},
+    "aws": {
+        "poll_interval_s": 0.1,
+        "rebalance_interval_s": 0.1,
+        "lifecycle_interval_s": 0.1,
+        "maintenance_interval_s": 0.1,
+        "timeout_s": 0.5,
+        "backoff_max_s": 0.3,
+    },
     "gcp": {"wait_timeout_s": 1, "timeout_s": 0.5, "backoff_max_s": 0.3},
     "azure": {"poll_interval_s": 0.25, "timeout_s": 0.5, "backoff_max_s": 0.3},
     "alibaba": {"poll_interval_s": 0.1, "timeout_s": 0.5, "backoff_max_s": 0.3},

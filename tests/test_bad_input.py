@@ -15,8 +15,8 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from agent.service.clientlog import ClientMistakes
-from tests.support import http_json, running_agent
+from agent.service.clientlog import ClientMistakes, StreamTally
+from tests.support import eventually, http_json, running_agent
 
 HUGE_INT = b"1" + b"0" * 400
 DEEP = 20_000
@@ -127,3 +127,53 @@ def test_past_the_burst_warnings_refill_over_the_interval_and_say_how_many_were_
         logged.append(mistakes.warning("drill_rejected", error="other kinds have their own budget"))
     assert [True, True, False, False, False, True, True] == logged
     assert [None, None, 3, None] == [e.get("suppressed") for e in logs]
+
+
+async def test_a_body_cut_short_is_a_warning_without_traceback_and_the_connection_is_closed(
+    base: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client sends 9 of the 100 bytes it announced and leaves: no answer can reach it, so none is
+    waited for; the log says what happened, briefly (aiohttp once logged an error with a traceback)."""
+    async with running_agent(base) as agent:
+        with capture_logs() as logs, caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+            _, writer = await asyncio.open_unix_connection(str(agent.config.socket))
+            writer.write(
+                b"POST /v1/reports HTTP/1.1\r\nHost: agent\r\nContent-Length: 100\r\n\r\n" + b'{"kind": '
+            )
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+            await eventually(lambda: any(e["event"] == "bad_request" for e in logs), what="the warning")
+            status, _ = await http_json(agent.config.socket, "GET", "/v1/status")
+    assert 200 == status
+    assert [] == [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [("warning", 400, "the connection ended after 9 of 100 body bytes")] == [
+        (e["log_level"], e["status"], e["error"]) for e in logs if e["event"] == "bad_request"
+    ]
+    assert [] == [e for e in logs if e["log_level"] == "error" or "exc_info" in e]
+
+
+async def test_event_streams_coming_and_going_are_one_info_line_per_interval() -> None:
+    open_now = [0]
+    with capture_logs() as logs:
+        tally = StreamTally(structlog.get_logger("preemptd"), lambda: open_now[0], interval_s=0.05)
+        for n in range(3):
+            open_now[0] = n + 1
+            tally.connected(subscriber=n)
+        for n in range(3):
+            open_now[0] -= 1
+            tally.disconnected("client closed the stream", subscriber=n)
+        await eventually(lambda: any(e["event"] == "event_streams" for e in logs), what="the line")
+        tally.close()  # nothing left to say: no second line
+    assert ["client_connected"] * 3 + ["client_disconnected"] * 3 == [
+        e["event"] for e in logs if e["log_level"] == "debug"
+    ]
+    [line] = [e for e in logs if e["log_level"] == "info"]
+    assert ("event_streams", 3, 3, {"client closed the stream": 3}, 3, 0) == (
+        line["event"],
+        line["connected"],
+        line["disconnected"],
+        line["reasons"],
+        line["peak"],
+        line["open"],
+    )

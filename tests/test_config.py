@@ -344,6 +344,47 @@ def test_a_participant_ttl_below_the_floor_or_past_a_year_is_refused(tmp_path: P
     assert_refused(tmp_path, text, rf"key 'actions\.ready\.participant_ttl_s': {YEAR}, got ")
 
 
+# The AWS paths read less often than the spot path, and the ceiling that keeps their notice's lead.
+AWS_SLOW_PATHS = {
+    "aws.rebalance_interval_s": ("60", "60.5", r"expected a number of seconds from 0\.1 to 60 \(a minute\)"),
+    "aws.lifecycle_interval_s": ("60", "61", r"expected a number of seconds from 0\.1 to 60 \(a minute\)"),
+    "aws.maintenance_interval_s": (
+        "3600",
+        "3601",
+        r"expected a number of seconds from 0\.1 to 3600 \(an hour\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("key", sorted(AWS_SLOW_PATHS))
+def test_an_aws_path_interval_takes_the_floor_to_its_ceiling(tmp_path: Path, key: str) -> None:
+    for value in ("0.1", AWS_SLOW_PATHS[key][0]):
+        config = load_config(write(tmp_path, toml_key(key, value)), env={})
+        assert float(value) == getattr(config.aws, key.rpartition(".")[2])
+
+
+@pytest.mark.parametrize("key", sorted(AWS_SLOW_PATHS))
+def test_an_aws_path_interval_below_the_floor_or_past_its_ceiling_is_refused(
+    tmp_path: Path, key: str
+) -> None:
+    _, over, expected = AWS_SLOW_PATHS[key]
+    escaped = key.replace(".", r"\.")
+    for value in ("1e-9", over, "1e308"):
+        assert_refused(tmp_path, toml_key(key, value), f"key '{escaped}': {expected}, got ")
+
+
+def test_the_aws_paths_default_to_the_cadence_their_notices_need() -> None:
+    """The interruption notice every second; rebalance and Auto Scaling (minutes ahead) every 10 s;
+    scheduled maintenance (days ahead) every minute (docs/clouds.md, "How often each path is read")."""
+    aws = load_config(env={}).aws
+    assert (1.0, 10.0, 10.0, 60.0) == (
+        aws.poll_interval_s,
+        aws.rebalance_interval_s,
+        aws.lifecycle_interval_s,
+        aws.maintenance_interval_s,
+    )
+
+
 def test_run_refuses_a_drill_linger_past_a_day_at_load(capsys: pytest.CaptureFixture[str]) -> None:
     """drill_linger_s = 1e308 once loaded and then failed the expiry task (timedelta overflow) at run time."""
     from agent.cli import main

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from agent.config.loader import Url
-from agent.config.types import AtLeastOne, HttpUrl, Seconds, SecondsUpToADay
+from agent.config.types import (
+    AtLeastOne,
+    HttpUrl,
+    Seconds,
+    SecondsUpToADay,
+    SecondsUpToAMinute,
+    SecondsUpToAnHour,
+)
 
 
 @dataclass(frozen=True)
@@ -17,7 +24,13 @@ class AwsConfig:
     """EC2 instance metadata (IMDSv2)."""
 
     endpoint: HttpUrl = "http://169.254.169.254"
+    # spot/instance-action: the two-minute interruption notice (hibernation: none), read every second.
     poll_interval_s: Seconds = 1.0
+    # The other paths announce what they announce ahead (docs/clouds.md, "How often each path is read"):
+    # a rebalance recommendation and an Auto Scaling termination minutes ahead, scheduled maintenance days.
+    rebalance_interval_s: SecondsUpToAMinute = 10.0
+    lifecycle_interval_s: SecondsUpToAMinute = 10.0
+    maintenance_interval_s: SecondsUpToAnHour = 60.0
     timeout_s: Seconds = 1.0
     token_ttl_s: AtLeastOne = 21600
     # IMDSv1 (no token) only when asked for: it is what SSRF attacks use, and many fleets disable it.

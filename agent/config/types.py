@@ -36,6 +36,26 @@ SecondsUpToAYear = Annotated[
         description=f"a number of seconds from {MIN_INTERVAL_S} to {YEAR_S:.0f} (a year)",
     ),
 ]
+# A poll of a notice that comes with minutes of lead time (AWS rebalance, Auto Scaling lifecycle), or days
+# (scheduled maintenance): slower than the termination path, but never so slow the notice loses its lead.
+MINUTE_S = 60.0
+HOUR_S = 3600.0
+SecondsUpToAMinute = Annotated[
+    float,
+    Meta(
+        ge=MIN_INTERVAL_S,
+        le=MINUTE_S,
+        description=f"a number of seconds from {MIN_INTERVAL_S} to {MINUTE_S:.0f} (a minute)",
+    ),
+]
+SecondsUpToAnHour = Annotated[
+    float,
+    Meta(
+        ge=MIN_INTERVAL_S,
+        le=HOUR_S,
+        description=f"a number of seconds from {MIN_INTERVAL_S} to {HOUR_S:.0f} (an hour)",
+    ),
+]
 AtLeastOne = Annotated[int, Meta(ge=1)]
 HttpUrl = Annotated[str, Url()]
 

@@ -25,10 +25,11 @@ from agent.core.peers import is_admin, peer_credentials, peer_doc
 from agent.core.ports import ApiHost, MetricsView
 from agent.core.reports import brief, parse_report, seconds
 from agent.core.subscribers import CLOSE, HubFull
-from agent.service.clientlog import BadRequestFilter, ClientMistakes
+from agent.service.clientlog import BadRequestFilter, ClientMistakes, StreamTally
 
 AGENT_KEY: web.AppKey[ApiHost] = web.AppKey("agent")
 MISTAKES_KEY: web.AppKey[ClientMistakes] = web.AppKey("mistakes")
+STREAMS_KEY: web.AppKey[StreamTally] = web.AppKey("streams")
 MAX_DRILL_S = 7 * 24 * 3600.0
 
 
@@ -69,6 +70,22 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
 
+class BodyCutShort(Exception):
+    """The connection ended (closed, reset, or half-closed by the client) before the request's body had
+    arrived whole: a client's mistake like any malformed request, not an error of the agent."""
+
+    def __init__(self, received: int, declared: int | None, peer: Mapping[str, Any]) -> None:
+        of = f" of {declared}" if declared is not None else ""
+        super().__init__(f"the connection ended after {received}{of} body bytes")
+        self.peer = peer
+
+
+def _cut_short(request: web.Request, exc: BodyCutShort) -> None:
+    request.app[MISTAKES_KEY].warning(
+        "bad_request", path=request.path, status=400, error=str(exc), peer=exc.peer
+    )
+
+
 async def _read_json(request: web.Request) -> Any:
     agent = request.app[AGENT_KEY]
     limit = agent.config.api.max_body_bytes
@@ -77,10 +94,21 @@ async def _read_json(request: web.Request) -> Any:
     # One read() returns what has arrived so far, not the whole body: read to the end, bounded in size
     # and in time (a body sent a byte at a time must not hold the connection).
     timeout = agent.config.api.idle_timeout_s
+    peer = peer_doc(request)  # while the connection is there to ask
     try:
         raw = await asyncio.wait_for(_read_body(request, limit), timeout)
     except asyncio.TimeoutError as exc:
         raise web.HTTPRequestTimeout(reason=f"the body did not arrive within {timeout:g}s") from exc
+    except ConnectionError:
+        # aiohttp ends the body with ConnectionResetError("Connection lost") when the connection goes.
+        raise BodyCutShort(request.content.total_bytes, request.content_length, peer) from None
+    except asyncio.CancelledError:
+        # The same, seen from the other side: aiohttp also cancels the handler of a connection that is
+        # gone, and which of the two arrives first is up to the event loop. A cancellation with the
+        # connection still there is someone else's (the agent stopping): not the client's mistake.
+        if request.transport is None:
+            _cut_short(request, BodyCutShort(request.content.total_bytes, request.content_length, peer))
+        raise
     if not raw.strip():
         return None
     try:
@@ -132,6 +160,12 @@ async def error_middleware(
         answer = _error(408, exc.reason)
         answer.force_close()  # the rest of the body is not waited for
         return answer
+    except BodyCutShort as exc:
+        _cut_short(request, exc)
+        # Nobody is left to read it: aiohttp's attempt to send it ends the connection quietly.
+        answer = _error(400, str(exc))
+        answer.force_close()
+        return answer
     except web.HTTPException as exc:
         if exc.status >= 400:
             return _error(exc.status, exc.reason)
@@ -171,8 +205,8 @@ async def events(request: web.Request) -> web.StreamResponse:
             "X-Accel-Buffering": "no",
         }
     )
-    agent.log.info(
-        "client_connected",
+    streams = request.app[STREAMS_KEY]
+    streams.connected(
         subscriber=sub.id,
         peer=peer,
         last_event_id=last_event_id,
@@ -222,12 +256,8 @@ async def events(request: web.Request) -> web.StreamResponse:
             raise
     finally:
         agent.hub.unsubscribe(sub)
-        agent.log.info(
-            "client_disconnected",
-            subscriber=sub.id,
-            peer=peer,
-            reason=sub.closed_reason or reason,
-            delivered=sub.delivered,
+        streams.disconnected(
+            sub.closed_reason or reason, subscriber=sub.id, peer=peer, delivered=sub.delivered
         )
     with contextlib.suppress(ConnectionError):
         await response.write_eof()
@@ -396,7 +426,8 @@ REGISTRY_KEY: web.AppKey[CollectorRegistry] = web.AppKey("registry")
 
 
 async def _quiet_bad_requests(app: web.Application) -> AsyncIterator[None]:
-    """While the app serves, requests aiohttp cannot parse are logged as bounded, rate-limited warnings."""
+    """While the app serves, requests aiohttp cannot parse are logged as bounded, rate-limited warnings;
+    when it stops, the event streams' last counts are written."""
     server_log = logging.getLogger("aiohttp.server")
     quiet = BadRequestFilter(app[MISTAKES_KEY])
     server_log.addFilter(quiet)
@@ -404,6 +435,7 @@ async def _quiet_bad_requests(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         server_log.removeFilter(quiet)
+        app[STREAMS_KEY].close()
 
 
 def build_registry(agent: MetricsView) -> CollectorRegistry:
@@ -423,6 +455,7 @@ def build_app(
     app = web.Application(middlewares=[error_middleware], client_max_size=agent.config.api.max_body_bytes)
     app[AGENT_KEY] = agent
     app[MISTAKES_KEY] = ClientMistakes(agent.log)
+    app[STREAMS_KEY] = StreamTally(agent.log, lambda: len(agent.hub))
     app.cleanup_ctx.append(_quiet_bad_requests)
     app[REGISTRY_KEY] = build_registry(agent)
     app.router.add_get("/v1/status", status)

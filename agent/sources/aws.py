@@ -20,6 +20,7 @@ from agent.core.notice import Kind, Observation, Severity, parse_time, utcnow
 from agent.sources.base import Sink, Source
 from agent.sources.cloud_http import (
     Backoff,
+    Cadence,
     CloudError,
     LevelState,
     MetadataClient,
@@ -212,7 +213,8 @@ def parse_lifecycle_state(body: bytes) -> Observation | None:
 
 
 class AwsSource(Source):
-    """Polls the four notice endpoints concurrently every ``poll_interval_s`` with an IMDSv2 token."""
+    """Polls the four notice endpoints with an IMDSv2 token, each at the cadence its notice needs: the
+    interruption notice every ``poll_interval_s``, the others on the same ticks but less often."""
 
     name = "aws"
 
@@ -232,6 +234,7 @@ class AwsSource(Source):
             "endpoint": self.config.endpoint,
             "mode": "imdsv1" if self._imdsv1 else "imdsv2",
             "poll_interval_s": self.config.poll_interval_s,
+            "intervals_s": self.intervals(),
             "polls": self._polls,
             "identity": self._identity.status(),
         }
@@ -341,43 +344,72 @@ class AwsSource(Source):
             obs = parse_lifecycle_state(body) if body is not None else None
             state.set(part, [obs] if obs is not None else [])
 
+    def intervals(self) -> dict[str, float]:
+        """How often each path is read: the interruption notice every ``poll_interval_s``; the others, whose
+        notices come minutes (rebalance, Auto Scaling) or days (scheduled maintenance) ahead, less often."""
+        return {
+            "spot": self.config.poll_interval_s,
+            "rebalance": self.config.rebalance_interval_s,
+            "lifecycle": self.config.lifecycle_interval_s,
+            "maintenance": self.config.maintenance_interval_s,
+        }
+
+    async def _poll(self, due: list[str], state: LevelState) -> dict[str, CloudError]:
+        """Read the paths that are due, concurrently; the error of each path that failed."""
+        try:
+            # One token fetch before the concurrent reads, so a token failure is one error, not four.
+            await self._ensure_token()
+        except CloudError as exc:
+            return dict.fromkeys(due, exc)
+        errors: dict[str, CloudError] = {}
+        if len(due) == 1:  # most ticks read the spot path alone: no task to wrap it in
+            try:
+                await self._poll_part(due[0], state)
+            except CloudError as exc:
+                errors[due[0]] = exc
+            return errors
+        results = await asyncio.gather(*(self._poll_part(p, state) for p in due), return_exceptions=True)
+        for part, result in zip(due, results, strict=True):
+            if isinstance(result, CloudError):
+                errors[part] = result
+            elif isinstance(result, BaseException):
+                raise result
+        return errors
+
     async def run(self, sink: Sink) -> None:
         bound = log.bind(source=self.name)
-        parts = ("spot", "rebalance", "maintenance", "lifecycle")
-        state = LevelState(parts)
-        backoff = Backoff(self.config.poll_interval_s, self.config.backoff_max_s)
-        interval = self.config.poll_interval_s
+        intervals = self.intervals()
+        state = LevelState(intervals)
+        cadence = Cadence(intervals, time.monotonic())
+        # Each path backs off on its own: a path that keeps failing must not slow the termination path.
+        # A failing slow path is retried sooner than its interval at first, never later than it.
+        backoffs = {
+            part: Backoff(self.config.poll_interval_s, max(self.config.backoff_max_s, interval))
+            for part, interval in intervals.items()
+        }
+        failing: dict[str, CloudError] = {}  # path -> its last error, until it reads again
         self._identity.start(sink)  # beside the poll: its failures never slow or degrade it
         try:
-            next_tick = time.monotonic()
             while True:
-                errors: list[CloudError] = []
-                # One token fetch before the concurrent reads, so a token failure is one error, not four.
-                try:
-                    await self._ensure_token()
-                except CloudError as exc:
-                    errors.append(exc)
-                if not errors:
-                    results = await asyncio.gather(
-                        *(self._poll_part(p, state) for p in parts), return_exceptions=True
-                    )
-                    for result in results:
-                        if isinstance(result, CloudError):
-                            errors.append(result)
-                        elif isinstance(result, BaseException):
-                            raise result
+                due = cadence.due(time.monotonic())
+                errors = await self._poll(due, state) if due else {}
                 state.publish(sink)
                 self._polls += 1
+                now = time.monotonic()
+                for part in due:
+                    if part in errors:
+                        failing[part] = errors[part]
+                        cadence.retry(part, now + backoffs[part].next_delay(errors[part].retry_after_s))
+                    else:
+                        failing.pop(part, None)
+                        backoffs[part].reset()
+                        cadence.read(part, now)
                 if errors:
-                    sink.error(str(errors[0]), errors=len(errors), endpoint=self.config.endpoint)
-                    delay = backoff.next_delay(errors[0].retry_after_s)
-                    next_tick = time.monotonic() + delay
-                else:
-                    backoff.reset()
+                    first = next(iter(errors.values()))
+                    sink.error(str(first), errors=len(errors), endpoint=self.config.endpoint)
+                elif not failing:
                     sink.ok(endpoint=self.config.endpoint, mode="imdsv1" if self._imdsv1 else "imdsv2")
-                    # Fixed-rate ticks: the interval is the worst-case detection delay, whatever a poll took.
-                    next_tick = max(next_tick + interval, time.monotonic())
-                await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+                await asyncio.sleep(max(0.0, cadence.next_at() - time.monotonic()))
         finally:
             bound.debug("source_stopping")
             await self._identity.stop()

@@ -185,6 +185,41 @@ class Backoff:
         self.failures = 0
 
 
+class Cadence:
+    """When each endpoint (``part``) of a polling source is next read. Every part has its own interval, and
+    the loop wakes only on the ticks of the fastest part (the anchor) and for retries: a slower part is read
+    on the anchor tick nearest its time (within half a tick), riding along with it instead of waking the
+    loop itself. Fixed-rate: a part's next read is one interval after its last due time, not after the read
+    ended (at once if that time has passed), so an interval is the worst-case delay whatever a read took.
+    Pure: the caller passes the monotonic clock.
+    """
+
+    def __init__(self, intervals: Mapping[str, float], now: float) -> None:
+        self.intervals = dict(intervals)
+        self.anchor = min(self.intervals, key=self.intervals.__getitem__)
+        self.slack_s = self.intervals[self.anchor] / 2
+        self._next = dict.fromkeys(self.intervals, now)
+        self._retrying: set[str] = set()
+
+    def due(self, now: float) -> list[str]:
+        """The parts to read at ``now``, in the order they were given."""
+        return [part for part, at in self._next.items() if at <= now + self.slack_s]
+
+    def read(self, part: str, now: float) -> None:
+        """``part`` was read successfully at ``now``."""
+        self._retrying.discard(part)
+        self._next[part] = max(self._next[part] + self.intervals[part], now)
+
+    def retry(self, part: str, at: float) -> None:
+        """``part`` failed: read it again at ``at`` (its backoff), whatever its interval."""
+        self._retrying.add(part)
+        self._next[part] = at
+
+    def next_at(self) -> float:
+        """When the loop should wake next: the anchor's next tick, or an earlier retry."""
+        return min(self._next[part] for part in {self.anchor, *self._retrying})
+
+
 class LevelState:
     """The observations a source has read, per endpoint (``part``), published as one level-triggered set.
 

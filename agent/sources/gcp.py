@@ -284,7 +284,10 @@ class GcpSource(Source):
                     last_body = reply.body
                     etag = None
                     self._succeeded(path)
-                    await asyncio.sleep(backoff.next_delay())
+                    backoff.reset()
+                    # The server does not hang on this answer: read it again as often as a hanging GET
+                    # answers at rest (a window is announced ahead of its start), not every few seconds.
+                    await asyncio.sleep(wait)
                     continue
                 if reply.status != 200:
                     raise status_error("GET", self.endpoint + BASE + path, reply)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,7 @@ import structlog
 from agent.config import HostConfig
 from agent.core.notice import Kind, Observation
 from agent.core.reports import Report
-from agent.core.threads import call_in_thread, drop, wait_or_drop
+from agent.core.threads import drop, run_for, wait_or_drop
 from agent.sources.base import Sink, Source
 from agent.sources.gpu_health import Hysteresis
 
@@ -125,9 +127,33 @@ def checkpoint_finding(
     )
 
 
-def _call_in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """Run ``fn`` on a new daemon thread; unlike the default executor, a stuck call never delays exit."""
-    return call_in_thread(fn, *args, name="preemptd-host-read")
+class _Reader:
+    """A daemon thread kept for one kind of read (the memory, one directory), started at its first call:
+    a new thread for each read of each check cost more CPU than the reads themselves (0.7 ms a check, in
+    an agent that is otherwise idle: bench/idle.py). Calls run one at a time, so one that hangs (a dead
+    mount) holds this reader alone; unlike the default executor's, a stuck thread never delays exit."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def call(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.put((loop, future, fn, args))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="preemptd-host-read", daemon=True)
+            self._thread.start()
+        return future
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            loop, future, fn, args = call
+            run_for(loop, future, fn, *args)
+
+    def close(self) -> None:
+        """The thread ends once its current call is done (a hung one: when it returns)."""
+        self._calls.put(None)
 
 
 class HostSource(Source):
@@ -144,6 +170,7 @@ class HostSource(Source):
         self._readings: dict[str, Any] = {}
         self._stuck: set[str] = set()
         self._hung: dict[str, asyncio.Future[Any]] = {}  # what -> its read still running past the bound
+        self._readers: dict[str, _Reader] = {}  # what -> the thread that reads it
         self._rounds = 0
 
     def on_report(self, report: Report) -> None:
@@ -192,13 +219,18 @@ class HostSource(Source):
             for future in self._hung.values():
                 drop(future)
             self._hung.clear()
+            for reader in self._readers.values():
+                reader.close()
+            self._readers.clear()
 
     async def _bounded(self, what: str, fn: Callable[..., T], *args: Any) -> T | None:
         """Run a psutil read off the loop; None (and ``what`` marked as not responding) past the bound."""
         # A read still hung from an earlier check is waited for again, not started once more: a dead mount
         # holds one thread, not one per check.
         hung: asyncio.Future[T] | None = self._hung.pop(what, None)
-        future = hung or _call_in_daemon_thread(fn, *args)
+        if hung is None and what not in self._readers:
+            self._readers[what] = _Reader()
+        future = hung or self._readers[what].call(fn, *args)
         if not await wait_or_drop(future, self.config.call_timeout_s):
             self._hung[what] = future
             if what not in self._stuck:
@@ -226,6 +258,8 @@ class HostSource(Source):
         for what in [w for w in self._hung if w not in {"memory", "state_dir", *directories}]:
             drop(self._hung.pop(what))  # a reported directory no longer watched
             self._stuck.discard(what)
+        for what in [w for w in self._readers if w not in {"memory", "state_dir", *directories}]:
+            self._readers.pop(what).close()
         for directory in directories:
             key = f"disk/{directory}"
             try:
