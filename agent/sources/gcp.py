@@ -24,6 +24,7 @@ from agent.sources.cloud_http import (
     LevelState,
     MetadataClient,
     ParseError,
+    Reply,
     run_all,
     status_error,
 )
@@ -186,6 +187,24 @@ def parse_last_segment(body: bytes) -> str:
 # --- the source ----------------------------------------------------------------------------------------
 
 
+def _watch_params(extra: Mapping[str, str], etag: str | None, wait: int) -> dict[str, str]:
+    """The query of a watch's next read: a plain read, or with ``etag`` a hanging GET of ``wait`` seconds."""
+    params = dict(extra)
+    if etag is not None:
+        params.update(wait_for_change="true", last_etag=etag, timeout_sec=str(wait))
+    return params
+
+
+def _nothing_upcoming(path: str, reply: Reply, last_body: bytes | None) -> bool:
+    """Whether a 503 for the upcoming maintenance says that none is scheduled.
+
+    "No notifications have been received yet" comes with 503 too, and a bare 503 before any good read is
+    seen instead of {} on machine families without the API: either way nothing is scheduled, and a window
+    seen earlier is over. A bare 503 after a good read is a brief outage during host maintenance and keeps
+    what was seen."""
+    return reply.status == 503 and path == UPCOMING and (last_body is None or is_no_notifications(reply.body))
+
+
 class GcpSource(Source):
     """One hanging-GET watcher per notice key, plus a read of identity and scheduling on its own schedule
     (:class:`IdentityReader`: its failures never make the watchers' source degraded)."""
@@ -257,9 +276,7 @@ class GcpSource(Source):
         etag: str | None = None
         extra = {"alt": "json"} if path == UPCOMING else {}
         while True:
-            params = dict(extra)
-            if etag is not None:
-                params.update(wait_for_change="true", last_etag=etag, timeout_sec=str(wait))
+            params = _watch_params(extra, etag, wait)
             try:
                 # A hanging GET may legitimately take timeout_sec; a plain read gets the usual timeout.
                 limit = wait + self.config.timeout_s if etag is not None else self.config.timeout_s
@@ -270,15 +287,7 @@ class GcpSource(Source):
                     state.drop_part(path)
                     state.publish(sink)
                     return
-                if (
-                    reply.status == 503
-                    and path == UPCOMING
-                    and (last_body is None or is_no_notifications(reply.body))
-                ):
-                    # "No notifications have been received yet" comes with 503 too, and a bare 503 before
-                    # any good read is seen instead of {} on machine families without the API: either way
-                    # nothing is scheduled, and a window seen earlier is over. A bare 503 after a good read
-                    # is a brief outage during host maintenance and keeps what was seen.
+                if _nothing_upcoming(path, reply, last_body):
                     state.set(path, [])
                     state.publish(sink)
                     last_body = reply.body
