@@ -24,7 +24,7 @@ from agent.core.notice import Kind, Severity
 from agent.core.peers import is_admin, peer_credentials, peer_doc
 from agent.core.ports import ApiHost, MetricsView
 from agent.core.reports import brief, parse_report, seconds
-from agent.core.subscribers import CLOSE, HubFull
+from agent.core.subscribers import CLOSE, HubFull, Subscriber
 from agent.service.clientlog import BadRequestFilter, ClientMistakes, StreamTally
 
 AGENT_KEY: web.AppKey[ApiHost] = web.AppKey("agent")
@@ -180,6 +180,13 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
+_STREAM_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
 async def events(request: web.Request) -> web.StreamResponse:
     agent = request.app[AGENT_KEY]
     peer = peer_doc(request)
@@ -198,13 +205,7 @@ async def events(request: web.Request) -> web.StreamResponse:
             transport.abort()
 
     sub.on_kick = abort
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-        }
-    )
+    response = web.StreamResponse(headers=_STREAM_HEADERS)
     streams = request.app[STREAMS_KEY]
     streams.connected(
         subscriber=sub.id,
@@ -223,31 +224,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         )
         if first:
             await response.write(b"".join(first))
-        chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
-        wrote = bool(first)  # the head is on the wire: direct writes may follow it
-
-        def direct(frame: bytes) -> bool:
-            # Only when everything written before has left for the kernel: order and memory bounds stay
-            # those of the queue path, and a client that stops reading still ends up with a full queue.
-            if transport is None or transport.is_closing() or transport.get_write_buffer_size():
-                return False
-            transport.write(_chunk(frame) if chunked else frame)
-            sub.delivered += 1
-            return True
-
-        while True:
-            if wrote and sub.queue.empty():
-                sub.direct = direct
-            try:
-                frame = await sub.queue.get()
-            finally:
-                sub.direct = None
-            if frame is CLOSE or frame == CLOSE:
-                reason = "agent shutting down"
-                break
-            await response.write(frame)
-            wrote = True
-            sub.delivered += 1
+        reason = await _stream(response, sub, transport, wrote=bool(first))
     except (ConnectionResetError, ConnectionError, asyncio.CancelledError) as exc:
         reason = sub.closed_reason or (
             "cancelled" if isinstance(exc, asyncio.CancelledError) else "client went away"
@@ -262,6 +239,36 @@ async def events(request: web.Request) -> web.StreamResponse:
     with contextlib.suppress(ConnectionError):
         await response.write_eof()
     return response
+
+
+async def _stream(
+    response: web.StreamResponse, sub: Subscriber, transport: asyncio.Transport | None, wrote: bool
+) -> str:
+    """Write the subscriber's frames until the agent closes the stream, and say so; ``wrote``: the head is
+    on the wire already, so direct writes may follow it."""
+    chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
+
+    def direct(frame: bytes) -> bool:
+        # Only when everything written before has left for the kernel: order and memory bounds stay
+        # those of the queue path, and a client that stops reading still ends up with a full queue.
+        if transport is None or transport.is_closing() or transport.get_write_buffer_size():
+            return False
+        transport.write(_chunk(frame) if chunked else frame)
+        sub.delivered += 1
+        return True
+
+    while True:
+        if wrote and sub.queue.empty():
+            sub.direct = direct
+        try:
+            frame = await sub.queue.get()
+        finally:
+            sub.direct = None
+        if frame is CLOSE or frame == CLOSE:
+            return "agent shutting down"
+        await response.write(frame)
+        wrote = True
+        sub.delivered += 1
 
 
 @functools.lru_cache(maxsize=16)
