@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
@@ -347,80 +348,89 @@ class AgentCollector:
         now = agent.now()
         info = InfoMetricFamily("preemptd_build", "Agent version", labels=["version"])
         info.add_metric([__version__], {"version": __version__})
-        active = GaugeMetricFamily("preemptd_notices_active", "Active notices", labels=["kind", "severity"])
-        counts: dict[tuple[str, str], int] = {}
-        seconds = GaugeMetricFamily(
-            "preemptd_notice_seconds_left",
-            "Seconds to each active notice's deadline",
-            labels=["id", "kind", "source"],
-        )
-        for notice in agent.board.active():
-            slot = (notice.kind.value, notice.severity.value)
-            counts[slot] = counts.get(slot, 0) + 1
-            left = notice.seconds_left(now)
-            if left is not None:
-                seconds.add_metric([notice.id, notice.kind.value, notice.source], left)
-        for kind in Kind:
-            for severity in Severity:
-                active.add_metric([kind.value, severity.value], counts.get((kind.value, severity.value), 0))
-        events_metric = CounterMetricFamily("preemptd_events", "Events published", labels=["type"])
-        for event_type, count in sorted(agent.hub.published_total.items()):
-            events_metric.add_metric([event_type], count)
-        subs = GaugeMetricFamily("preemptd_subscribers", "Connected event-stream clients")
-        subs.add_metric([], len(agent.hub))
-        kicked = CounterMetricFamily(
-            "preemptd_subscribers_disconnected_slow", "Clients dropped for not reading"
-        )
-        kicked.add_metric([], agent.hub.kicked_total)
-        reports_metric = CounterMetricFamily("preemptd_reports", "Client reports accepted", labels=["phase"])
-        # Every phase from the start, so that a rate() or an alert on failed reports has a series at 0.
-        for phase in sorted({"started", "finished", "failed"} | set(agent.reports_total)):
-            reports_metric.add_metric([phase], agent.reports_total.get(phase, 0))
-        rejected = CounterMetricFamily("preemptd_reports_rejected", "Client reports rejected")
-        rejected.add_metric([], agent.reports_rejected)
-        source_up = GaugeMetricFamily(
-            "preemptd_source_up", "1 when the source is healthy", labels=["source", "state"]
-        )
-        source_errors = CounterMetricFamily(
-            "preemptd_source_errors", "Failed source reads", labels=["source"]
-        )
-        for name, health in sorted(agent.health.items()):
-            source_up.add_metric([name, health.state.value], 1 if health.state.value == "ok" else 0)
-            source_errors.add_metric([name], health.errors)
-        state_ok = GaugeMetricFamily("preemptd_state_ok", "1 when the state directory is usable")
-        state_ok.add_metric([], 1 if agent.state_ok else 0)
-        conn = agent.connections()
-        connections = GaugeMetricFamily("preemptd_connections", "Connections open on the API socket")
-        connections.add_metric([], conn["open"])
-        connections_max = GaugeMetricFamily("preemptd_connections_max", "Connections served at once")
-        connections_max.add_metric([], conn["max"])
-        refused = CounterMetricFamily("preemptd_connections_refused", "Connections answered 503: cap reached")
-        refused.add_metric([], conn["refused"])
-        accept_failed = CounterMetricFamily("preemptd_accept_failures", "Failed accepts (out of descriptors)")
-        accept_failed.add_metric([], conn["accept_failures"])
-        fds = GaugeMetricFamily("preemptd_open_fds", "Descriptors the agent has open")
-        fds.add_metric([], conn["descriptors"]["open"] or 0)
-        fds_max = GaugeMetricFamily("preemptd_max_fds", "The agent's descriptor limit (soft RLIMIT_NOFILE)")
-        fds_max.add_metric([], conn["descriptors"]["limit"])
-        return [
-            connections,
-            connections_max,
-            refused,
-            accept_failed,
-            fds,
-            fds_max,
+        families = [
             info,
-            active,
-            seconds,
-            events_metric,
-            subs,
-            kicked,
-            reports_metric,
-            rejected,
-            source_up,
-            source_errors,
-            state_ok,
+            *_notice_families(agent, now),
+            *_stream_families(agent),
+            *_report_families(agent),
+            *_source_families(agent),
         ]
+        return [*_connection_families(agent.connections()), *families]
+
+
+def _notice_families(agent: MetricsView, now: datetime) -> list[Metric]:
+    """The active notices by kind and severity, and each one's seconds to its deadline."""
+    active = GaugeMetricFamily("preemptd_notices_active", "Active notices", labels=["kind", "severity"])
+    counts: dict[tuple[str, str], int] = {}
+    seconds = GaugeMetricFamily(
+        "preemptd_notice_seconds_left",
+        "Seconds to each active notice's deadline",
+        labels=["id", "kind", "source"],
+    )
+    for notice in agent.board.active():
+        slot = (notice.kind.value, notice.severity.value)
+        counts[slot] = counts.get(slot, 0) + 1
+        left = notice.seconds_left(now)
+        if left is not None:
+            seconds.add_metric([notice.id, notice.kind.value, notice.source], left)
+    for kind in Kind:
+        for severity in Severity:
+            active.add_metric([kind.value, severity.value], counts.get((kind.value, severity.value), 0))
+    return [active, seconds]
+
+
+def _stream_families(agent: MetricsView) -> list[Metric]:
+    """The events published and the event-stream clients."""
+    events_metric = CounterMetricFamily("preemptd_events", "Events published", labels=["type"])
+    for event_type, count in sorted(agent.hub.published_total.items()):
+        events_metric.add_metric([event_type], count)
+    subs = GaugeMetricFamily("preemptd_subscribers", "Connected event-stream clients")
+    subs.add_metric([], len(agent.hub))
+    kicked = CounterMetricFamily("preemptd_subscribers_disconnected_slow", "Clients dropped for not reading")
+    kicked.add_metric([], agent.hub.kicked_total)
+    return [events_metric, subs, kicked]
+
+
+def _report_families(agent: MetricsView) -> list[Metric]:
+    """The client reports accepted, by phase, and rejected."""
+    reports_metric = CounterMetricFamily("preemptd_reports", "Client reports accepted", labels=["phase"])
+    # Every phase from the start, so that a rate() or an alert on failed reports has a series at 0.
+    for phase in sorted({"started", "finished", "failed"} | set(agent.reports_total)):
+        reports_metric.add_metric([phase], agent.reports_total.get(phase, 0))
+    rejected = CounterMetricFamily("preemptd_reports_rejected", "Client reports rejected")
+    rejected.add_metric([], agent.reports_rejected)
+    return [reports_metric, rejected]
+
+
+def _source_families(agent: MetricsView) -> list[Metric]:
+    """Each source's health and failed reads, and whether the state directory is usable."""
+    source_up = GaugeMetricFamily(
+        "preemptd_source_up", "1 when the source is healthy", labels=["source", "state"]
+    )
+    source_errors = CounterMetricFamily("preemptd_source_errors", "Failed source reads", labels=["source"])
+    for name, health in sorted(agent.health.items()):
+        source_up.add_metric([name, health.state.value], 1 if health.state.value == "ok" else 0)
+        source_errors.add_metric([name], health.errors)
+    state_ok = GaugeMetricFamily("preemptd_state_ok", "1 when the state directory is usable")
+    state_ok.add_metric([], 1 if agent.state_ok else 0)
+    return [source_up, source_errors, state_ok]
+
+
+def _connection_families(conn: Mapping[str, Any]) -> list[Metric]:
+    """The API socket's connections and the agent's descriptors, from ``MetricsView.connections()``."""
+    connections = GaugeMetricFamily("preemptd_connections", "Connections open on the API socket")
+    connections.add_metric([], conn["open"])
+    connections_max = GaugeMetricFamily("preemptd_connections_max", "Connections served at once")
+    connections_max.add_metric([], conn["max"])
+    refused = CounterMetricFamily("preemptd_connections_refused", "Connections answered 503: cap reached")
+    refused.add_metric([], conn["refused"])
+    accept_failed = CounterMetricFamily("preemptd_accept_failures", "Failed accepts (out of descriptors)")
+    accept_failed.add_metric([], conn["accept_failures"])
+    fds = GaugeMetricFamily("preemptd_open_fds", "Descriptors the agent has open")
+    fds.add_metric([], conn["descriptors"]["open"] or 0)
+    fds_max = GaugeMetricFamily("preemptd_max_fds", "The agent's descriptor limit (soft RLIMIT_NOFILE)")
+    fds_max.add_metric([], conn["descriptors"]["limit"])
+    return [connections, connections_max, refused, accept_failed, fds, fds_max]
 
 
 async def metrics(request: web.Request) -> web.Response:
