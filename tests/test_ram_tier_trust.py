@@ -364,3 +364,18 @@ async def test_a_hard_link_to_a_file_of_another_user_is_not_served(base: Path) -
         )
     assert 409 == status
     assert f"__0_0.distcp belongs to uid 0, not to the job's uid {VICTIM}" in body["error"]
+
+
+async def test_a_flood_of_refused_requests_logs_a_bounded_number_of_lines(base: Path) -> None:
+    """Any socket user can ask for refusals in a loop (another uid's job, a bad step): the log gets a burst
+    of ``ram_tier_refused`` lines and then nothing more for a while, the next line counting what it left out."""
+    async with tier_agent(base, agent_settings=OPEN) as (agent, _):
+        sock = agent.config.socket
+        with capture_logs() as logs:
+            statuses = {
+                (await request_as(sock, INTRUDER, "GET", f"/v1/ram-tier/jobs/{JOB}?uid={VICTIM}"))[0]
+                for _ in range(200)
+            }
+    refused = [e for e in logs if e["event"] == "ram_tier_refused"]
+    assert {403} == statuses
+    assert 1 <= len(refused) <= 11, len(refused)

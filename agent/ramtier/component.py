@@ -18,6 +18,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from agent.core.ratelog import ClientMistakes
 from agent.ramtier.config import RamTierConfig
 from agent.ramtier.drains import Drains
 from agent.ramtier.errors import TierError
@@ -49,6 +50,7 @@ class RamTierComponent:
         self.error: str | None = None
         self.root: Root | None = None
         self.holdings = Holdings(0, 600.0)
+        self._mistakes: ClientMistakes | None = None
         self.removed = 0
         # Set once the inventory is read back (or the tier found unusable): tests and tools wait on it.
         self.loaded = asyncio.Event()
@@ -69,10 +71,17 @@ class RamTierComponent:
             raise RuntimeError("the RAM tier component was not set up")
         return self._host
 
+    @property
+    def mistakes(self) -> ClientMistakes:
+        if self._mistakes is None:
+            raise RuntimeError("the RAM tier component was not set up")
+        return self._mistakes
+
     # ----- component contract -----
 
     def setup(self, host: RamTierHost) -> None:
         self._host = host
+        self._mistakes = ClientMistakes(host.log)
         if self._config is None:
             self._config = host.config.table("ram_tier", RamTierConfig)
         self.holdings = Holdings(0, self.config.reservation_ttl_s, self.config.max_reservations_per_uid)

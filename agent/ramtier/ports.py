@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from agent.core.ports import Handler, Tasks
+from agent.core.ratelog import ClientMistakes
 from agent.ramtier.config import RamTierConfig
 from agent.ramtier.holdings import Holdings, Key
 from agent.ramtier.inventory import Root
@@ -57,6 +58,11 @@ class TierView(Protocol):
 
     @property
     def holdings(self) -> Holdings: ...
+
+    @property
+    def mistakes(self) -> ClientMistakes:
+        """Refusals a client causes, logged with a bounded rate."""
+        ...
 
     async def ready_root(self) -> Root: ...
 

@@ -52,9 +52,10 @@ def routes(tier: TierView) -> list[tuple[str, str, Route]]:
                         f"the RAM tier's file system refused: {exc.strerror or exc} ({exc.filename or 'tier'})",
                     ) from exc
             except TierError as exc:
+                # Bounded: any socket user can ask for refusals in a loop.
                 level = "info" if exc.status in (404, 429, 507) else "warning"
-                getattr(tier.host.log, level)(
-                    "ram_tier_refused", path=request.path, status=exc.status, error=str(exc)
+                tier.mistakes.note(
+                    level, "ram_tier_refused", path=request.path, status=exc.status, error=str(exc)
                 )
                 return web.json_response({"error": str(exc), **exc.extra}, status=exc.status)
 
