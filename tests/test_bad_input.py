@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 import structlog
-from structlog.testing import capture_logs
+from structlog.testing import LogCapture, capture_logs
 
 from agent.service.clientlog import ClientMistakes, StreamTally
 from tests.support import eventually, http_json, running_agent
@@ -155,16 +155,21 @@ async def test_a_body_cut_short_is_a_warning_without_traceback_and_the_connectio
 
 async def test_event_streams_coming_and_going_are_one_info_line_per_interval() -> None:
     open_now = [0]
-    with capture_logs() as logs:
-        tally = StreamTally(structlog.get_logger("preemptd"), lambda: open_now[0], interval_s=0.05)
-        for n in range(3):
-            open_now[0] = n + 1
-            tally.connected(subscriber=n)
-        for n in range(3):
-            open_now[0] -= 1
-            tally.disconnected("client closed the stream", subscriber=n)
-        await eventually(lambda: any(e["event"] == "event_streams" for e in logs), what="the line")
-        tally.close()  # nothing left to say: no second line
+    # A logger of its own at debug: the process's configured level depends on which tests ran before.
+    capture = LogCapture()
+    log = structlog.wrap_logger(
+        None, processors=[capture], wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG)
+    )
+    logs = capture.entries
+    tally = StreamTally(log, lambda: open_now[0], interval_s=0.05)
+    for n in range(3):
+        open_now[0] = n + 1
+        tally.connected(subscriber=n)
+    for n in range(3):
+        open_now[0] -= 1
+        tally.disconnected("client closed the stream", subscriber=n)
+    await eventually(lambda: any(e["event"] == "event_streams" for e in logs), what="the line")
+    tally.close()  # nothing left to say: no second line
     assert ["client_connected"] * 3 + ["client_disconnected"] * 3 == [
         e["event"] for e in logs if e["log_level"] == "debug"
     ]
