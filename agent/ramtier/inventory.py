@@ -7,6 +7,7 @@ worker thread. The layout and the ``tier.json`` fields are the contract in docs/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 import psutil
 
+from agent.checkpoint.manifest import CheckpointError, crc_fd_range
 from agent.core.reports import brief
 from agent.ramtier import tierfs
 from agent.ramtier.errors import TierError
@@ -191,8 +193,8 @@ def check_open_file(fd: int, size: int, name: str, entry: FileEntry, crc: bool, 
         )
     if crc:
         try:
-            actual = tierfs.crc_fd(fd, entry.size)
-        except OSError as exc:
+            actual = crc_fd_range(fd, 0, entry.size)
+        except (OSError, CheckpointError) as exc:
             raise TierError(409, f"{where}: {name} cannot be read back: {exc}") from None
         if actual != entry.crc32:
             raise TierError(
@@ -233,7 +235,7 @@ def read_step(root: Root, uid: int, job: str, step: int, crc: bool) -> StepRecor
         for name, entry in record.files.items():
             check_file(step_fd, name, entry, uid, crc, where)
         held = tierfs.tree_bytes(step_fd)
-    return StepRecord(**{**record.__dict__, "bytes": held})
+    return dataclasses.replace(record, bytes=held)
 
 
 def open_checked(root: Root, record: StepRecord, name: str) -> tuple[int, int]:
@@ -369,14 +371,11 @@ class Scan:
     ignored: list[tuple[str, str]] = field(default_factory=list)
 
 
-_entries = tierfs.entries
-
-
 def scan(root: Root) -> Scan:
     """Every step under ``root`` read back with its CRCs; a step without a valid ``tier.json`` or with a
     file that does not match it is removed (a writer died, or the bytes were damaged)."""
     found = Scan()
-    for name, is_dir in _entries(root.fd):
+    for name, is_dir in tierfs.entries(root.fd):
         if name == MARKER:
             continue
         if not is_dir or not _UID.fullmatch(name):
@@ -391,14 +390,14 @@ def scan(root: Root) -> Scan:
 
 
 def _scan_uid(root: Root, uid: int, by_uid: int, found: Scan) -> None:
-    for job, is_dir in _entries(by_uid):
+    for job, is_dir in tierfs.entries(by_uid):
         where = f"{uid}/{job}"
         if not is_dir or not _JOB_ID.fullmatch(job) or job in (".", ".."):
             found.ignored.append((where, "not a job directory (a job id and a directory)"))
             continue
         try:
             with tierfs.opened_dir(by_uid, job, where, uid) as job_fd:
-                steps = _entries(job_fd)
+                steps = tierfs.entries(job_fd)
         except TierError as exc:
             found.ignored.append((where, str(exc)))
             continue
@@ -465,7 +464,7 @@ def measure(root: Root) -> dict[tuple[int, str], dict[str, int]]:
     walked through descriptors, never through a link. Directories that are not the agent's or the job's are
     skipped (the read-back says so once)."""
     found: dict[tuple[int, str], dict[str, int]] = {}
-    for name, is_dir in _entries(root.fd):
+    for name, is_dir in tierfs.entries(root.fd):
         if not is_dir or not _UID.fullmatch(name):
             continue
         uid = int(name)
@@ -473,7 +472,7 @@ def measure(root: Root) -> dict[tuple[int, str], dict[str, int]]:
             contextlib.suppress(OSError, TierError),
             tierfs.opened_dir(root.fd, name, name, root.uid) as by_uid,
         ):
-            for job, job_is_dir in _entries(by_uid):
+            for job, job_is_dir in tierfs.entries(by_uid):
                 if not job_is_dir or not _JOB_ID.fullmatch(job):
                     continue
                 with (
@@ -486,7 +485,7 @@ def measure(root: Root) -> dict[tuple[int, str], dict[str, int]]:
 
 def _entry_bytes(directory: int) -> dict[str, int]:
     sizes: dict[str, int] = {}
-    for name, is_dir in _entries(directory):
+    for name, is_dir in tierfs.entries(directory):
         with contextlib.suppress(OSError, TierError):
             if is_dir:
                 with tierfs.opened_dir(directory, name, name) as inner:

@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from agent.checkpoint.checksum import crc32
 from agent.ramtier.errors import TierError
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -107,21 +107,6 @@ def read_all(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def crc_fd(fd: int, size: int) -> int:
-    """The CRC32 of the first ``size`` bytes of an open file; OSError when it holds fewer."""
-    crc = 0
-    buffer = bytearray(min(_READ_BLOCK, max(size, 1)))
-    view = memoryview(buffer)
-    offset = 0
-    while offset < size:
-        got = os.preadv(fd, [view[: min(size - offset, len(buffer))]], offset)
-        if not got:
-            raise OSError(errno.EIO, f"shorter than expected at byte {offset} of {size}")
-        crc = crc32(view[:got], crc)
-        offset += got
-    return crc
-
-
 def entries(directory: int) -> list[tuple[str, bool]]:
     """The names in an open directory, each with whether it is a directory (links are not), sorted. Read
     through a descriptor of its own: one that other threads share would share its read position too."""
@@ -172,6 +157,4 @@ def make_dir(parent: int, name: str, mode: int, uid: int, gid: int) -> bool:
 def remove(path: Path) -> None:
     """Remove a job's or a step's directory tree. ``shutil.rmtree`` walks through descriptors and refuses a
     top that is (or became) a link, so nothing outside the tree is touched (``avoids_symlink_attacks``)."""
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
