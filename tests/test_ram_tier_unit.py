@@ -469,11 +469,17 @@ async def test_an_agent_without_dac_override_refuses_another_users_step_saying_w
     cannot make the step directory inside it. A 503 that says so (the client falls back), not a 500."""
     caps = [cap for cap in unit_capabilities() if cap != "CAP_DAC_OVERRIDE"]
     probe = await asyncio.to_thread(
-        subprocess.run, [*as_unit_user(caps), sys.executable, "-c", "pass"], capture_output=True, text=True
+        subprocess.run,
+        [*as_unit_user(caps), sys.executable, "-c", "import agent"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd="/",
     )
-    if probe.returncode != 0:  # an interpreter in a directory only root may read (pyenv's under /root)
+    if probe.returncode != 0:  # the interpreter or the checkout in a directory only root may read
         pytest.skip(
-            f"{sys.executable} cannot start as uid {AGENT_UID} without CAP_DAC_OVERRIDE: {probe.stderr}"
+            f"{sys.executable} cannot import the agent from {REPO} as uid {AGENT_UID} without "
+            f"CAP_DAC_OVERRIDE: {probe.stderr}"
         )
     async with unit_agent(base, caps) as sock:
         status, answer = await request_as(
