@@ -90,7 +90,9 @@ async def test_report_with_a_wrong_field_is_a_400_naming_the_field(base: Path) -
     )
 
 
-async def test_valid_report_is_accepted_logged_and_kept_in_history(base: Path) -> None:
+async def test_valid_report_is_accepted_counted_and_kept_in_history(base: Path) -> None:
+    """At info the report is counted in the interval's ``reports_received`` line (written at the latest when
+    the agent stops); the report's own line is at debug."""
     report = {
         "kind": "checkpoint",
         "phase": "finished",
@@ -98,14 +100,18 @@ async def test_valid_report_is_accepted_logged_and_kept_in_history(base: Path) -
         "duration_s": 12.5,
         "bytes": 1000,
         "emergency": True,
+        "client": {"job": "llm"},
     }
-    async with running_agent(base) as agent:
-        with capture_logs() as logs:
+    with capture_logs() as logs:
+        async with running_agent(base) as agent:
             status, body = await http_json(agent.config.socket, "POST", "/v1/reports", report)
-        await agent.persist()
-        history = [r for r in agent.history.records() if r["type"] == "report"]
+            await agent.persist()
+            history = [r for r in agent.history.records() if r["type"] == "report"]
     assert (202, os.getpid()) == (status, body["report"]["peer_pid"])
-    assert ["report_received"] == [e["event"] for e in logs if e["event"].startswith("report")]
+    tally = [e for e in logs if e["event"] == "reports_received"]
+    assert [(1, {"checkpoint finished": 1}, {"llm": 1})] == [
+        (e["total"], e["kinds"], e["jobs"]) for e in tally
+    ]
     assert 12.5 == history[0]["report"]["duration_s"]
 
 

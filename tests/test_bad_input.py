@@ -15,7 +15,8 @@ import pytest
 import structlog
 from structlog.testing import LogCapture, capture_logs
 
-from agent.service.clientlog import ClientMistakes, StreamTally
+from agent.core.ratelog import MAX_KEYS, OTHER
+from agent.service.clientlog import ClientMistakes, StreamTally, Tally
 from tests.support import eventually, http_json, running_agent
 
 HUGE_INT = b"1" + b"0" * 400
@@ -151,6 +152,29 @@ async def test_a_body_cut_short_is_a_warning_without_traceback_and_the_connectio
         (e["log_level"], e["status"], e["error"]) for e in logs if e["event"] == "bad_request"
     ]
     assert [] == [e for e in logs if e["log_level"] == "error" or "exc_info" in e]
+
+
+async def test_valid_requests_in_a_loop_are_one_info_line_per_interval_with_bounded_counts() -> None:
+    """More keys than a line keeps are counted under ``other``; the amounts are summed."""
+    capture = LogCapture()
+    log = structlog.wrap_logger(
+        None, processors=[capture], wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG)
+    )
+    tally = Tally(log, "reports_received", interval_s=0.05)
+    jobs = MAX_KEYS + 4
+    for n in range(jobs):
+        tally.count({"kinds": "checkpoint finished", "jobs": f"job-{n}"}, {"bytes": 10})
+    await eventually(lambda: bool(capture.entries), what="the line")
+    tally.close()  # nothing left to say: no second line
+    [line] = capture.entries
+    assert ("info", jobs, {"checkpoint finished": jobs}, MAX_KEYS + 1, 4, 10 * jobs) == (
+        line["log_level"],
+        line["total"],
+        line["kinds"],
+        len(line["jobs"]),
+        line["jobs"][OTHER],
+        line["bytes"],
+    )
 
 
 async def test_event_streams_coming_and_going_are_one_info_line_per_interval() -> None:

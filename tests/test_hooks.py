@@ -35,9 +35,10 @@ def test_a_report_listener_that_raises_is_logged_and_the_next_still_hears_the_re
     h.on_report(lambda r: heard.append(r.step))
     with capture_logs() as logs:
         h.accept_report(report())
-    assert ([7], ["report_received", "report_listener_failed"], {"finished": 1}) == (
+    # The report's own line is at debug, which the process's configured level may drop: not asserted here.
+    assert ([7], ["report_listener_failed"], {"finished": 1}) == (
         heard,
-        [e["event"] for e in logs],
+        [e["event"] for e in logs if e["log_level"] != "debug"],
         h.reports_total,
     )
 

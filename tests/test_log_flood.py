@@ -1,9 +1,9 @@
 """A real agent (``python -m agent run``, JSON logs to a file) under a flood of every kind of client
 misbehaviour its socket sees, all at once for a few seconds: bodies that stop short of their Content-Length
 (the client closes, or half-closes and waits), bodies that arrive too slowly, requests aiohttp cannot parse,
-bodies that are not JSON or too large, event streams that connect and go, and answers nobody reads. The log
-grows by a handful of lines per kind (the rate limit's burst), never an error or a traceback, and the agent
-keeps serving."""
+bodies that are not JSON or too large, event streams that connect and go, answers nobody reads, and valid
+reports posted in a loop. The log grows by a handful of lines per kind (the rate limit's burst, or one line
+of counts an interval), never an error or a traceback, and the agent keeps serving."""
 
 from __future__ import annotations
 
@@ -132,6 +132,21 @@ async def too_large(path: Path) -> bytes:
     return got
 
 
+VALID = json.dumps(
+    {"kind": "checkpoint", "phase": "finished", "step": 1, "duration_s": 0.5, "client": {"job": "flood"}}
+).encode()
+
+
+async def valid_report(path: Path) -> bytes:
+    reader, writer = await connect(path)
+    writer.write(
+        REPORT.format(len(VALID)).encode().replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n") + VALID
+    )
+    got = await answer(reader)
+    await close(writer)
+    return got
+
+
 async def stream_churn(path: Path) -> bytes:
     reader, writer = await connect(path)
     writer.write(b"GET /v1/events HTTP/1.1\r\nHost: agent\r\n\r\n")
@@ -175,6 +190,7 @@ KINDS: dict[str, tuple[Client, int, bytes | None]] = {
     "broken_chunks": (broken_chunks, 2, b"400"),
     "not_json": (not_json, 2, b"400"),
     "too_large": (too_large, 2, b"413"),
+    "valid_report": (valid_report, 2, b"202"),
     "stream_churn": (stream_churn, 2, b"200"),
     "stream_never_read": (stream_never_read, 2, None),
     "answer_never_read": (answer_never_read, 2, None),
@@ -228,5 +244,14 @@ async def test_a_flood_of_every_kind_of_bad_client_adds_a_handful_of_lines_per_k
         "bad_request",
         "report_rejected",
         "event_streams",
+        "reports_received",
     }, during
     assert len(text.encode()) < 32 * 1024, during
+    # Every valid report counted in the one line of counts (written when the agent stops).
+    [tally] = [r for r in records if r["event"] == "reports_received"]
+    accepted = len(answers["valid_report"])
+    assert (accepted, {"checkpoint finished": accepted}, {"flood": accepted}) == (
+        tally["total"],
+        tally["kinds"],
+        tally["jobs"],
+    )

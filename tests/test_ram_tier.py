@@ -490,3 +490,32 @@ async def request_as(path: Path, uid: int, method: str, target: str, body: Any =
     writer.close()
     await writer.wait_closed()
     return int(head.split()[1]), answer
+
+
+async def test_steps_reserved_committed_and_freed_in_a_loop_are_one_info_line_of_counts(base: Path) -> None:
+    """Any socket user may do this in a loop: each request is a debug line, and at info one
+    ``ram_tier_requests`` line per interval (written at the latest when the agent stops) counts them."""
+    rounds = 12
+    with capture_logs() as logs:
+        async with tier_agent(base) as (agent, _):
+            for step in range(1, rounds + 1):
+                status, _ = await put_step(agent, step, {"__0_0.distcp": b"x" * 30})
+                assert 200 == status
+                freed, _ = await http_json(
+                    agent.config.socket, "DELETE", f"/v1/ram-tier/jobs/{JOB}/steps/{step}"
+                )
+                assert 200 == freed
+    info = [e for e in logs if e["log_level"] == "info" and e["event"].startswith("ram_tier_")]
+    [tally] = [e for e in info if e["event"] == "ram_tier_requests"]
+    assert ["ram_tier_ready", "ram_tier_requests"] == [e["event"] for e in info]
+    assert (
+        3 * rounds,
+        {"reserved": rounds, "committed": rounds, "freed": rounds},
+        {f"{ME}/{JOB}": 3 * rounds},
+    ) == (
+        tally["total"],
+        tally["requests"],
+        tally["jobs"],
+    )
+    # A committed step's bytes include its tier.json; what was committed is what was freed.
+    assert (30 * rounds, tally["committed_bytes"]) == (tally["reserved_bytes"], tally["freed_bytes"])

@@ -66,9 +66,10 @@ class Hooks:
         return None
 
     def accept_report(self, report: Report) -> None:
-        """Count and log an accepted report, then tell the report listeners in registration order."""
+        """Count and log (at debug: the socket's handler tallies them at info) an accepted report, then tell
+        the report listeners in registration order."""
         self.reports_total[report.phase] = self.reports_total.get(report.phase, 0) + 1
-        self._log.info(
+        self._log.debug(
             "report_received",
             phase=report.phase,
             step=report.step,

@@ -1,16 +1,22 @@
-"""Warnings a client can cause, bounded (agent/service/clientlog.py applies them to the socket's requests,
-the RAM tier to its refusals): each text field cut to a bounded length, and past a burst each kind of warning
-logged at most once per interval with the number left out."""
+"""Lines a client can cause, bounded (agent/service/clientlog.py applies them to the socket's requests,
+the RAM tier to its refusals and requests): each text field cut to a bounded length; past a burst each kind
+of warning logged at most once per interval with the number left out (:class:`ClientMistakes`); a line per
+valid request at debug and, at info, one line per interval with the counts (:class:`Tally`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 MAX_FIELD_CHARS = 240
 BURST = 10
 INTERVAL_S = 60.0
+# Keys counted apart per group in one interval of a Tally; the rest are counted under OTHER.
+MAX_KEYS = 16
+OTHER = "other"
 
 
 def bounded(value: Any, limit: int = MAX_FIELD_CHARS) -> Any:
@@ -62,3 +68,47 @@ class ClientMistakes:
         extra = {"suppressed": suppressed} if suppressed else {}
         getattr(self._log, level)(event, **{k: bounded(v) for k, v in fields.items()}, **extra)
         return True
+
+
+class Tally:
+    """Valid requests a client may repeat at will (a report, a RAM tier reservation): the caller logs each
+    at debug and counts it here; at info, one ``event`` line per ``interval_s`` in which any came, with the
+    number (``total``), the counts per key of each group (``MAX_KEYS`` keys a group, the rest under
+    ``OTHER``) and the sums of the amounts. The line is written ``interval_s`` after the interval's first
+    count (a timer on the loop, not a task), and at :meth:`close` for what is left."""
+
+    def __init__(self, log: Any, event: str, interval_s: float = INTERVAL_S) -> None:
+        self._log = log
+        self.event = event
+        self.interval_s = interval_s
+        self._total = 0
+        self._groups: dict[str, Counter[str]] = {}
+        self._sums: Counter[str] = Counter()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def count(self, by: Mapping[str, str], amounts: Mapping[str, int] | None = None) -> None:
+        """One request, counted under its key in each group of ``by``; ``amounts`` added to the sums."""
+        self._total += 1
+        for group, name in by.items():
+            counts = self._groups.setdefault(group, Counter())
+            key = bounded(name, 64)
+            counts[key if key in counts or len(counts) < MAX_KEYS else OTHER] += 1
+        self._sums.update(amounts or {})
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.interval_s, self.flush)
+
+    def flush(self) -> None:
+        """Write the interval's line (if anything was counted) and start a new interval."""
+        self._timer = None
+        if not self._total:
+            return
+        groups = {group: dict(counts) for group, counts in self._groups.items()}
+        self._log.info(self.event, total=self._total, **groups, **self._sums, interval_s=self.interval_s)
+        self._total = 0
+        self._groups.clear()
+        self._sums.clear()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self.flush()

@@ -18,7 +18,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from agent.core.ratelog import ClientMistakes
+from agent.core.ratelog import ClientMistakes, Tally
 from agent.ramtier.config import RamTierConfig
 from agent.ramtier.drains import Drains
 from agent.ramtier.errors import TierError
@@ -51,6 +51,7 @@ class RamTierComponent:
         self.root: Root | None = None
         self.holdings = Holdings(0, 600.0)
         self._mistakes: ClientMistakes | None = None
+        self._requests: Tally | None = None
         self.removed = 0
         # Set once the inventory is read back (or the tier found unusable): tests and tools wait on it.
         self.loaded = asyncio.Event()
@@ -77,11 +78,18 @@ class RamTierComponent:
             raise RuntimeError("the RAM tier component was not set up")
         return self._mistakes
 
+    @property
+    def requests(self) -> Tally:
+        if self._requests is None:
+            raise RuntimeError("the RAM tier component was not set up")
+        return self._requests
+
     # ----- component contract -----
 
     def setup(self, host: RamTierHost) -> None:
         self._host = host
         self._mistakes = ClientMistakes(host.log)
+        self._requests = Tally(host.log, "ram_tier_requests")
         if self._config is None:
             self._config = host.config.table("ram_tier", RamTierConfig)
         self.holdings = Holdings(0, self.config.reservation_ttl_s, self.config.max_reservations_per_uid)
@@ -115,6 +123,8 @@ class RamTierComponent:
             if task is not None:
                 await self.host.tasks.cancel(task, timeout=1.0)
         self._load = self._drain = self._usage = None
+        if self._requests is not None:
+            self._requests.close()
         if self.root is not None:
             self.root.close()
 

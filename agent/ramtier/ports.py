@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from agent.core.ports import Handler, Tasks
-from agent.core.ratelog import ClientMistakes
+from agent.core.ratelog import ClientMistakes, Tally
 from agent.ramtier.config import RamTierConfig
 from agent.ramtier.holdings import Holdings, Key
 from agent.ramtier.inventory import Root
@@ -62,6 +62,11 @@ class TierView(Protocol):
     @property
     def mistakes(self) -> ClientMistakes:
         """Refusals a client causes, logged with a bounded rate."""
+        ...
+
+    @property
+    def requests(self) -> Tally:
+        """Reservations, commits and frees, counted: one info line per interval (each is a debug line)."""
         ...
 
     async def ready_root(self) -> Root: ...

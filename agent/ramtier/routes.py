@@ -127,6 +127,11 @@ class Subject:
     owner: int  # the uid whose job the request names: the asker's own unless an admin says ?uid=
 
 
+def _count(tier: TierView, request: str, uid: int, job: str, nbytes: int) -> None:
+    """Any socket user may reserve or free in a loop: at info, counts per interval (each is a debug line)."""
+    tier.requests.count({"requests": request, "jobs": f"{uid}/{job}"}, {f"{request}_bytes": nbytes})
+
+
 def _subject(tier: TierView, request: web.Request) -> Subject:
     creds = peer_credentials(request)
     if creds is None:
@@ -194,7 +199,8 @@ async def reserve(tier: TierView, request: web.Request) -> web.StreamResponse:
     if who.owner != who.uid:
         raise TierError(400, "a reservation is made by the job's own user: ?uid= is for reading and freeing")
     path, reservation = await tier.reserve((who.uid, name, number), nbytes, who.gid, durable_root)
-    tier.host.log.info("ram_tier_reserved", job=name, step=number, bytes=nbytes, uid=who.uid)
+    tier.host.log.debug("ram_tier_reserved", job=name, step=number, bytes=nbytes, uid=who.uid)
+    _count(tier, "reserved", who.uid, name, nbytes)
     return web.json_response(
         {"path": str(path), "reservation": reservation, "expires_in_s": tier.config.reservation_ttl_s}
     )
@@ -213,7 +219,7 @@ async def commit(tier: TierView, request: web.Request) -> web.StreamResponse:
     known = tier.holdings.reservations.get(body["reservation"])
     if known is None or known.key != key:
         # The bytes are there either way; without the reservation they must fit what the tier has free.
-        tier.host.log.warning("ram_tier_commit_unreserved", job=name, step=number, uid=who.owner)
+        tier.mistakes.warning("ram_tier_commit_unreserved", job=name, step=number, uid=who.owner)
     record = await asyncio.to_thread(read_step, root, who.owner, name, number, False)
     reserved = [r for r in tier.holdings.reservations.values() if r.key == key]
     durable_root = durable_root or next((r.durable_root for r in reserved if r.durable_root), None)
@@ -222,7 +228,7 @@ async def commit(tier: TierView, request: web.Request) -> web.StreamResponse:
     tier.holdings.commit(record)
     if durable_root is not None:
         tier.drain(key, durable_root, gid)
-    tier.host.log.info(
+    tier.host.log.debug(
         "ram_tier_committed",
         job=name,
         step=number,
@@ -230,6 +236,7 @@ async def commit(tier: TierView, request: web.Request) -> web.StreamResponse:
         bytes=record.bytes,
         files=len(record.files),
     )
+    _count(tier, "committed", who.owner, name, record.bytes)
     return web.json_response(record.to_json())
 
 
@@ -250,7 +257,8 @@ async def free(tier: TierView, request: web.Request) -> web.StreamResponse:
     tier.forget_drains(owner, name, number)
     await asyncio.to_thread(remove_tree, target)
     freed = sum(record.bytes for record in gone)
-    tier.host.log.info("ram_tier_freed", job=name, step=number, uid=owner, bytes=freed)
+    tier.host.log.debug("ram_tier_freed", job=name, step=number, uid=owner, bytes=freed)
+    _count(tier, "freed", owner, name, freed)
     return web.json_response({"job": name, "steps": sorted(r.step for r in gone), "freed_bytes": freed})
 
 

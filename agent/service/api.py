@@ -26,11 +26,12 @@ from agent.core.peers import is_admin, peer_credentials, peer_doc
 from agent.core.ports import ApiHost, MetricsView
 from agent.core.reports import brief, parse_report, seconds
 from agent.core.subscribers import CLOSE, HubFull, Subscriber
-from agent.service.clientlog import BadRequestFilter, ClientMistakes, StreamTally
+from agent.service.clientlog import BadRequestFilter, ClientMistakes, StreamTally, Tally
 
 AGENT_KEY: web.AppKey[ApiHost] = web.AppKey("agent")
 MISTAKES_KEY: web.AppKey[ClientMistakes] = web.AppKey("mistakes")
 STREAMS_KEY: web.AppKey[StreamTally] = web.AppKey("streams")
+REPORTS_KEY: web.AppKey[Tally] = web.AppKey("reports")
 MAX_DRILL_S = 7 * 24 * 3600.0
 
 
@@ -298,6 +299,9 @@ async def reports(request: web.Request) -> web.Response:
         )
         return _error(*refusal)
     agent.accept_report(report)
+    # Any socket user may report in a loop: at info, counts per interval (each report is a debug line).
+    job = report.client.get("job") or report.client.get("name") or "unnamed"
+    request.app[REPORTS_KEY].count({"kinds": f"{report.kind} {report.phase}", "jobs": str(job)})
     return web.json_response({"accepted": True, "report": report.to_json()}, status=202)
 
 
@@ -444,7 +448,7 @@ REGISTRY_KEY: web.AppKey[CollectorRegistry] = web.AppKey("registry")
 
 async def _quiet_bad_requests(app: web.Application) -> AsyncIterator[None]:
     """While the app serves, requests aiohttp cannot parse are logged as bounded, rate-limited warnings;
-    when it stops, the event streams' last counts are written."""
+    when it stops, the last counts of event streams and of reports are written."""
     server_log = logging.getLogger("aiohttp.server")
     quiet = BadRequestFilter(app[MISTAKES_KEY])
     server_log.addFilter(quiet)
@@ -453,6 +457,7 @@ async def _quiet_bad_requests(app: web.Application) -> AsyncIterator[None]:
     finally:
         server_log.removeFilter(quiet)
         app[STREAMS_KEY].close()
+        app[REPORTS_KEY].close()
 
 
 def build_registry(agent: MetricsView) -> CollectorRegistry:
@@ -473,6 +478,7 @@ def build_app(
     app[AGENT_KEY] = agent
     app[MISTAKES_KEY] = ClientMistakes(agent.log)
     app[STREAMS_KEY] = StreamTally(agent.log, lambda: len(agent.hub))
+    app[REPORTS_KEY] = Tally(agent.log, "reports_received")
     app.cleanup_ctx.append(_quiet_bad_requests)
     app[REGISTRY_KEY] = build_registry(agent)
     app.router.add_get("/v1/status", status)

@@ -6,7 +6,7 @@ warning is logged at most once per interval with the number left out. The standa
 requests aiohttp could not parse (logged by it as errors with a traceback) are turned into the same bounded
 warning. Event-stream clients that come and go are one line per connection at debug and, at info, one line
 per interval with the counts (:class:`StreamTally`), so a client reconnecting in a loop adds nothing at
-info but that line.
+info but that line; so are accepted reports (:class:`Tally`, one ``reports_received`` line).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp.http_exceptions import HttpProcessingError
 
-from agent.core.ratelog import BURST, INTERVAL_S, MAX_FIELD_CHARS, ClientMistakes, bounded
+from agent.core.ratelog import BURST, INTERVAL_S, MAX_FIELD_CHARS, ClientMistakes, Tally, bounded
 
 __all__ = [
     "BURST",
@@ -28,6 +28,7 @@ __all__ = [
     "BadRequestFilter",
     "ClientMistakes",
     "StreamTally",
+    "Tally",
     "bounded",
 ]
 

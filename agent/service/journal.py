@@ -104,6 +104,9 @@ SENTENCES: Mapping[str, Callable[[Mapping[str, Any]], str]] = {
         f"Checkpoint {e.get('phase')} reported"
         + (f" at step {e['step']}" if e.get("step") is not None else "")
     ),
+    "reports_received": lambda e: (
+        f"{e.get('total')} client report(s) received in {e.get('interval_s')} s: {e.get('kinds')}"
+    ),
     "agent_started": lambda e: f"preemptd {e.get('version')} started on {e.get('socket')}",
     "agent_stopping": lambda e: f"preemptd stopping with {e.get('active_notices')} active notice(s)",
     "agent_stopped": lambda e: "preemptd stopped",
