@@ -1,8 +1,15 @@
 """Fan-out latency: from a drill entering the agent to its arrival at N event-stream subscribers, next to a
-raw asyncio Unix-socket broadcast of the same bytes to N connections, measured in the same run.
+raw asyncio Unix-socket broadcast of the same bytes to N connections, measured back to back as a pair.
 
-    python bench/fanout.py                      # N = 1, 10, 100, 1000; 3 repetitions; medians
-    python bench/fanout.py --sizes 100,1000 --repeat 5 --json out.json
+    python bench/fanout.py                      # N = 100, 1000; 8 pairs; median and spread of the pairs
+    python bench/fanout.py --sizes 1,10,100,1000 --pairs 4 --json out.json
+
+One figure from one run says little on a shared machine (a single pair's p99 ratio moves by 2x from one run
+to the next), so the benchmark runs ``--pairs`` pairs, each with fresh processes, and reports per N the
+median of the pairs and their spread: min-max of each side's p99, and the interquartile range and min-max
+of the pairs' p99 ratios (agent ÷ raw). The order alternates: odd pairs run the raw broadcast first (with
+the previous pair's notice bytes, the same length give or take a digit), so a machine that slows down
+during a pair does not always weigh on the same side.
 
 Three processes, so that the agent never shares a core's event loop with the clients:
 
@@ -222,10 +229,32 @@ def summary(latencies_ns: list[int]) -> dict[str, float]:
     }
 
 
-def bench_size(n: int, rounds: int, procs: Processes) -> dict[str, Any]:
+def bench_size(n: int, rounds: int, procs: Processes, raw_first: bytes | None = None) -> dict[str, Any]:
+    """One pair at size n: the agent's rounds, then the raw broadcast of the notice bytes it wrote; with
+    ``raw_first`` (a notice chunk from an earlier pair), the raw broadcast of those bytes first."""
     fan = Fanout()
+    if raw_first is not None:
+        raw_ns, write_loop_ns, raw_delivered = raw_rounds(fan, n, rounds, procs, raw_first)
+    agent_ns, delivered, payload = agent_rounds(fan, n, rounds, procs)
+    if raw_first is None:
+        raw_ns, write_loop_ns, raw_delivered = raw_rounds(fan, n, rounds, procs, payload)
+    fan.epoll.close()
+    return {
+        "n": n,
+        "rounds": rounds,
+        "order": "raw first" if raw_first is not None else "agent first",
+        "payload_bytes": len(payload),
+        "payload": payload.decode("latin-1"),
+        "agent": summary(agent_ns),
+        "raw": summary(raw_ns),
+        "raw_write_loop_ms": statistics.median(write_loop_ns) / 1e6,
+        "delivered": {"agent": delivered, "raw": raw_delivered, "expected": (WARMUP + rounds) * n},
+    }
+
+
+def agent_rounds(fan: Fanout, n: int, rounds: int, procs: Processes) -> tuple[list[int], int, bytes]:
+    """The agent's rounds: latencies (ns), notices delivered, and the chunk it wrote to each subscriber."""
     request = b"GET /v1/events HTTP/1.1\r\nHost: agent\r\nAccept: text/event-stream\r\n\r\n"
-    # --- the agent ---
     fan.open(procs.agent_sock, n, request, b"snapshot")
     control = HttpControl(procs.agent_sock)
     body = json.dumps({"kind": "termination", "in_s": 600, "reason": "fan-out benchmark"}).encode()
@@ -252,7 +281,13 @@ def bench_size(n: int, rounds: int, procs: Processes) -> dict[str, Any]:
     payload = b"%x\r\n%s\r\n" % (len(frame), frame)  # the chunk the agent wrote to each subscriber
     control.close()
     fan.close()
-    # --- the raw broadcast of the same bytes ---
+    return agent_ns, delivered, payload
+
+
+def raw_rounds(
+    fan: Fanout, n: int, rounds: int, procs: Processes, payload: bytes
+) -> tuple[list[int], list[int], int]:
+    """The raw broadcast's rounds: latencies (ns), the server's write loop times (ns), notices delivered."""
     raw = HttpControl(procs.raw_ctl)
     raw.sock.sendall(b"payload %d\n" % len(payload) + payload)
     assert raw.file.readline() == b"ok\n"
@@ -273,16 +308,7 @@ def bench_size(n: int, rounds: int, procs: Processes) -> dict[str, Any]:
         time.sleep(PAUSE_S)
     fan.close()
     raw.close()
-    fan.epoll.close()
-    return {
-        "n": n,
-        "rounds": rounds,
-        "payload_bytes": len(payload),
-        "agent": summary(agent_ns),
-        "raw": summary(raw_ns),
-        "raw_write_loop_ms": statistics.median(write_loop_ns) / 1e6,
-        "delivered": {"agent": delivered, "raw": raw_delivered, "expected": (WARMUP + rounds) * n},
-    }
+    return raw_ns, write_loop_ns, raw_delivered
 
 
 class Processes:
@@ -337,32 +363,38 @@ class Processes:
                     proc.wait()
 
 
-def run_once(sizes: list[int], procs: Processes) -> list[dict[str, Any]]:
+def run_once(sizes: list[int], procs: Processes, earlier: dict[int, bytes] | None) -> list[dict[str, Any]]:
+    """One pair per size; with ``earlier`` (each size's notice chunk from the previous pair), raw first."""
     results = []
     for n in sizes:
-        result = bench_size(n, ROUNDS.get(n, 20), procs)
+        result = bench_size(n, ROUNDS.get(n, 20), procs, earlier[n] if earlier else None)
         results.append(result)
         a, r = result["agent"], result["raw"]
         print(
             f"  N={n:>5}  agent p50 {a['p50_ms']:7.3f} p99 {a['p99_ms']:7.3f} max {a['max_ms']:7.3f} ms | "
             f"raw p50 {r['p50_ms']:7.3f} p99 {r['p99_ms']:7.3f} max {r['max_ms']:7.3f} ms | "
-            f"p99 ratio {a['p99_ms'] / r['p99_ms']:5.2f} | raw write loop {result['raw_write_loop_ms']:.3f} ms",
+            f"p99 ratio {a['p99_ms'] / r['p99_ms']:5.2f} | raw write loop {result['raw_write_loop_ms']:.3f} ms"
+            f" | {result['order']}",
             flush=True,
         )
     return results
 
 
-def medians(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, quartiles (inclusive method: within min-max even for two values) and extremes."""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"median": statistics.median(values), "q1": q1, "q3": q3, "min": min(values), "max": max(values)}
+
+
+def summarise(pairs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per size, over the pairs: the spread of each side's p99 and p50 and of the pairs' ratios."""
     out = []
-    for per_size in zip(*runs, strict=True):
-        row: dict[str, Any] = {"n": per_size[0]["n"], "rounds": per_size[0]["rounds"]}
+    for per_size in zip(*pairs, strict=True):
+        row: dict[str, Any] = {"n": per_size[0]["n"], "rounds": per_size[0]["rounds"], "pairs": len(per_size)}
         for side in ("agent", "raw"):
-            row[side] = {
-                key: statistics.median(r[side][key] for r in per_size)
-                for key in ("p50_ms", "p99_ms", "max_ms")
-            }
-        row["p99_ratio"] = statistics.median(r["agent"]["p99_ms"] / r["raw"]["p99_ms"] for r in per_size)
-        row["p50_ratio"] = statistics.median(r["agent"]["p50_ms"] / r["raw"]["p50_ms"] for r in per_size)
+            row[side] = {key: spread([r[side][key] for r in per_size]) for key in ("p50_ms", "p99_ms")}
+        for key in ("p99", "p50"):
+            row[f"{key}_ratio"] = spread([r["agent"][f"{key}_ms"] / r["raw"][f"{key}_ms"] for r in per_size])
         row["all_delivered"] = all(
             r["delivered"]["agent"] == r["delivered"]["expected"] == r["delivered"]["raw"] for r in per_size
         )
@@ -371,19 +403,24 @@ def medians(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-def markdown(rows: list[dict[str, Any]], repeat: int) -> str:
+def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| N | agent p50 | agent p99 | agent max | raw p50 | raw p99 | raw max | p99 ratio | all delivered |",
+        "| N | pairs | agent p99 median (min-max) | raw p99 median (min-max) | p99 ratio median | ratio IQR "
+        "| ratio min-max | p50 ratio median | all delivered |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for row in rows:
-        a, r = row["agent"], row["raw"]
+        a, r, q = row["agent"]["p99_ms"], row["raw"]["p99_ms"], row["p99_ratio"]
         lines.append(
-            f"| {row['n']} | {a['p50_ms']:.3f} | {a['p99_ms']:.3f} | {a['max_ms']:.3f} | {r['p50_ms']:.3f} | "
-            f"{r['p99_ms']:.3f} | {r['max_ms']:.3f} | {row['p99_ratio']:.2f}x | "
+            f"| {row['n']} | {row['pairs']} | {a['median']:.2f} ({a['min']:.2f}-{a['max']:.2f}) | "
+            f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | {q['median']:.2f}x | "
+            f"{q['q1']:.2f}-{q['q3']:.2f} | {q['min']:.2f}-{q['max']:.2f} | {row['p50_ratio']['median']:.2f}x | "
             f"{'yes' if row['all_delivered'] else 'NO'} |"
         )
-    lines.append(f"\nms; medians of {repeat} runs; payload {rows[0]['payload_bytes']} bytes per subscriber.")
+    lines.append(
+        f"\nms; p99 of each pair's rounds, then median and spread over the pairs; the ratio is agent ÷ raw "
+        f"p99 of the same pair; payload {rows[0]['payload_bytes']} bytes per subscriber."
+    )
     return "\n".join(lines)
 
 
@@ -519,8 +556,14 @@ def raise_nofile(needed: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1,10,100,1000", help="subscriber counts (default 1,10,100,1000)")
-    parser.add_argument("--repeat", type=int, default=3, help="whole runs, medians reported (default 3)")
+    parser.add_argument("--sizes", default="100,1000", help="subscriber counts (default 100,1000)")
+    parser.add_argument(
+        "--pairs",
+        "--repeat",
+        type=int,
+        default=8,
+        help="pairs (agent and raw back to back, fresh processes), median and spread reported (default 8)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--profile-agent", type=Path, help="run the agent under cProfile, stats to this file")
     parser.add_argument(
@@ -560,26 +603,29 @@ def main() -> int:
     if args.sender_side:
         print("sender side (one process)", flush=True)
         sender_rows = run_sender_side(sizes, args.agent_tree.resolve())
-    runs = []
-    for i in range(args.repeat):
+    runs: list[list[dict[str, Any]]] = []
+    for i in range(args.pairs):
         base = Path(tempfile.mkdtemp(prefix="pd-bench-", dir="/tmp"))
         profile = args.profile_agent if i == 0 else None
         procs = Processes(base, profile, args.agent_tree.resolve())
+        # Odd pairs run the raw broadcast first, of the notice bytes the agent wrote in the pair before.
+        earlier = {r["n"]: r["payload"].encode("latin-1") for r in runs[-1]} if i % 2 else None
         try:
             procs.start()
-            print(f"run {i + 1}/{args.repeat}", flush=True)
-            runs.append(run_once(sizes, procs))
+            print(f"pair {i + 1}/{args.pairs}, load average {os.getloadavg()[0]:.2f}", flush=True)
+            runs.append(run_once(sizes, procs, earlier))
         finally:
             procs.stop()
             shutil.rmtree(base, ignore_errors=True)
     if not runs:
         return 0
-    rows = medians(runs)
+    rows = summarise(runs)
     print()
-    print(markdown(rows, args.repeat))
+    print(markdown(rows))
+    print("p99 ratio medians: " + ", ".join(f"N={r['n']} {r['p99_ratio']['median']:.2f}x" for r in rows))
     if args.json:
         args.json.write_text(
-            json.dumps({"runs": runs, "medians": rows, "sender_side": sender_rows}, indent=2)
+            json.dumps({"pairs": runs, "summary": rows, "sender_side": sender_rows}, indent=2)
         )
     failed = [row["n"] for row in rows if not row["all_delivered"]]
     if failed:
