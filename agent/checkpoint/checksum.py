@@ -1,8 +1,8 @@
 """CRC32, the checksum of every checkpoint file (manifests' sidecars, tier.json, the evacuation's transfers and
 streams, the drain): python-zlib-ng's ``crc32`` when it is installed (the ``torch`` extra installs it), else the
-standard library's. The same polynomial and values: zlib-ng computes it with SIMD (20.9 GB/s against zlib's
-3.8 on the 2-vCPU VM of bench/RESULTS.md), which matters inside the window, where every byte of a shard is
-summed once or more. Standard library only when zlib-ng is absent."""
+standard library's. The same polynomial and values: zlib-ng computes it with SIMD, several times faster
+(bench/RESULTS.md, "CRC32"), which matters inside the window, where every byte of a shard is summed once or
+more. Standard library only when zlib-ng is absent."""
 
 from __future__ import annotations
 

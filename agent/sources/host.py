@@ -129,8 +129,8 @@ def checkpoint_finding(
 
 class _Reader:
     """A daemon thread kept for one kind of read (the memory, one directory), started at its first call:
-    a new thread for each read of each check cost more CPU than the reads themselves (0.7 ms a check, in
-    an agent that is otherwise idle: bench/idle.py). Calls run one at a time, so one that hangs (a dead
+    a new thread for each read of each check cost more CPU than the reads themselves (bench/RESULTS.md,
+    "Idle cost"). Calls run one at a time, so one that hangs (a dead
     mount) holds this reader alone; unlike the default executor's, a stuck thread never delays exit."""
 
     def __init__(self) -> None:

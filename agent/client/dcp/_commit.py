@@ -66,8 +66,8 @@ def _release_at_exit() -> None:
 def zip_crc_off() -> AbstractContextManager[Any]:
     """``torch.save`` skips its own CRC32 of each zip record while the store writes on this thread (torch's
     ``compute_crc32`` serialization setting; ``torch.load`` reads such files). The store computes its own
-    CRC32 of every file, the one a resume verifies, so torch's is a second pass over the same bytes: ~0.5 s
-    of CPU per GiB per rank measured here, time a flush on busy cores cannot spare. Torch keeps the setting
+    CRC32 of every file, the one a resume verifies, so torch's is a second pass over the same bytes, time a
+    flush on busy cores cannot spare (bench/RESULTS.md, "Sharded flush"). Torch keeps the setting
     per thread, so this covers DCP's writes on the calling thread (all of them with ``thread_count=1``) and
     no other thread's ``torch.save``. A no-op on a torch without the setting."""
     try:

@@ -27,7 +27,7 @@ from agent.checkpoint.checksum import crc32
 
 # Bytes per send and per CRC32 step: a bounded buffer on both sides whatever the size of a shard file, small
 # enough to stay in the cache between the socket, the CRC32 and the write, and for its two buffers' first
-# page faults to cost little (fresh pages cost ~2 s per GiB on the 2-vCPU VM measured in bench/RESULTS.md).
+# page faults to cost little (fresh pages cost dearly on a VM: bench/RESULTS.md, "Evacuation").
 CHUNK = 8 << 20
 
 
