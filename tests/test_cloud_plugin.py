@@ -1,5 +1,5 @@
 """The cloud seam: a cloud added from outside the project (an installed ``preemptd.clouds`` entry point, or
-``agent.sources.clouds.register_cloud``) is one spec with its table, DMI match, probe, source and simulator.
+``agent.sources.clouds.CLOUDS.register``) is one spec with its table, DMI match, probe, source and simulator.
 The agent accepts ``cloud = "<it>"`` and its table (checked when the file is loaded), detects it by DMI or by
 its probe, and polls it against its simulator on loopback. Nothing in agent/ is edited for it."""
 
@@ -105,17 +105,15 @@ def plugin_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def acme(plugin_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The plug-in registered through agent.sources.clouds.register_cloud; yields its module."""
+    """The plug-in registered in agent.sources.clouds.CLOUDS for the test; yields its module."""
     module = write_plugin(plugin_dir, entry_point=False)
     monkeypatch.syspath_prepend(str(plugin_dir))
     loaded = importlib.import_module(module)
-    clouds.register_cloud(loaded.SPEC)
     try:
-        yield loaded
+        with clouds.CLOUDS.registered(loaded.SPEC):
+            yield loaded
     finally:
-        clouds.unregister_cloud("acme")
         sys.modules.pop(module, None)
-        load_config(env={}, overrides={"cloud": "none"})  # the registry forgets its table as it loads
 
 
 def test_a_registered_cloud_is_a_value_of_cloud_and_its_table_is_checked_at_load(acme: Any) -> None:
@@ -133,8 +131,8 @@ def test_a_registered_cloud_is_a_value_of_cloud_and_its_table_is_checked_at_load
 
 
 def test_every_built_in_cloud_names_the_simulator_that_simulate_finds_for_it() -> None:
-    specs = clouds.clouds()
-    assert {name: SIMULATORS[name] for name in BUILTIN} == {
+    specs, simulators = clouds.clouds(), SIMULATORS.available()
+    assert {name: simulators[name] for name in BUILTIN} == {
         name: specs[name].simulator_class() for name in BUILTIN
     }
 
@@ -143,8 +141,12 @@ def test_the_registered_cloud_comes_after_the_built_in_ones_in_detection_order(a
     assert [*BUILTIN, "acme"] == list(clouds.clouds())
 
 
-def test_a_cloud_that_is_gone_takes_its_table_with_it(acme: Any) -> None:
-    clouds.unregister_cloud("acme")
+def test_a_cloud_that_is_gone_takes_its_table_with_it(
+    plugin_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(plugin_dir))
+    with clouds.CLOUDS.registered(importlib.import_module(write_plugin(plugin_dir, entry_point=False)).SPEC):
+        load_config(env={}, overrides={"cloud": "acme"})
     with pytest.raises(
         ConfigError, match=r"^command line: key 'cloud': expected one of 'auto', 'none', 'aws'"
     ):

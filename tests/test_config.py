@@ -10,9 +10,11 @@ from typing import Annotated
 import pytest
 from msgspec import Meta
 
-from agent.config import Config, load_config, parse_setting, register_table, unregister_table
+from agent.actions.registry import REACTORS
+from agent.config import Config, load_config, parse_setting
 from agent.core.errors import ConfigError
 from agent.core.paths import client_socket_path, default_socket_path, default_state_dir, user_socket_path
+from agent.core.plugins import Part, Table
 
 # What an interval, timeout or backoff key expects (each has a floor: 1e-9 s would keep a core busy).
 SECONDS = r"expected a finite number of seconds >= 0\.1"
@@ -257,8 +259,7 @@ def test_a_plug_in_table_declares_its_ranges_and_forms_with_msgspec(tmp_path: Pa
         nodes: Annotated[tuple[str, ...], Meta(min_length=1)] = ("n1",)
 
     path = write(tmp_path, '[actions.pbs]\nretries = 3\nqueue = "gpu"\n')
-    register_table("actions.pbs", Settings)
-    try:
+    with REACTORS.registered(Part("pbs", lambda host: None, (Table("actions.pbs", Settings),))):
         assert Settings(3, "gpu", ("n1",)) == load_config(path, env={}).table("actions.pbs", Settings)
         for text, message in [
             ("retries = 11", r"key 'actions\.pbs\.retries': expected an integer >= 0 and <= 10, got 11$"),
@@ -273,8 +274,6 @@ def test_a_plug_in_table_declares_its_ranges_and_forms_with_msgspec(tmp_path: Pa
             with pytest.raises(ConfigError, match=message) as info:
                 load_config(path, env={})  # refused when the file is loaded, not when the table is read
             assert str(info.value).startswith(f"{path}: ")
-    finally:
-        unregister_table("actions.pbs")
 
 
 # Every interval, timeout and backoff key of the built-in sections (tiny values once pinned a core).

@@ -18,10 +18,11 @@ from typing import Annotated
 import pytest
 from msgspec import Meta
 
-import agent.service.plugins  # noqa: F401 - the reactor and cloud registries, as `preemptd run` loads them
-from agent.config import config_to_json, load_config, register_table, unregister_table
+from agent.config import config_to_json, load_config
 from agent.config.loader import read_toml
 from agent.core.errors import ConfigError
+from agent.core.plugins import Part, Table
+from agent.service.components import COMPONENTS
 from tests.support import REPO, AgentProcess, http_json
 from tests.test_cli import cli
 from tests.test_systemd import hup_and_wait_ready
@@ -43,11 +44,8 @@ class WidgetConfig:
 
 @pytest.fixture
 def widget() -> Iterator[type[WidgetConfig]]:
-    register_table("widget", WidgetConfig)
-    try:
+    with COMPONENTS.registered(Part("widget", lambda config: None, (Table("widget", WidgetConfig),))):
         yield WidgetConfig
-    finally:
-        unregister_table("widget")
 
 
 async def test_print_config_refuses_a_bad_bridge_value_with_file_key_and_expectation(base: Path) -> None:
@@ -191,15 +189,15 @@ def test_every_table_of_the_packaged_config_is_known_to_a_bare_load() -> None:
     assert ([], ["ram_tier"], []) == (before, tables, [t for t in tables if t not in built]), proc.stderr
 
 
-def test_the_catalog_lists_every_module_that_declares_a_top_level_table() -> None:
-    """Every ``register_table("name", ...)`` of a top-level table in agent/ is known to a bare load through
-    agent/config/catalog.py (the bridges' dotted tables come with the reactor registry)."""
+def test_the_catalog_knows_every_top_level_table_an_entry_declares() -> None:
+    """Every ``Table("name", ...)`` of a top-level table in agent/ is known to a bare load through the
+    registries of agent/config/catalog.py (a cloud's, a component's)."""
     declared = set()
     for path in (REPO / "agent").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if (
                 isinstance(node, ast.Call)
-                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "register_table"
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Table"
                 and node.args
                 and isinstance(node.args[0], ast.Constant)
                 and isinstance(node.args[0].value, str)
@@ -209,7 +207,7 @@ def test_the_catalog_lists_every_module_that_declares_a_top_level_table() -> Non
     probe = (
         "import json\n"
         "from agent.config.tables import known\n"
-        "print(json.dumps(sorted(n for n in known().declared if '.' not in n)))\n"
+        "print(json.dumps(sorted(n for n, d in known().declared.items() if '.' not in n and not d.cloud)))\n"
     )
     proc = fresh(probe)
     assert sorted(declared) == json.loads(proc.stdout or "null"), proc.stderr

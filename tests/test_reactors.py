@@ -18,6 +18,7 @@ from agent.actions import registry as reactors
 from agent.config import load_config
 from agent.core.errors import ConfigError
 from agent.core.notice import EventType
+from agent.core.plugins import Part
 from agent.service.daemon import Agent
 from tests.support import REPO, AgentProcess, SSEClient, agent_config, eventually, http_json, running_agent
 
@@ -110,15 +111,14 @@ def plugin_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def registered(plugin_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The plug-in registered through agent.actions.registry.register; yields its module."""
+    """The plug-in registered through agent.actions.registry.REACTORS for the test; yields its module."""
     module = write_plugin(plugin_dir, entry_point=False)
     monkeypatch.syspath_prepend(str(plugin_dir))
     loaded = importlib.import_module(module)
-    reactors.register("throwaway", loaded.build_reactor)
     try:
-        yield loaded
+        with reactors.REACTORS.registered(Part("throwaway", loaded.build_reactor)):
+            yield loaded
     finally:
-        reactors.unregister("throwaway")
         sys.modules.pop(module, None)
 
 
@@ -245,8 +245,7 @@ async def test_one_failing_reactor_does_not_keep_events_from_the_others(base: Pa
         async def stop(self, timeout: float) -> None:
             pass
 
-    reactors.register("broken", lambda host: Broken())
-    try:
+    with reactors.REACTORS.registered(Part("broken", lambda host: Broken())):
         async with running_agent(base, {"actions.throwaway.limit": 1}) as agent:
             [throwaway] = [r for r in agent.components[0].reactors if r.name == "throwaway"]  # type: ignore[attr-defined]
             status, _ = await http_json(
@@ -255,5 +254,3 @@ async def test_one_failing_reactor_does_not_keep_events_from_the_others(base: Pa
             assert 201 == status
             await eventually(lambda: "notice" in throwaway.seen, what="the other reactor saw the notice")
             assert EventType.NOTICE.value == throwaway.seen[0]
-    finally:
-        reactors.unregister("broken")

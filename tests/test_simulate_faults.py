@@ -162,4 +162,4 @@ async def test_reset_clears_state_and_faults(http: aiohttp.ClientSession, sim: G
 def test_every_cloud_lists_scenarios() -> None:
     from agent.simulate import SIMULATORS
 
-    assert all("quiet" in cls.scenarios for cls in SIMULATORS.values())
+    assert all("quiet" in cls.scenarios for cls in SIMULATORS.available().values())

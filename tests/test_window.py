@@ -17,6 +17,7 @@ from agent.bridges.slurm_window import READ_S, KillWait, parse_kill_wait
 from agent.client.reporting import Reporter, client_info
 from agent.core.reports import parse_report
 from agent.simulate.gcp import GcpSimulator
+from agent.sources import clouds
 from agent.window.component import WindowComponent, exec_hold_s
 from agent.window.effective import (
     EXEC_HOLD_MAX_S,
@@ -111,19 +112,25 @@ def test_a_peer_flush_is_not_told_of_the_peer_tier() -> None:
     assert "hold SIGTERM" == window(LEAD, [TORCHRUN], 45.0, tier="peer")["lengthen"]
 
 
+def leads_of(cloud: str, **table: Any) -> list[Lead]:
+    """The window's leads on ``cloud`` as its spec gives them for its table (defaults, but ``table``)."""
+    spec = clouds.get(cloud)
+    return cloud_leads(cloud, spec.leads(spec.schema(**table)))
+
+
 def test_the_clouds_leads() -> None:
-    leads = {lead.kind: lead for lead in cloud_leads("aws")}
+    leads = {lead.kind: lead for lead in leads_of("aws")}
     assert (120.0, None, False) == (
         leads["termination"].seconds,
         leads["rebalance"].seconds,
         leads["rebalance"].deadline,
     )
-    gcp = {lead.kind: lead for lead in cloud_leads("gcp", gcp_preempt_s=120.0)}
+    gcp = {lead.kind: lead for lead in leads_of("gcp", preempt_notice_s=120.0)}
     assert 120.0 == gcp["termination"].seconds
     assert "preemptionNoticeDuration" in gcp["termination"].lengthen
-    assert 30.0 == cloud_leads("azure")[0].seconds
-    assert 300.0 == cloud_leads("alibaba")[0].seconds
-    assert cloud_leads("tencent")[0].seconds is None
+    assert 30.0 == leads_of("azure")[0].seconds
+    assert 300.0 == leads_of("alibaba")[0].seconds
+    assert leads_of("tencent")[0].seconds is None
     assert [None, None] == [lead.seconds for lead in cloud_leads(None)]
 
 

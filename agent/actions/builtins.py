@@ -19,6 +19,7 @@ from agent.actions.ready import ReadyEngine
 from agent.actions.signals import SignalEngine, SignalRule, call_gpu_pids
 from agent.actions.webhooks import WebhookEngine
 from agent.config import ActionsConfig
+from agent.core.plugins import Part
 from agent.core.ports import AZURE_ACK, GPU_PIDS, Host, ReactorFactory
 from agent.core.tasks import TaskSet
 
@@ -78,14 +79,13 @@ def build_webhooks(host: Host) -> WebhookEngine:
     return WebhookEngine(cfg.webhooks, tasks=TaskSet("actions-webhooks"), recent=Recent(cfg.history_size))
 
 
-# Name -> factory, in delivery order: a notice is signalled before the hooks for it are started.
-BUILTINS: tuple[tuple[str, ReactorFactory], ...] = (
-    ("signals", build_signals),
-    ("ready", build_ready),
-    ("azure_acknowledgement", build_azure_acknowledgement),
-    ("hooks", build_hooks),
-    ("webhooks", build_webhooks),
-)
+# The built-in reactors, as the reactor registry lists them (agent/actions/registry.py: BUILTIN, in delivery
+# order). They read the core [actions] section, no table of their own.
+SIGNALS: Part[ReactorFactory] = Part("signals", build_signals)
+READY: Part[ReactorFactory] = Part("ready", build_ready)
+AZURE_ACKNOWLEDGEMENT: Part[ReactorFactory] = Part("azure_acknowledgement", build_azure_acknowledgement)
+HOOKS: Part[ReactorFactory] = Part("hooks", build_hooks)
+WEBHOOKS: Part[ReactorFactory] = Part("webhooks", build_webhooks)
 
 
 def legacy_status(reactors: Mapping[str, Any], dry_run: bool) -> dict[str, Any]:

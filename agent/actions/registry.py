@@ -1,43 +1,49 @@
 """The reactor registry and runner: which reactors a configuration runs, and one list that every event goes
 through after the SSE subscribers.
 
-Reactors are found without editing a core module, in this order (a later one with a name already taken is
+:data:`REACTORS` (agent/core/plugins.py) finds them, in this order (a later one with a name already taken is
 skipped with a warning):
 
-1. the built-in actions (:data:`agent.actions.builtins.BUILTINS`);
-2. every module in the :mod:`agent.bridges` package that defines ``build_reactor(host)``, named after the
-   module (``agent/bridges/slurm.py`` → ``slurm``);
-3. the ``preemptd.reactors`` entry-point group (third-party packages: ``name = "module:factory"``);
-4. :func:`register` (an embedding program, tests).
+1. the built-in actions and bridges, listed in :data:`BUILTIN` (each a :class:`agent.core.plugins.Part`);
+2. the ``preemptd.reactors`` entry-point group (third-party packages: ``name = "module:factory"``, or a
+   ``Part`` that declares its table);
+3. ``REACTORS.register(Part(name, factory, tables))`` (an embedding program, tests).
 
 A factory takes the :class:`agent.core.ports.Host` and returns a :class:`agent.core.ports.Reactor`, or None when its
-configuration does not ask for it. A reactor with a table declares it where its schema is defined
-(``register_table("actions.slurm", SlurmConfig)``, agent/config/tables.py): the loader then checks it when the
-file is loaded, and a table under ``[actions]`` that no reactor is named after is an error. See
-docs/internals.md, "How to add a bridge".
+configuration does not ask for it. A reactor with a table declares it in its ``Part``
+(``Table("actions.slurm", SlurmConfig)``): the loader then checks it when the file is loaded; a reactor that
+declares none may read ``[actions.<its name>]`` unchecked; a table under ``[actions]`` that no reactor is
+named after is an error. See docs/internals.md, "How to add a bridge".
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-import pkgutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from agent.config.tables import Discovered, add_discovery
-from agent.core.entry_points import entry_points
 from agent.core.errors import ConfigError
 from agent.core.notice import Event
+from agent.core.plugins import Part, Registry, Table
 from agent.core.ports import Host, Reactor, ReactorFactory
 from agent.core.reports import Report
 
 ENTRY_POINT_GROUP = "preemptd.reactors"
-BRIDGES_PACKAGE = "agent.bridges"
-BRIDGE_FACTORY = "build_reactor"
+
+# In delivery order: a notice is signalled before the hooks for it are started; the bridges after them.
+BUILTIN: tuple[str, ...] = (
+    "agent.actions.builtins:SIGNALS",
+    "agent.actions.builtins:READY",
+    "agent.actions.builtins:AZURE_ACKNOWLEDGEMENT",
+    "agent.actions.builtins:HOOKS",
+    "agent.actions.builtins:WEBHOOKS",
+    "agent.bridges.kubernetes:REACTOR",
+    "agent.bridges.ray:REACTOR",
+    "agent.bridges.slurm:REACTOR",
+)
 
 # What a reactor's stop may take beyond its timeout (its own clean-up after cancelling) before the runner
 # cancels the stop itself.
@@ -45,22 +51,36 @@ STOP_GRACE_S = 0.5
 
 log = structlog.get_logger("preemptd.reactors")
 
-_registered: dict[str, ReactorFactory] = {}
+
+def _accept(name: str, loaded: object) -> Part[ReactorFactory]:
+    """A ``Part``, or a bare factory (an entry point's, named after it)."""
+    if isinstance(loaded, Part):
+        return loaded
+    if callable(loaded):
+        return Part(name, loaded)
+    raise TypeError(f"a {type(loaded).__name__}, neither a reactor factory nor a Part")
 
 
-def register(name: str, factory: ReactorFactory) -> None:
-    """Add a reactor factory under ``name`` (for the agents started after this call)."""
-    _registered[name] = factory
+def _tables(part: Part[ReactorFactory]) -> tuple[Table, ...]:
+    # A reactor that declares no table may still read [actions.<its name>] itself (it checks it when built).
+    return part.tables or (Table(f"actions.{part.name}", None),)
 
 
-def unregister(name: str) -> None:
-    _registered.pop(name, None)
+REACTORS: Registry[Part[ReactorFactory]] = Registry(
+    "reactor",
+    BUILTIN,
+    group=ENTRY_POINT_GROUP,
+    accept=_accept,
+    name_of=lambda part: part.name,
+    tables_of=_tables,
+    family="actions",
+)
 
 
 @dataclass(frozen=True)
 class Found:
-    """One reactor factory and where it came from (``builtin``, ``module agent.bridges.x``, ``entry point``,
-    ``registered``); ``error`` says why a bridge could not be loaded (then ``factory`` is None)."""
+    """One reactor factory and where it came from (``builtin ...``, ``entry point ...``, ``registered``);
+    ``error`` says why it could not be loaded (then ``factory`` is None)."""
 
     name: str
     origin: str
@@ -68,72 +88,12 @@ class Found:
     error: str | None = None
 
 
-def _bridge_modules() -> list[Found]:
-    try:
-        package = importlib.import_module(BRIDGES_PACKAGE)
-    except ImportError:
-        return []
-    found: list[Found] = []
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        module_name = f"{BRIDGES_PACKAGE}.{info.name}"
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:  # a broken bridge must not stop the agent or the other bridges
-            found.append(Found(info.name, f"module {module_name}", None, f"{type(exc).__name__}: {exc}"))
-            continue
-        factory = getattr(module, BRIDGE_FACTORY, None)
-        if callable(factory):  # modules without a factory are a bridge's helpers
-            found.append(Found(info.name, f"module {module_name}", factory))
-    return found
-
-
-def _entry_points() -> list[Found]:
-    found: list[Found] = []
-    for point in entry_points(ENTRY_POINT_GROUP):
-        origin = f"entry point {point.value}"
-        try:
-            factory = point.load()
-        except Exception as exc:
-            found.append(Found(point.name, origin, None, f"{type(exc).__name__}: {exc}"))
-            continue
-        found.append(Found(point.name, origin, factory))
-    return found
-
-
 def discover() -> list[Found]:
     """Every reactor factory available now, built-ins first; names are unique."""
-    from agent.actions.builtins import BUILTINS
-
-    candidates = [Found(name, "builtin", factory) for name, factory in BUILTINS]
-    candidates += _bridge_modules()
-    candidates += _entry_points()
-    candidates += [Found(name, "registered", factory) for name, factory in _registered.items()]
-    result: list[Found] = []
-    seen: dict[str, Found] = {}
-    for item in candidates:
-        if item.name in seen:
-            log.warning(
-                "reactor_name_taken",
-                reactor=item.name,
-                skipped=item.origin,
-                kept=seen[item.name].origin,
-                effect="rename one of them",
-            )
-            continue
-        seen[item.name] = item
-        result.append(item)
-    return result
-
-
-def _tables() -> Discovered:
-    """For the loader: every reactor is found (so the bridges' modules have declared their tables), and a
-    reactor that declared no table may still read ``[actions.<its name>]`` itself."""
-    return Discovered("actions", frozenset(f"actions.{item.name}" for item in discover()))
-
-
-add_discovery(_tables)
+    return [
+        Found(e.name, e.origin, e.value.build if e.value is not None else None, e.error or None)
+        for e in REACTORS.entries()
+    ]
 
 
 def build_reactors(host: Host, found: Iterable[Found] | None = None) -> list[Reactor]:

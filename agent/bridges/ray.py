@@ -32,9 +32,10 @@ from agent.actions.common import Recent, applies
 from agent.bridges.common import drain_reason, register_metrics
 from agent.bridges.ray_gcs import RayNode, unreachable
 from agent.bridges.slurm_commands import host_names
-from agent.config import AtLeastOne, NoticeKindName, Seconds, SecondsOrOff, SeverityName, register_table
+from agent.config import AtLeastOne, NoticeKindName, Seconds, SecondsOrOff, SeverityName
 from agent.core.notice import Event, EventType, Notice, format_time, utcnow
-from agent.core.ports import Host
+from agent.core.plugins import Part, Table
+from agent.core.ports import Host, ReactorFactory
 from agent.core.tasks import TaskSet
 
 log = structlog.get_logger("preemptd.ray")
@@ -79,9 +80,6 @@ class RayConfig:
     # went down is said when it happens; 0: only at notices.
     check_interval_s: SecondsOrOff = 30.0
     history_size: AtLeastOne = 50
-
-
-register_table("actions.ray", RayConfig)
 
 
 class RayError(Exception):
@@ -432,3 +430,7 @@ def build_reactor(host: Host) -> RayBridge | None:
     bridge = RayBridge(config)
     register_metrics(host, "ray", "Ray", bridge)
     return bridge
+
+
+# The entry of the reactor registry (agent/actions/registry.py).
+REACTOR: Part[ReactorFactory] = Part("ray", build_reactor, (Table("actions.ray", RayConfig),))

@@ -26,13 +26,14 @@ from agent.bridges.slurm_steps import SlurmSteps
 from agent.bridges.slurm_window import offer as offer_window_limit
 from agent.bridges.slurm_work import Work
 from agent.core.notice import Event, EventType, utcnow
-from agent.core.ports import Host
+from agent.core.plugins import Part, Table
+from agent.core.ports import Host, ReactorFactory
 from agent.core.tasks import TaskSet
 from agent.window.limits import withdraw_limits
 
 log = structlog.get_logger("preemptd.slurm")
 
-__all__ = ["SlurmBridge", "SlurmConfig", "build_reactor"]
+__all__ = ["REACTOR", "SlurmBridge", "SlurmConfig", "build_reactor"]
 
 
 class SlurmBridge:
@@ -167,3 +168,7 @@ def build_reactor(host: Host) -> SlurmBridge | None:
     register_metrics(host, "slurm", "Slurm", bridge)
     offer_window_limit(host, bridge.commands)  # KillWait, for the window (agent/window/)
     return bridge
+
+
+# The entry of the reactor registry (agent/actions/registry.py).
+REACTOR: Part[ReactorFactory] = Part("slurm", build_reactor, (Table("actions.slurm", SlurmConfig),))

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from msgspec import Meta
 
 from agent.bridges.slurm_commands import parse_signal
-from agent.config import NoticeKindName, SeverityName, register_table
+from agent.config import NoticeKindName, SeverityName
 
 # A pause between two tries: short enough to act soon after the controller is back, never so short that a
 # failing controller is asked in a busy loop.
@@ -55,6 +55,3 @@ class SlurmConfig:
     def __post_init__(self) -> None:
         # Checked when the file is loaded, so --print-config, start-up and a reload refuse an unknown signal.
         parse_signal(self.signal)
-
-
-register_table("actions.slurm", SlurmConfig)

@@ -2,9 +2,9 @@
 variables and command-line settings, in increasing precedence.
 
 Each subsystem owns one section dataclass below (the built-in clouds' are in agent/config/clouds.py); every
-other part declares its table in agent/config/tables.py. The loader is generic and checks every key of every
-table against the field's type when the file is loaded, so a bad file fails with the file, the dotted key and
-what was expected before anything starts.
+other table is declared by the plug-in registry entry that reads it (agent/config/catalog.py). The loader is
+generic and checks every key of every table against the field's type when the file is loaded, so a bad file
+fails with the file, the dotted key and what was expected before anything starts.
 
 Environment variables: ``PREEMPTD_<KEY>`` for a top-level key (``PREEMPTD_SOCKET``), and
 ``PREEMPTD_<SECTION>__<KEY>`` for a key in a section (``PREEMPTD_AWS__POLL_INTERVAL_S=2``). Values are read
@@ -45,14 +45,7 @@ from agent.config.loader import (
     type_hints,
     where,
 )
-from agent.config.tables import (
-    Discovered,
-    add_discovery,
-    known,
-    register_table,
-    take_tables,
-    unregister_table,
-)
+from agent.config.tables import known, take_tables
 from agent.config.types import (
     MIN_INTERVAL_S,
     AtLeastOne,
@@ -71,7 +64,7 @@ from agent.core.paths import default_socket_path, default_state_dir
 DEFAULT_CONFIG_PATH = Path("/etc/preemptd/config.toml")
 ENV_PREFIX = "PREEMPTD_"
 
-# ``cloud``: these, or a cloud whose table was declared (register_table(..., cloud=True)).
+# ``cloud``: these, or a cloud of the cloud registry (agent/sources/clouds.py) that is not built in.
 CLOUDS: tuple[str, ...] = ("auto", "none", *BUILTIN_CLOUDS)
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -287,8 +280,8 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
 ) -> Config:
     """Build the configuration: defaults, then the file, then the environment, then ``overrides``; every
-    table is checked: the core sections, and each table declared in agent/config/tables.py (the registries
-    that declare them, the reactors' and the clouds', are asked first).
+    table is checked: the core sections, and each table the plug-in registries' entries read (the clouds',
+    the reactors', the components': agent/config/catalog.py).
 
     ``path`` None means the file named by ``PREEMPTD_CONFIG`` or the default path, which may be absent; an
     explicit path must exist. ``overrides`` maps dotted keys (``"api.heartbeat_s"``) to values.
@@ -386,7 +379,6 @@ __all__ = [
     "AzureConfig",
     "Config",
     "DetectConfig",
-    "Discovered",
     "GcpConfig",
     "GpuConfig",
     "HookConfig",
@@ -404,10 +396,7 @@ __all__ = [
     "SignalRuleConfig",
     "TencentConfig",
     "WebhookConfig",
-    "add_discovery",
     "config_to_json",
     "load_config",
     "parse_setting",
-    "register_table",
-    "unregister_table",
 ]

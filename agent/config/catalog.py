@@ -1,27 +1,36 @@
-"""The catalog of the tables that built-in components declare (``[ledger]``, ``[cost]``, ``[ram_tier]``): the
-modules that call :func:`agent.config.tables.register_table` for them, which the loader imports before it
-checks a file. So every entry point (``preemptd run``, ``report``, ``demo``, a test calling ``load_config``)
-knows the same tables, whatever it happened to import before.
+"""The catalog of the plug-in registries whose entries read configuration tables (agent/core/plugins.py): the
+clouds' (``[aws]``, a plug-in cloud's), the reactors' (``[actions.slurm]``), the components' (``[ledger]``,
+``[cost]``, ``[ram_tier]``). :func:`agent.config.load_config` asks each for its tables whenever a file is
+loaded, so every entry point (``preemptd run``, ``report``, ``demo``, a test calling ``load_config``) checks
+the same tables, whatever it imported before.
 
-The modules are named, not imported here: they sit in a layer above this one (docs/internals.md, "Layout"),
-and are imported only when a file is loaded, as the plug-in registries import theirs; ``agent.client`` never
-loads them. Tables found by a registry are not listed: the bridges' ``[actions.*]`` and the clouds' come with
-the reactor and cloud registries (agent/service/plugins.py), which also find third-party plug-ins. A new
-component with a table of its own adds its schema's module here (tests/test_config_tables.py checks that
-``preemptd run`` knows no top-level table this catalog does not).
+The registries are named, not imported here: they sit in layers above this one (docs/internals.md, "Layout")
+and are imported when a file is loaded; ``agent.client`` never loads them.
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-MODULES: tuple[str, ...] = (
-    "agent.ledger.config",  # [ledger], [cost]
-    "agent.ramtier.config",  # [ram_tier]
+from agent.core.plugins import Registry, load_ref
+
+if TYPE_CHECKING:
+    from agent.config import Config
+    from agent.core.ports import Component
+
+# What a component entry builds its component with (agent/service/components.py): the component the
+# configuration asks for, or None.
+ComponentFactory: TypeAlias = "Callable[[Config], Component[Any] | None]"
+
+REGISTRIES: tuple[str, ...] = (
+    "agent.sources.clouds:CLOUDS",
+    "agent.actions.registry:REACTORS",
+    "agent.service.components:COMPONENTS",
 )
 
 
-def declare_builtin_tables() -> None:
-    """Import every module of the catalog (each declares its tables as it is imported; once per process)."""
-    for name in MODULES:
-        importlib.import_module(name)
+def registries() -> list[Registry[Any]]:
+    """The registries of the catalog (imported now; once per process)."""
+    found: list[Registry[Any]] = [load_ref(ref) for ref in REGISTRIES]
+    return found

@@ -1,13 +1,9 @@
-"""The registry of configuration tables: every part that reads a table of its own (a scheduler bridge's
-``[actions.slurm]``, a cloud's ``[aws]``, a component's ``[ram_tier]``) declares it here with
-:func:`register_table`, and :func:`agent.config.load_config` checks each declared table when the file is
-loaded, so ``preemptd run --print-config``, start-up and a reload refuse a bad value before anything binds.
-
-Before a file is checked, the built-in components' table modules listed in agent/config/catalog.py are
-imported, whoever loads the file. The plug-in registries that find parts (the reactor registry, the cloud
-registry) join with :func:`add_discovery`: each then imports the parts it finds (which declare their tables
-as they are imported) and says which table family it knows completely (``"actions"``). A table in such a
-family that nobody declared is refused with a "did you mean"; so is an unknown top-level table.
+"""The configuration tables that plug-ins read, gathered when a file is loaded: every registry of
+agent/config/catalog.py (clouds, reactors, components) says which tables its entries read
+(:class:`agent.core.plugins.Table`), and :func:`agent.config.load_config` checks each declared table, so
+``preemptd run --print-config``, ``report``, start-up and a reload refuse a bad value before anything binds.
+A registry may know a table family completely (the reactors, ``"actions"``): a table in it that no entry reads
+is refused with a "did you mean"; so is an unknown top-level table.
 """
 
 from __future__ import annotations
@@ -15,12 +11,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from agent.config.catalog import declare_builtin_tables
+from agent.config.catalog import registries
 from agent.core.errors import ConfigError
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -31,41 +25,6 @@ class Declared:
     name: str
     schema: type[Any]
     cloud: bool = False
-
-
-@dataclass(frozen=True)
-class Discovered:
-    """What one registry found: the family of tables it knows completely (``"actions"``: a table
-    ``[actions.x]`` that is not declared is an error; None: no family), and the names of tables whose owner reads them
-    unchecked (a third-party reactor that declares no schema; it checks its table when it is built)."""
-
-    family: str | None
-    unchecked: Collection[str] = ()
-
-
-_declared: dict[str, Declared] = {}
-_discoveries: list[Callable[[], Discovered]] = []
-
-
-def register_table(name: str, schema: type[T], *, cloud: bool = False) -> type[T]:
-    """Declare the table ``name`` (dotted: ``"actions.slurm"``, or top-level: ``"ram_tier"``) as checked
-    against the frozen dataclass ``schema``; returns ``schema``. Call it where the schema is defined, at
-    import. Declaring the same name again replaces it (a module reloaded in tests)."""
-    if not name or any(not part.isidentifier() for part in name.split(".")):
-        raise ValueError(f"a table name is dotted identifiers (actions.slurm, ram_tier), got {name!r}")
-    _declared[name] = Declared(name, schema, cloud)
-    return schema
-
-
-def unregister_table(name: str) -> None:
-    _declared.pop(name, None)
-
-
-def add_discovery(discover: Callable[[], Discovered]) -> None:
-    """Run ``discover`` before every load (it imports its plug-ins, which declare their tables). Added once
-    per registry, when the registry is imported."""
-    if discover not in _discoveries:
-        _discoveries.append(discover)
 
 
 @dataclass(frozen=True)
@@ -82,17 +41,20 @@ class Known:
 
 
 def known() -> Known:
-    """Declare the built-in components' tables (agent/config/catalog.py), run the registries' discoveries,
-    then return the declared tables."""
-    declare_builtin_tables()
+    """The tables the entries of every registry of the catalog read, now (the first to declare a name keeps
+    it)."""
+    declared: dict[str, Declared] = {}
     closed: set[str] = set()
     unchecked: set[str] = set()
-    for discover in list(_discoveries):
-        found = discover()
-        if found.family is not None:
-            closed.add(found.family)
-        unchecked.update(found.unchecked)
-    return Known(dict(_declared), frozenset(closed), frozenset(unchecked))
+    for registry in registries():
+        if registry.family is not None:
+            closed.add(registry.family)
+        for table in registry.tables():
+            if table.schema is None:
+                unchecked.add(table.name)
+            else:
+                declared.setdefault(table.name, Declared(table.name, table.schema, table.cloud))
+    return Known(declared, frozenset(closed), frozenset(unchecked))
 
 
 def take_tables(

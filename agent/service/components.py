@@ -1,5 +1,8 @@
-"""The agent's components — parts that live as long as it does (the actions runner, the advisor, the metrics
-listener): which ones a configuration runs, and how they start, stop and reload as a group.
+"""The agent's components — parts that live as long as it does (the actions runner, the advisor, the ledger,
+the RAM tier, the window, the metrics listener): :data:`COMPONENTS`, the component registry
+(agent/core/plugins.py), says which ones there are and in which order they start (they stop in reverse); each
+entry builds its component from the configuration (or None: not asked for) and declares the tables it reads.
+Third-party components come through the ``preemptd.components`` entry-point group.
 """
 
 from __future__ import annotations
@@ -8,29 +11,92 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+import structlog
+
 from agent.config import Config
+from agent.config.catalog import ComponentFactory
+from agent.core.plugins import Part, Registry
 from agent.core.ports import Component
+
+ENTRY_POINT_GROUP = "preemptd.components"
+
+# In start order.
+BUILTIN: tuple[str, ...] = (
+    "agent.service.components:ACTIONS",
+    "agent.service.components:ADVISOR",
+    "agent.ledger.config:COMPONENT",
+    "agent.ramtier.config:COMPONENT",
+    "agent.service.components:WINDOW",
+    "agent.service.components:METRICS",
+)
+
+log = structlog.get_logger("preemptd.components")
+
+
+def _actions(config: Config) -> Component[Any]:
+    from agent.actions import ActionsComponent
+
+    return ActionsComponent(config)
+
+
+def _advisor(config: Config) -> Component[Any] | None:
+    if not config.advisor.enabled:
+        return None
+    from agent.advisor.component import AdvisorComponent
+
+    return AdvisorComponent()
+
+
+def _window(config: Config) -> Component[Any]:
+    from agent.window.component import WindowComponent
+
+    return WindowComponent()
+
+
+def _metrics(config: Config) -> Component[Any]:
+    from agent.service.metrics import MetricsComponent
+
+    return MetricsComponent(config.metrics, config.api.idle_timeout_s)
+
+
+# The built-in components whose tables are core sections ([actions], [advisor], [metrics]).
+ACTIONS: Part[ComponentFactory] = Part("actions", _actions)
+ADVISOR: Part[ComponentFactory] = Part("advisor", _advisor)
+WINDOW: Part[ComponentFactory] = Part("window", _window)
+METRICS: Part[ComponentFactory] = Part("metrics", _metrics)
+
+
+def _accept(_name: str, loaded: object) -> Part[ComponentFactory]:
+    if not isinstance(loaded, Part):
+        raise TypeError(f"a {type(loaded).__name__}, not a Part")
+    return loaded
+
+
+COMPONENTS: Registry[Part[ComponentFactory]] = Registry(
+    "component",
+    BUILTIN,
+    group=ENTRY_POINT_GROUP,
+    accept=_accept,
+    name_of=lambda part: part.name,
+    tables_of=lambda part: part.tables,
+)
 
 
 def build_components(config: Config) -> list[Component[Any]]:
-    """The components a configuration runs, in start order (they stop in reverse)."""
-    from agent.actions import ActionsComponent
-    from agent.ledger.component import LedgerComponent
-    from agent.ledger.config import LedgerConfig
-    from agent.ramtier import RamTierComponent
-    from agent.service.metrics import MetricsComponent
-    from agent.window.component import WindowComponent
-
-    components: list[Component[Any]] = [ActionsComponent(config)]
-    if config.advisor.enabled:
-        from agent.advisor.component import AdvisorComponent
-
-        components.append(AdvisorComponent())
-    if config.table("ledger", LedgerConfig).enabled:
-        components.append(LedgerComponent())
-    components.append(RamTierComponent())  # always: answers "off" on its routes when disabled
-    components.append(WindowComponent())
-    components.append(MetricsComponent(config.metrics, config.api.idle_timeout_s))
+    """The components a configuration runs, in start order (they stop in reverse). A built-in that cannot be
+    loaded is a bug and raises; a plug-in's is logged and left out."""
+    components: list[Component[Any]] = []
+    for entry in COMPONENTS.entries():
+        if entry.value is None:
+            if entry.origin.startswith("builtin"):
+                raise RuntimeError(
+                    f"the component {entry.name} ({entry.origin}) cannot be loaded: {entry.error}"
+                )
+            log.error("component_unavailable", component=entry.name, origin=entry.origin, error=entry.error)
+            continue
+        component = entry.value.build(config)
+        if component is not None:
+            components.append(component)
     return components
 
 

@@ -31,6 +31,7 @@ from agent.core.reports import Report
 from agent.core.source_health import HealthBook
 from agent.core.subscribers import Hub
 from agent.core.tasks import TaskSet
+from agent.service import plugins
 from agent.service.clientlog import ClientMistakes
 from agent.service.components import build_components, reload_all, start_all, stop_all
 from agent.service.identity import Identity, host_boot_id
@@ -283,6 +284,7 @@ class Agent:
 
 def run_agent(config: Config, reload_config: Callable[[], Config] | None = None) -> int:
     """Entry point of ``preemptd run``: returns the process exit status."""
+    plugins.freeze()
     agent = Agent(config, reload_config=reload_config)
     try:
         asyncio.run(agent.run())

@@ -1,16 +1,17 @@
 """Faithful local simulators of the clouds' metadata services, for rehearsing a preemption and for tests.
 
-``simulator_for("aws")`` builds one (every :class:`Simulator` subclass in this package that names its ``cloud``
-is found; :func:`register_simulator` adds one from elsewhere); ``await sim.start()`` returns the bound loopback port. See
-:mod:`agent.simulate.base` for the control API, faults and scenarios.
+``simulator_for("aws")`` builds one from :data:`SIMULATORS`, the simulator registry (agent/core/plugins.py):
+the built-in simulators below, then the ``preemptd.simulators`` entry-point group (a cloud added as a
+plug-in: ``acme = "module:AcmeSimulator"``), then ``SIMULATORS.register(cls)``; each is named by its
+``cloud``. ``await sim.start()`` returns the bound loopback port. See :mod:`agent.simulate.base` for the
+control API, faults and scenarios.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from typing import Any
 
+from agent.core.plugins import Registry
 from agent.simulate.aws import AwsSimulator
 from agent.simulate.azure import AzureSimulator
 from agent.simulate.base import Scenario, Simulator
@@ -18,43 +19,35 @@ from agent.simulate.faults import SimulatorError
 from agent.simulate.gcp import GcpSimulator
 from agent.simulate.spot import AlibabaSimulator, TencentSimulator
 
+ENTRY_POINT_GROUP = "preemptd.simulators"
 
-def _in_tree() -> dict[str, type[Simulator]]:
-    """Every simulator in this package, by the cloud it simulates (its ``cloud``): a simulator added as a
-    module here is found without editing this file."""
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_") and info.name not in ("cli", "base", "faults"):
-            importlib.import_module(f"{__name__}.{info.name}")
-    found: dict[str, type[Simulator]] = {}
-    pending: list[type[Simulator]] = list(Simulator.__subclasses__())
-    while pending:
-        cls = pending.pop(0)
-        pending.extend(cls.__subclasses__())
-        if cls.cloud and cls.__module__.startswith(__name__ + "."):
-            found.setdefault(cls.cloud, cls)
-    return dict(sorted(found.items()))
+BUILTIN: tuple[str, ...] = (
+    "agent.simulate.aws:AwsSimulator",
+    "agent.simulate.gcp:GcpSimulator",
+    "agent.simulate.azure:AzureSimulator",
+    "agent.simulate.spot:AlibabaSimulator",
+    "agent.simulate.spot:TencentSimulator",
+)
 
 
-SIMULATORS: dict[str, type[Simulator]] = _in_tree()
+def _accept(_name: str, loaded: object) -> type[Simulator]:
+    if not (isinstance(loaded, type) and issubclass(loaded, Simulator)):
+        raise TypeError(f"{loaded!r} is not a Simulator subclass")
+    if not loaded.cloud:
+        raise TypeError(f"{loaded.__name__} names no cloud (set the class attribute cloud)")
+    return loaded
 
 
-def register_simulator(cls: type[Simulator]) -> None:
-    """Add a simulator (a cloud added as a plug-in, tests) under its ``cloud``."""
-    if not cls.cloud:
-        raise ValueError(f"{cls.__name__} names no cloud (set the class attribute cloud)")
-    SIMULATORS[cls.cloud] = cls
-
-
-def unregister_simulator(cloud: str) -> None:
-    SIMULATORS.pop(cloud, None)
+SIMULATORS: Registry[type[Simulator]] = Registry(
+    "simulator", BUILTIN, group=ENTRY_POINT_GROUP, accept=_accept, name_of=lambda cls: cls.cloud
+)
 
 
 def simulator_for(cloud: str, **options: Any) -> Simulator:
-    try:
-        cls = SIMULATORS[cloud]
-    except KeyError:
-        raise SimulatorError(f"no simulator for {cloud!r}; choose one of {', '.join(SIMULATORS)}") from None
-    return cls(**options)
+    found = SIMULATORS.available()
+    if cloud not in found:
+        raise SimulatorError(f"no simulator for {cloud!r}; choose one of {', '.join(found)}")
+    return found[cloud](**options)
 
 
 __all__ = [
@@ -67,7 +60,5 @@ __all__ = [
     "Simulator",
     "SimulatorError",
     "TencentSimulator",
-    "register_simulator",
     "simulator_for",
-    "unregister_simulator",
 ]

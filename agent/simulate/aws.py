@@ -53,6 +53,7 @@ def _error(status: int, reason: str) -> web.Response:
 
 class AwsSimulator(Simulator):
     cloud = "aws"
+    client_hint = "AWS_EC2_METADATA_SERVICE_ENDPOINT={url}"
     server_headers: ClassVar[Mapping[str, str]] = {"Server": "EC2ws"}
     scenarios: ClassVar[Mapping[str, Scenario]] = dict(
         [

@@ -61,6 +61,7 @@ def _bad(message: str, newest: bool = False) -> web.Response:
 
 class AzureSimulator(Simulator):
     cloud = "azure"
+    client_hint = "AZURE_POD_IDENTITY_AUTHORITY_HOST={url} (managed identity)"
     scenarios: ClassVar[Mapping[str, Scenario]] = dict(
         [
             scenario("quiet", "no events; identity only"),

@@ -65,6 +65,8 @@ class Simulator:
     scenarios: ClassVar[Mapping[str, Scenario]] = {}
     # Headers every answer of the cloud carries (not the control API's).
     server_headers: ClassVar[Mapping[str, str]] = {}
+    # How the cloud's own SDKs are pointed at the simulator ("{url}", "{hostport}"); "" when there is no way.
+    client_hint: ClassVar[str] = ""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, seed: int | None = None) -> None:
         self.host = host

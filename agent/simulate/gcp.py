@@ -48,6 +48,7 @@ def _forbidden(text: str) -> web.Response:
 
 class GcpSimulator(Simulator):
     cloud = "gcp"
+    client_hint = "GCE_METADATA_HOST={hostport} GCE_METADATA_IP={hostport}"
     server_headers: ClassVar[Mapping[str, str]] = {
         "Metadata-Flavor": "Google",
         "Server": "Metadata Server for VM",

@@ -13,7 +13,7 @@ from agent.core.errors import NoticeError
 from agent.core.notice import parse_time
 from agent.sources.cloud_http import CloudError, ParseError, status_error
 from agent.sources.cloud_spot import TerminationTimeSource, probe_instance_id
-from agent.sources.clouds import CloudSpec
+from agent.sources.clouds import CloudSpec, Lead
 
 TERMINATION_PATH = "/latest/meta-data/instance/spot/termination-time"
 TOKEN_PATH = "/latest/api/token"
@@ -96,4 +96,8 @@ CLOUD = CloudSpec(
     AlibabaSource,
     simulator="agent.simulate.spot:AlibabaSimulator",
     rank=40,
+    leads=lambda _table: (
+        Lead("termination", 300.0, "alibaba: spot termination-time, about 5 minutes", fixed=True),
+    ),
+    about="Alibaba Cloud ECS: instance metadata",
 )

@@ -29,7 +29,7 @@ from agent.sources.cloud_http import (
     status_error,
 )
 from agent.sources.cloud_identity import IdentityReader
-from agent.sources.clouds import CloudSpec
+from agent.sources.clouds import CloudSpec, Lead
 
 log = structlog.get_logger("preemptd.sources.aws")
 
@@ -436,6 +436,20 @@ async def probe(config: AwsConfig, timeout_s: float) -> bool:
         return reply.status == 200 and reply.body.strip().startswith(b"i-")
 
 
+LEADS = (
+    Lead("termination", 120.0, "aws: spot instance-action, about 2 minutes (best effort)", fixed=True),
+    Lead("maintenance", None, "aws: scheduled event's NotBefore (usually days ahead)"),
+    Lead("rebalance", None, "aws: rebalance recommendation, advisory (no deadline)", deadline=False),
+)
+
 CLOUD = CloudSpec(
-    "aws", AwsConfig, names_aws, probe, AwsSource, simulator="agent.simulate.aws:AwsSimulator", rank=10
+    "aws",
+    AwsConfig,
+    names_aws,
+    probe,
+    AwsSource,
+    simulator="agent.simulate.aws:AwsSimulator",
+    rank=10,
+    leads=lambda _table: LEADS,
+    about="Amazon EC2: instance metadata (IMDSv2)",
 )

@@ -23,7 +23,7 @@ from agent.core.ports import AZURE_ACK
 from agent.sources.base import Sink, Source
 from agent.sources.cloud_http import Backoff, CloudError, MetadataClient, ParseError, run_all, status_error
 from agent.sources.cloud_identity import IdentityReader
-from agent.sources.clouds import CloudSpec
+from agent.sources.clouds import CloudSpec, Lead
 
 log = structlog.get_logger("preemptd.sources.azure")
 
@@ -404,6 +404,15 @@ async def probe(config: AzureConfig, timeout_s: float) -> bool:
         return isinstance(doc, dict) and isinstance(doc.get("compute"), dict)
 
 
+LEADS = (
+    Lead("termination", 30.0, "azure: Scheduled Events Preempt, at least 30 s (best effort)", fixed=True),
+    Lead(
+        "maintenance",
+        300.0,
+        "azure: Scheduled Events Terminate at least 5 min (Redeploy 10, Reboot/Freeze 15)",
+    ),
+)
+
 CLOUD = CloudSpec(
     "azure",
     AzureConfig,
@@ -412,4 +421,6 @@ CLOUD = CloudSpec(
     AzureSource,
     simulator="agent.simulate.azure:AzureSimulator",
     rank=30,
+    leads=lambda _table: LEADS,
+    about="Microsoft Azure: IMDS Scheduled Events",
 )

@@ -29,7 +29,7 @@ from agent.sources.cloud_http import (
     status_error,
 )
 from agent.sources.cloud_identity import IdentityReader
-from agent.sources.clouds import CloudSpec
+from agent.sources.clouds import CloudSpec, Lead
 
 log = structlog.get_logger("preemptd.sources.gcp")
 
@@ -345,6 +345,33 @@ async def probe(config: GcpConfig, timeout_s: float) -> bool:
         return reply.status == 200 and reply.headers.get("Metadata-Flavor", "").lower() == "google"
 
 
+def leads(config: GcpConfig) -> tuple[Lead, ...]:
+    """GCP's notices say no deadline: their leads are the table's figures."""
+    preempt_s, maintenance_s = config.preempt_notice_s, config.maintenance_notice_s
+    return (
+        Lead(
+            "termination",
+            preempt_s,
+            f"gcp: preempted, hard off gcp.preempt_notice_s = {preempt_s:g} s after ACPI soft-off",
+            lengthen="set the instance's preemptionNoticeDuration (120 s, in preview since April 2026) and "
+            "gcp.preempt_notice_s to the same figure",
+        ),
+        Lead(
+            "maintenance",
+            maintenance_s,
+            f"gcp: maintenance-event, gcp.maintenance_notice_s = {maintenance_s:g} s",
+        ),
+    )
+
+
 CLOUD = CloudSpec(
-    "gcp", GcpConfig, names_gcp, probe, GcpSource, simulator="agent.simulate.gcp:GcpSimulator", rank=20
+    "gcp",
+    GcpConfig,
+    names_gcp,
+    probe,
+    GcpSource,
+    simulator="agent.simulate.gcp:GcpSimulator",
+    rank=20,
+    leads=leads,
+    about="Google Compute Engine: the metadata server's hanging GETs",
 )

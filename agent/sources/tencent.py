@@ -11,7 +11,7 @@ from agent.core.errors import NoticeError
 from agent.core.notice import parse_time
 from agent.sources.cloud_http import ParseError
 from agent.sources.cloud_spot import TerminationTimeSource, probe_instance_id
-from agent.sources.clouds import CloudSpec
+from agent.sources.clouds import CloudSpec, Lead
 
 TERMINATION_PATH = "/latest/meta-data/spot/termination-time"
 CHINA_STANDARD_TIME = timezone(timedelta(hours=8), "CST")
@@ -71,4 +71,12 @@ CLOUD = CloudSpec(
     TencentSource,
     simulator="agent.simulate.spot:TencentSimulator",
     rank=50,
+    leads=lambda _table: (
+        Lead(
+            "termination",
+            None,
+            "tencent: spot termination-time (its lead is not documented in our reference)",
+        ),
+    ),
+    about="Tencent Cloud CVM: instance metadata",
 )

@@ -24,11 +24,12 @@ import psutil
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from agent.config import ActionsConfig, AdvisorConfig, GcpConfig
+from agent.config import ActionsConfig, AdvisorConfig
 from agent.core.errors import PreemptdError
 from agent.core.notice import parse_time
 from agent.core.ports import Board, ConfigView, HistoryFile, Tasks
 from agent.core.reports import Report, parse_report
+from agent.sources.clouds import CLOUDS
 from agent.window.effective import (
     EXEC_HOLD_MAX_S,
     FlushBook,
@@ -332,12 +333,11 @@ class WindowComponent:
 
     def status(self) -> dict[str, Any]:
         host = self._require()
-        gcp = host.config.table("gcp", GcpConfig)
+        cloud = host.identity.cloud
+        spec = CLOUDS.available().get(cloud) if cloud else None
+        said = spec.leads(host.config.table(spec.name, spec.schema)) if spec is not None else ()
         # An active notice's own lead, not the cloud's usual figure: a 20 s notice on AWS gives a job 20 s.
-        leads = notice_leads(
-            cloud_leads(host.identity.cloud, gcp.preempt_notice_s, gcp.maintenance_notice_s),
-            host.board.active(),
-        )
+        leads = notice_leads(cloud_leads(cloud, said), host.board.active())
         flush = self.flushes.predict(host.config.table("advisor", AdvisorConfig).save_time_s)
         return build_window(leads, self._limits, flush, self._checked_at)
 

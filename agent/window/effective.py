@@ -11,12 +11,15 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.core.notice import Kind, Notice, format_time
 from agent.core.reports import Report
 from agent.core.screen import WIDTH, duration, keep, wrap
 from agent.window.limits import Limit
+
+if TYPE_CHECKING:  # the status screens import this module; the cloud registry is the daemon's
+    from agent.sources.clouds import Lead as CloudLead
 
 # torchrun (torch.distributed.elastic) SIGKILLs its workers this long after it receives SIGTERM (the
 # ``timeout=30`` of LocalElasticAgent._shutdown; not configurable).
@@ -44,49 +47,23 @@ class Lead:
     notice: str | None = None
 
 
-def cloud_leads(
-    cloud: str | None, gcp_preempt_s: float = 30.0, gcp_maintenance_s: float = 60.0
-) -> list[Lead]:
-    """The notice each kind gets on ``cloud`` (shared/reference/clouds.md); GCP's from ``[gcp]``."""
-    peer = f"the cloud's notice is fixed; {HINT_PEER}"
-    t, m, r = KINDS
-    if cloud == "aws":
-        return [
-            Lead(t, 120.0, "aws: spot instance-action, about 2 minutes (best effort)", lengthen=peer),
-            Lead(m, None, "aws: scheduled event's NotBefore (usually days ahead)"),
-            Lead(r, None, "aws: rebalance recommendation, advisory (no deadline)", deadline=False),
-        ]
-    if cloud == "gcp":
-        return [
-            Lead(
-                t,
-                gcp_preempt_s,
-                f"gcp: preempted, hard off gcp.preempt_notice_s = {gcp_preempt_s:g} s after ACPI soft-off",
-                lengthen="set the instance's preemptionNoticeDuration (120 s, in preview since April 2026) and "
-                "gcp.preempt_notice_s to the same figure; " + HINT_PEER,
-            ),
-            Lead(
-                m,
-                gcp_maintenance_s,
-                f"gcp: maintenance-event, gcp.maintenance_notice_s = {gcp_maintenance_s:g} s",
-            ),
-        ]
-    if cloud == "azure":
-        return [
-            Lead(t, 30.0, "azure: Scheduled Events Preempt, at least 30 s (best effort)", lengthen=peer),
-            Lead(
-                m, 300.0, "azure: Scheduled Events Terminate at least 5 min (Redeploy 10, Reboot/Freeze 15)"
-            ),
-        ]
-    if cloud == "alibaba":
-        return [Lead(t, 300.0, "alibaba: spot termination-time, about 5 minutes", lengthen=peer)]
-    if cloud == "tencent":
-        return [Lead(t, None, "tencent: spot termination-time (its lead is not documented in our reference)")]
+def cloud_leads(cloud: str | None, said: Sequence[CloudLead] = ()) -> list[Lead]:
+    """The notice each kind gets on ``cloud``, as its spec says (``said``: ``CloudSpec.leads`` of its table,
+    shared/reference/clouds.md); without one, no known notice."""
+    t, m, _ = KINDS
+    if said:
+        return [Lead(c.kind, c.seconds, c.source, c.deadline, _lengthen(c)) for c in said]
     where = cloud or "unknown"
     return [
         Lead(t, None, f"cloud {where}: no known notice"),
         Lead(m, None, f"cloud {where}: no known notice"),
     ]
+
+
+def _lengthen(lead: CloudLead) -> str:
+    if lead.fixed:
+        return f"the cloud's notice is fixed; {HINT_PEER}"
+    return f"{lead.lengthen}; {HINT_PEER}" if lead.lengthen else ""
 
 
 def notice_leads(leads: Sequence[Lead], notices: Iterable[Notice]) -> list[Lead]:

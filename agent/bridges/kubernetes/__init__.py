@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 from agent.bridges.kubernetes.config import NODE_NAME, TABLE, KubernetesConfig
 from agent.core.errors import ConfigError
 from agent.core.jobs import withdraw_job_names
+from agent.core.plugins import Part, Table
 from agent.window.limits import withdraw_limits
 
 if TYPE_CHECKING:
     from agent.bridges.kubernetes.bridge import Collector, KubernetesBridge
-    from agent.core.ports import Host
+    from agent.core.ports import Host, ReactorFactory
 
-__all__ = ["TABLE", "KubernetesConfig", "build_reactor", "node_name"]
+__all__ = ["REACTOR", "TABLE", "KubernetesConfig", "build_reactor", "node_name"]
 
 # One metrics collector per agent; a reload points it at the new bridge.
 _collectors: weakref.WeakKeyDictionary[Any, Collector] = weakref.WeakKeyDictionary()
@@ -84,3 +85,7 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
     window.offer(host, bridge)  # the training pods' grace, for the window (agent/window/)
     jobname.offer(host, bridge)  # the pods' owners, for the RAM tier's job ids (agent/core/jobs.py)
     return bridge
+
+
+# The entry of the reactor registry (agent/actions/registry.py).
+REACTOR: Part[ReactorFactory] = Part("kubernetes", build_reactor, (Table(TABLE, KubernetesConfig),))

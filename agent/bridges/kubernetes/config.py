@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from agent.config import NoticeKindName, Seconds, SeverityName, register_table
+from agent.config import NoticeKindName, Seconds, SeverityName
 from agent.core.errors import ConfigError
 
 TABLE = "actions.kubernetes"
@@ -83,6 +83,3 @@ class KubernetesConfig:
             value = getattr(self, key)
             if value < 0 or (key != "drain_margin_s" and value == 0):
                 raise ConfigError(f"{where}.{key}: {value!r} must be a positive number of seconds")
-
-
-register_table(TABLE, KubernetesConfig)
