@@ -4,6 +4,9 @@ registrations for tests; and the tables its entries declare."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -14,6 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from agent.core.plugins import FrozenRegistryError, Part, Registry, Table
+from tests.support import REPO
 
 
 @dataclass(frozen=True)
@@ -147,3 +151,30 @@ def test_tables_come_from_the_loaded_entries_and_a_family_keeps_a_broken_ones_na
 def test_a_table_name_is_dotted_identifiers() -> None:
     with pytest.raises(ValueError, match="a table name is dotted identifiers"):
         Table("actions.", None)
+
+
+def test_the_agent_freezes_every_registry_the_configuration_is_checked_against() -> None:
+    """``preemptd run`` freezes the catalog's registries (agent/service/plugins.py) before the agent starts:
+    in a fresh interpreter, so this process's registries stay open."""
+    probe = (
+        "import json\n"
+        "from agent.config.catalog import registries\n"
+        "from agent.core.plugins import FrozenRegistryError\n"
+        "from agent.service import plugins\n"
+        "from agent.sources.clouds import CLOUDS\n"
+        "plugins.freeze()\n"
+        "try:\n"
+        "    CLOUDS.register(CLOUDS.get('aws'))\n"
+        "    refused = ''\n"
+        "except FrozenRegistryError as exc:\n"
+        "    refused = str(exc)\n"
+        "print(json.dumps([[r.kind for r in registries() if r.frozen], refused]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], check=False, env=env, capture_output=True, text=True, timeout=30
+    )
+    frozen, refused = json.loads(proc.stdout) if proc.returncode == 0 else ([], proc.stderr)
+    assert ["cloud", "reactor", "component"] == frozen
+    assert refused.startswith("cannot register the cloud 'aws': the agent has started"), refused

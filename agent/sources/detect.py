@@ -68,7 +68,7 @@ def cloud_sources(config: Config) -> list[Source]:
     dmi = read_dmi(config.detect.dmi_dir)
     cloud = cloud_from_dmi(dmi)
     if cloud is not None:
-        log.info("cloud_detected", cloud=cloud, method="dmi", dmi=dmi)
+        log.info("cloud_detected", cloud=cloud, about=clouds.get(cloud).about, method="dmi", dmi=dmi)
         return [make_source(cloud, config)]
     return [DetectingSource(config, dmi)]
 
@@ -141,6 +141,6 @@ class DetectingSource(Source):
                 f'set cloud = "{first}" (or {", ".join(rest)}) to choose one, or cloud = "none"'
             )
             return
-        log.info("cloud_detected", cloud=self.detected, method="probe")
+        log.info("cloud_detected", cloud=self.detected, about=clouds.get(self.detected).about, method="probe")
         self.inner = make_source(self.detected, self.config)
         await self.inner.run(sink)
