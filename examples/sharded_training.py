@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,9 @@ from torch.distributed.fsdp import fully_shard
 
 from agent.client import EXIT_PREEMPTED, CheckpointError, CheckpointSchedule, Watcher
 from agent.client.dcp import Progress, ShardedStore, TrainState
+from agent.client.elastic import Elastic, Reform
 from agent.client.peer.ramtier import RamTier
-from agent.client.torch import Coordinator
+from agent.client.torch import Coordinator, Decision
 
 GLOBAL_BATCH = 16
 SEQUENCE = 8
@@ -67,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--drain", action="store_true", help="with --tier peer: the agents copy it to the root"
+    )
+    parser.add_argument(
+        "--log-every", type=int, default=0, help="a 'step' line every this many steps (0: none)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--width", type=int, default=32, help="model width (a multiple of --heads)")
@@ -162,6 +167,153 @@ def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return str(box[0])
 
 
+@dataclass
+class Job:
+    """What is bound to the current process group: rebuilt when the job shrinks."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    store: ShardedStore
+    coordinator: Coordinator
+    progress: Progress
+    state: dict[str, Any]
+
+
+def open_job(
+    args: argparse.Namespace,
+    device: torch.device,
+    watcher: Watcher,
+    schedule: CheckpointSchedule,
+    reform: Reform | None = None,
+) -> tuple[Job, int]:
+    """Build the model and the store on the current group and resume from the newest step every rank can load
+    (a broken one is skipped); the job and its first step. ``reform``: the group was just rebuilt at a new size."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer = build(args, device)
+    # Construction checks that the root is shared by every rank.
+    tiers = RamTier(args.socket, drain_to=args.checkpoint_dir if args.drain else None)
+    store = ShardedStore(
+        args.checkpoint_dir, keep=args.keep, socket_path=args.socket, tier=args.tier, ram_tier=tiers
+    )
+    progress = Progress()
+    job = Job(
+        model,
+        optimizer,
+        store,
+        Coordinator(watcher, schedule, every=args.every),
+        progress,
+        {"train": TrainState(model, optimizer), "progress": progress},
+    )
+    resumed = store.load_latest(job.state)
+    if resumed is None:
+        emit("fresh", rank=rank, world_size=world_size)
+        return job, 0
+    watcher.mark_handled([resumed.notice_id])
+    extra = {} if reform is None else {"reformed": True, "previous_world_size": reform.previous_world_size}
+    emit(
+        "resumed",
+        rank=rank,
+        step=resumed.step,
+        next_step=resumed.step,
+        world_size=world_size,
+        saved_world_size=resumed.world_size,
+        digest=digest(model, optimizer),
+        **extra,
+    )
+    return job, resumed.step
+
+
+def train(
+    args: argparse.Namespace, job: Job, start: int, watcher: Watcher, device: torch.device
+) -> Decision | None:
+    """Train from ``start``: None when the last step is done, the decision when an emergency checkpoint was
+    committed (the caller decides whether the job stops or shrinks); raises when a save fails otherwise."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model, optimizer, store, coordinator = job.model, job.optimizer, job.store, job.coordinator
+    was_connected = False
+    for step in range(start, args.steps):
+        tokens = batch(args.seed, step, rank, world_size, device)
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        if args.step_time:
+            time.sleep(args.step_time)
+        if watcher.connected != was_connected:
+            was_connected = watcher.connected
+            emit("agent_connected" if was_connected else "agent_disconnected", rank=rank, step=step + 1)
+        if args.log_every and (step + 1) % args.log_every == 0:
+            emit("step", rank=rank, step=step + 1, world_size=world_size)
+
+        decision = coordinator.check(step + 1)
+        if not decision.checkpoint:
+            continue
+        job.progress.step = step + 1
+        if args.async_saves and not decision.emergency:
+            pending = store.save_async(step + 1, job.state, metadata={"loss": loss.detach().item()})
+            coordinator.done(decision)
+            emit(
+                "checkpoint",
+                rank=rank,
+                step=pending.step,
+                emergency=False,
+                blocked_s=round(pending.blocked_s, 4),
+                world_size=world_size,
+                digest=digest(model, optimizer),
+            )  # the state just staged
+            continue
+        try:
+            saved = store.save(
+                step + 1,
+                job.state,
+                emergency=decision.emergency,
+                notice_id=decision.notice_id,
+                metadata={"loss": loss.detach().item()},
+                deadline=decision.deadline,
+                noticed=decision.noticed,
+            )
+        except CheckpointError as exc:
+            # A failed emergency save (a full disk) hands the notice to the newest earlier step, which the
+            # store recorded for `preemptd exec`: exit 75 all the same, so the job is requeued from there.
+            if not decision.emergency or exc.fallback is None:
+                raise
+            emit(
+                "preempted",
+                rank=rank,
+                step=exc.fallback.step,
+                notice_id=decision.notice_id,
+                failed_step=step + 1,
+                error=str(exc)[:1000],
+            )
+            raise Stopped from exc
+        coordinator.done(decision)
+        budget = store.last_budget
+        emit(
+            "checkpoint",
+            rank=rank,
+            step=saved.step,
+            emergency=decision.emergency,
+            seconds=round(saved.checkpoint.duration_s or 0.0, 4),
+            bytes=saved.checkpoint.bytes,
+            time_left=decision.time_left(),
+            before_deadline=decision.deadline is None or datetime.now(timezone.utc) < decision.deadline,
+            predicted_s=budget.predicted_s if budget else None,
+            predicted_miss=budget.predicted_miss if budget else False,
+            world_size=world_size,
+            digest=digest(model, optimizer),
+        )
+        if decision.emergency:
+            return decision
+    store.wait_async()  # the last background save is committed before "done"
+    emit("done", rank=rank, step=args.steps, world_size=world_size, digest=digest(model, optimizer))
+    return None
+
+
+class Stopped(Exception):
+    """The job stops for a notice without a committed emergency step of its own (its fallback is recorded)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # FSDP2 warns, on every rank, that the model returned a view tensor (nn.Linear on a 3-D input does), as an
@@ -171,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
         "ignore", r"FSDP2-wrapped module \(FSDPTinyTransformer\) returned a view tensor", UserWarning
     )
     torch.set_num_threads(1)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
@@ -182,120 +333,34 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(backend)
     else:  # plain `python examples/sharded_training.py`: a group of one, without a rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
 
-    model, optimizer = build(args, device)
-    # Construction checks that the root is shared by every rank.
-    tiers = RamTier(args.socket, drain_to=args.checkpoint_dir if args.drain else None)
-    store = ShardedStore(
-        args.checkpoint_dir, keep=args.keep, socket_path=args.socket, tier=args.tier, ram_tier=tiers
-    )
     signals = None if args.no_signals else (signal.SIGTERM, signal.SIGUSR1)
     watcher = Watcher(args.socket, signals=signals).start()
     schedule = CheckpointSchedule(args.interval_s, args.socket)
-    coordinator = Coordinator(watcher, schedule, every=args.every)
-    progress = Progress()
-    state = {"train": TrainState(model, optimizer), "progress": progress}
-
-    start = 0
-    resumed = store.load_latest(state)  # the newest step every rank can load; a broken one is skipped
-    if resumed is not None:
-        start = resumed.step
-        watcher.mark_handled([resumed.notice_id])
-        emit(
-            "resumed",
-            rank=rank,
-            step=resumed.step,
-            next_step=start,
-            world_size=world_size,
-            saved_world_size=resumed.world_size,
-            digest=digest(model, optimizer),
-        )
-    else:
-        emit("fresh", rank=rank, world_size=world_size)
-
-    status = 0
-    was_connected = False
+    # Under torchrun --nnodes MIN:MAX the job shrinks at a notice instead of stopping (a no-op otherwise).
+    elastic = Elastic()
+    job: Job | None = None
+    reform: Reform | None = None
     try:
-        for step in range(start, args.steps):
-            tokens = batch(args.seed, step, rank, world_size, device)
-            optimizer.zero_grad(set_to_none=True)
-            logits = model(tokens[:, :-1])
-            loss = nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-            )
-            loss.backward()
-            optimizer.step()
-            if args.step_time:
-                time.sleep(args.step_time)
-            if watcher.connected != was_connected:
-                was_connected = watcher.connected
-                emit("agent_connected" if was_connected else "agent_disconnected", rank=rank, step=step + 1)
-
-            decision = coordinator.check(step + 1)
-            if not decision.checkpoint:
-                continue
-            progress.step = step + 1
-            if args.async_saves and not decision.emergency:
-                pending = store.save_async(step + 1, state, metadata={"loss": loss.detach().item()})
-                coordinator.done(decision)
-                emit(
-                    "checkpoint",
-                    rank=rank,
-                    step=pending.step,
-                    emergency=False,
-                    blocked_s=round(pending.blocked_s, 4),
-                    world_size=world_size,
-                    digest=digest(model, optimizer),  # the state just staged
-                )
-                continue
-            try:
-                saved = store.save(
-                    step + 1,
-                    state,
-                    emergency=decision.emergency,
-                    notice_id=decision.notice_id,
-                    metadata={"loss": loss.detach().item()},
-                    deadline=decision.deadline,
-                    noticed=decision.noticed,
-                )
-            except CheckpointError as exc:
-                # A failed emergency save (a full disk) hands the notice to the newest earlier step, which the
-                # store recorded for `preemptd exec`: exit 75 all the same, so the job is requeued from there.
-                if not decision.emergency or exc.fallback is None:
-                    raise
-                emit("preempted", rank=rank, step=exc.fallback.step, notice_id=decision.notice_id,
-                     failed_step=step + 1, error=str(exc)[:1000])  # fmt: skip
-                status = EXIT_PREEMPTED
-                break
-            coordinator.done(decision)
-            budget = store.last_budget
-            emit(
-                "checkpoint",
-                rank=rank,
-                step=saved.step,
-                emergency=decision.emergency,
-                seconds=round(saved.checkpoint.duration_s or 0.0, 4),
-                bytes=saved.checkpoint.bytes,
-                time_left=decision.time_left(),
-                before_deadline=decision.deadline is None or datetime.now(timezone.utc) < decision.deadline,
-                predicted_s=budget.predicted_s if budget else None,
-                predicted_miss=budget.predicted_miss if budget else False,
-                world_size=world_size,
-                digest=digest(model, optimizer),
-            )
-            if decision.emergency:
-                emit("preempted", rank=rank, step=saved.step, notice_id=decision.notice_id)
-                status = EXIT_PREEMPTED
-                break
-        else:
-            store.wait_async()  # the last background save is committed before "done"
-            emit("done", rank=rank, step=args.steps, world_size=world_size, digest=digest(model, optimizer))
+        while True:
+            job, start = open_job(args, device, watcher, schedule, reform)
+            decision = train(args, job, start, watcher, device)
+            if decision is None:
+                return 0
+            job.store.close(timeout=5.0)  # deferred checksums, reports: before the group is rebuilt
+            reform = elastic.after_emergency(decision, watcher)
+            emit("reform", rank=reform.rank, step=job.progress.step, **reform.as_dict())
+            if reform.action != "continue":
+                emit("preempted", rank=reform.rank, step=job.progress.step, notice_id=decision.notice_id)
+                return EXIT_PREEMPTED
+    except Stopped:
+        return EXIT_PREEMPTED
     finally:
-        store.close(timeout=5.0)  # deferred checksums of an emergency save, queued reports
+        if job is not None:
+            job.store.close(timeout=5.0)  # deferred checksums of an emergency save, queued reports
         watcher.stop()
-        dist.destroy_process_group()
-    return status
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

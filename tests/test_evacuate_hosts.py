@@ -116,11 +116,24 @@ class HostRun:
         ckpt: Path,
         args: Sequence[str],
         wrapper: Path | None = None,
+        launcher: Sequence[str] | None = None,
     ) -> HostRun:
+        """``launcher``: torchrun's node and rendezvous flags (default: static, ``count`` nodes, this one ``node``,
+        the master on ``port``)."""
+        static = [
+            "--nnodes",
+            str(count),
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ]
         command = [
             sys.executable, "-m", "agent", "exec", "--",
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(count), "--node-rank",
-            str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+            sys.executable, "-m", "torch.distributed.run", *(static if launcher is None else launcher),
+            "--nproc-per-node", "1",
             *([str(wrapper)] if wrapper else []), str(EXAMPLE), "--checkpoint-dir", str(ckpt), "--socket", str(host.socket), "--tier", "peer", *args,
         ]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
@@ -140,6 +153,15 @@ class HostRun:
                 self._add(line.decode())
 
         await asyncio.wait_for(read(), timeout)
+
+    async def until_more(self, timeout: float = 180.0) -> None:
+        """Read the next line of progress."""
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not line:
+            err = (await self.proc.stderr.read()).decode() if self.proc.stderr else ""
+            raise AssertionError(f"ended: {err[-4000:]}")
+        self._add(line.decode())
 
     async def finish(self, timeout: float = 180.0) -> int:
         out, err = await asyncio.wait_for(self.proc.communicate(), timeout)

@@ -12,6 +12,7 @@ be, and the job resumes from that step. Without the variable nothing is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -73,6 +74,26 @@ def record_emergency(
         )
         return None
     return directory / name
+
+
+def withdraw() -> list[Path]:
+    """Remove this process' records: it did not stop after all (a job that shrank goes on without the node
+    that had the notice). The paths removed; nothing outside ``preemptd exec``."""
+    directory = channel()
+    removed: list[Path] = []
+    if directory is None:
+        return removed
+    prefix = f"{RECORD_PREFIX}{os.getpid()}-"
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.name.startswith(prefix) and entry.name.endswith(RECORD_SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+                removed.append(entry)
+    return removed
 
 
 def read_records(directory: str | Path) -> list[dict[str, Any]]:

@@ -1,0 +1,375 @@
+"""Shrink, don't stop: after an emergency save that evacuated the notified hosts' shards into the other hosts'
+RAM tiers, the notified hosts leave and every other host keeps training at the smaller world size, in the
+same processes (no new interpreter, imports or device initialisation).
+
+Under torchrun's elastic mode (``--nnodes MIN:MAX`` with a ``c10d`` or ``etcd-v2`` rendezvous), call
+:meth:`Elastic.after_emergency` on every rank once the emergency save of a notice has committed. It is a
+collective on the default process group and answers, the same way on every rank of a node:
+
+- ``leave``: this node is notified. Exit with 75 (``EXIT_PREEMPTED``); torchrun on this node is told to stop
+  (SIGTERM at this process' exit, which leaves the rendezvous open for the others) instead of restarting its
+  workers into the job it is leaving.
+- ``continue``: this node stays. The default process group has been rebuilt over the staying ranks (ranks
+  renumbered in their old order); rebuild what was bound to the old group (the FSDP model, the optimizer, the
+  :class:`~agent.client.dcp.ShardedStore`), load the newest step (the evacuated one, resharded to the new
+  world size) and go on from it.
+- ``stop``: the job cannot shrink (not elastic, fewer than MIN nodes would stay, the c10d rendezvous store is
+  on a leaving node, or the re-form failed): every rank exits 75, as without this module, and torchrun is told
+  to stop so that the scheduler requeues the job.
+
+The launcher's settings are read from torchrun's own command line (the worker's parent process), parsed by
+torchrun's own argument parser; ``PREEMPTD_ELASTIC=0`` turns shrinking off. The new group's store is a
+``TCPStore`` served by the lowest staying rank on an ephemeral port, published through the old group before
+anyone leaves; a staying rank that does not arrive within ``reform_timeout`` turns the answer into ``stop`` on
+every rank that did. See docs/elastic.md for what each step costs and what grows the job back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+
+from agent.client.preempted import withdraw
+from agent.client.torch import Decision
+from agent.client.watcher import WatcherBase
+
+Action = Literal["continue", "leave", "stop"]
+ENV_SWITCH = "PREEMPTD_ELASTIC"
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+_DEFAULT_RDZV_PORT = 29400  # torchrun's default when --rdzv-endpoint names no port
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What torchrun (this worker's parent) was told: node bounds and rendezvous."""
+
+    agent_pid: int
+    min_nodes: int
+    max_nodes: int
+    rdzv_backend: str
+    rdzv_endpoint: str
+    max_restarts: int
+
+    @property
+    def elastic(self) -> bool:
+        return self.rdzv_backend != "static" and self.min_nodes < self.max_nodes
+
+    @property
+    def store_port(self) -> int | None:
+        """The port of the rendezvous store torchrun serves itself (c10d), None for an external one."""
+        if self.rdzv_backend != "c10d":
+            return None
+        _, _, port = self.rdzv_endpoint.rpartition(":")
+        return int(port) if port.isdigit() else _DEFAULT_RDZV_PORT
+
+    @classmethod
+    def of_parent(cls, pid: int | None = None) -> Launch | None:
+        """The launch of the torchrun process ``pid`` (this process' parent by default); None when the parent
+        is not torchrun or its command line cannot be read."""
+        pid = os.getppid() if pid is None else pid
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            return None
+        args = torchrun_args([a for a in argv if a != ""])
+        if args is None:
+            return None
+        from torch.distributed.run import get_args_parser, parse_min_max_nnodes
+
+        try:
+            parsed, _ = get_args_parser().parse_known_args(args)
+            low, high = parse_min_max_nnodes(parsed.nnodes) if ":" in parsed.nnodes else (0, 0)
+            if ":" not in parsed.nnodes:
+                low = high = int(parsed.nnodes)
+        except (SystemExit, ValueError, RuntimeError):
+            return None
+        return cls(
+            agent_pid=pid,
+            min_nodes=int(low),
+            max_nodes=int(high),
+            rdzv_backend=str(parsed.rdzv_backend),
+            rdzv_endpoint=str(parsed.rdzv_endpoint or ""),
+            max_restarts=int(parsed.max_restarts),
+        )
+
+
+def torchrun_args(argv: list[str]) -> list[str] | None:
+    """torchrun's own arguments in a command line (``torchrun …`` or ``python -m torch.distributed.run …``),
+    None when the command is not torchrun."""
+    if not argv:
+        return None
+    if os.path.basename(argv[0]) == "torchrun":
+        return argv[1:]
+    for index, arg in enumerate(argv[:-1]):
+        if arg == "-m" and argv[index + 1] in _TORCHRUN_MODULES:
+            return argv[index + 2 :]
+    if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":  # python /usr/bin/torchrun …
+        return argv[2:]
+    return None
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a TCP socket listening on ``port`` (any address), from /proc."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    if not inodes:
+        return False
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Member:
+    """One rank as the re-form sees it."""
+
+    rank: int
+    node: str  # host name and torchrun's pid: one torchrun agent is one node
+    noticed: bool
+    store_host: bool
+
+
+@dataclass(frozen=True)
+class Reform:
+    """The answer of :meth:`Elastic.after_emergency`, the same on every rank of a node."""
+
+    action: Action
+    reason: str
+    world_size: int
+    previous_world_size: int
+    nodes: int
+    previous_nodes: int
+    rank: int
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "reason": self.reason,
+            "world_size": self.world_size,
+            "previous_world_size": self.previous_world_size,
+            "nodes": self.nodes,
+            "previous_nodes": self.previous_nodes,
+            "seconds": round(self.seconds, 4),
+        }
+
+
+@dataclass(frozen=True)
+class View:
+    """The members as every rank gathered them, and what follows from them."""
+
+    rank: int
+    members: list[Member]
+    started: float
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(dict.fromkeys(m.node for m in self.members))
+
+    @property
+    def leaving(self) -> set[str]:
+        return {m.node for m in self.members if m.noticed}
+
+    @property
+    def staying(self) -> list[Member]:
+        return [m for m in self.members if m.node not in self.leaving]
+
+    @property
+    def staying_nodes(self) -> int:
+        return len(self.nodes) - len(self.leaving)
+
+    def answer(
+        self,
+        action: Action,
+        reason: str,
+        size: int | None = None,
+        nodes: int | None = None,
+        rank: int | None = None,
+    ) -> Reform:
+        """This rank's answer (the old world size and node count unless given; the new rank on ``continue``)."""
+        world, count = len(self.members), len(self.nodes)
+        return Reform(
+            action,
+            reason,
+            world if size is None else size,
+            world,
+            count if nodes is None else nodes,
+            count,
+            self.rank if rank is None else rank,
+            time.monotonic() - self.started,
+        )
+
+
+class Elastic:
+    """Shrinks the job at a notice when torchrun runs it elastically (see the module's text).
+
+    ``reform_timeout``: how long the staying ranks wait for each other at the new store before giving up (every
+    rank that arrived then answers ``stop``). ``timeout``: the new process group's collective timeout (torch's
+    default when None). ``launch``: the launcher's settings (read from the parent process when None).
+    """
+
+    def __init__(
+        self,
+        *,
+        reform_timeout: timedelta = timedelta(seconds=60),
+        timeout: timedelta | None = None,
+        launch: Launch | None = None,
+    ) -> None:
+        self.reform_timeout = reform_timeout
+        self.timeout = timeout
+        enabled = os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "false", "no", "off")
+        if launch is None and enabled and "TORCHELASTIC_RUN_ID" in os.environ:
+            launch = Launch.of_parent()
+        self.launch = launch if enabled else None
+        self.generation = 0
+        self._store: Any = None  # the store the current group was built on (kept alive with the group)
+
+    @property
+    def elastic(self) -> bool:
+        return self.launch is not None and self.launch.elastic
+
+    def after_emergency(self, decision: Decision, watcher: WatcherBase | None = None) -> Reform:
+        """A collective on the default group, after the emergency save ``decision`` asked for committed on
+        every rank (call it before exiting for the notice). A rank's node leaves when the rank has a notice
+        from its agent (the decision's, or an active one in ``watcher``); a signal alone (torchrun stopping
+        its workers, a user's SIGUSR1) makes no node leave. Returns what this rank does next."""
+        noticed = decision.notice_id is not None or (watcher is not None and watcher.notice is not None)
+        view = self._gather(noticed)
+        reason = self._why_not(view)
+        if reason is not None:
+            if view.leaving:  # the job stops for a notice: torchrun must not restart it in the window
+                self._stop_launcher_at_exit()
+            return view.answer("stop", reason)
+        # The lowest staying rank serves the new group's store and publishes its address through the old group.
+        master = view.staying[0].rank
+        box: list[Any] = [None]
+        if view.rank == master:
+            self._store = TCPStore(
+                "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=self.reform_timeout
+            )
+            box = [(self._reachable_address(view.members), self._store.port, uuid.uuid4().hex)]
+        dist.broadcast_object_list(box, src=master)
+        address, port, token = box[0]
+        backend = dist.get_backend_config()
+        dist.destroy_process_group()
+        size, nodes = len(view.staying), view.staying_nodes
+        if view.members[view.rank].node in view.leaving:
+            self._stop_launcher_at_exit()
+            return view.answer("leave", f"this node has the notice; {nodes} node(s) go on", size, nodes)
+        new_rank = [m.rank for m in view.staying].index(view.rank)
+        try:
+            self._join(address, port, token, backend, new_rank, size)
+        except Exception as exc:  # a staying rank died or hung: every rank that arrived falls back to stop
+            self._stop_launcher_at_exit()
+            return view.answer("stop", f"re-form at {size} rank(s) failed: {exc}")
+        withdraw()  # this process goes on: its emergency record no longer means "stopped for a notice"
+        self.generation += 1
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(new_rank), str(size)
+        return view.answer(
+            "continue", f"{len(view.leaving)} node(s) left with the notice", size, nodes, new_rank
+        )
+
+    def _gather(self, noticed: bool) -> View:
+        """Every rank's node, notice and whether its torchrun serves the rendezvous store."""
+        started = time.monotonic()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        launch = self.launch
+        member = Member(
+            rank=rank,
+            node=f"{socket.gethostname()}:{launch.agent_pid if launch else os.getpid()}",
+            noticed=noticed,
+            store_host=bool(launch and launch.store_port and listens_on(launch.agent_pid, launch.store_port)),
+        )
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, member)
+        return View(rank, list(gathered), started)
+
+    def _why_not(self, view: View) -> str | None:
+        launch = self.launch
+        if not view.leaving:
+            return "no rank has the notice"
+        if launch is None:
+            return "not launched by torchrun's elastic agent (or PREEMPTD_ELASTIC=0)"
+        if not launch.elastic:
+            return f"torchrun --nnodes {launch.max_nodes} with --rdzv-backend {launch.rdzv_backend} is not elastic"
+        if view.staying_nodes < launch.min_nodes:
+            return f"{view.staying_nodes} node(s) would stay, below --nnodes MIN {launch.min_nodes}"
+        if any(m.store_host and m.node in view.leaving for m in view.members):
+            return (
+                "the c10d rendezvous store is served by a leaving node's torchrun; "
+                "a rendezvous that outlives any host needs --rdzv-backend etcd-v2"
+            )
+        return None
+
+    def _reachable_address(self, members: list[Member]) -> str:
+        """An address of this host the other hosts reach: the workers' MASTER_ADDR when this host serves it
+        (rank 0's node), otherwise the local address of the route to it."""
+        master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if members[0].node == next(m.node for m in members if m.rank == dist.get_rank()):
+            return master_addr
+        port = int(os.environ.get("MASTER_PORT", "29500") or 29500)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_addr, port))  # no packet: only the route is looked up
+            return str(probe.getsockname()[0])
+
+    def _join(self, address: str, port: int, token: str, backend: str, rank: int, world: int) -> None:
+        if rank != 0:
+            self._store = TCPStore(address, port, is_master=False, timeout=self.reform_timeout)
+        store = PrefixStore(f"preemptd/reform/{token}", self._store)
+        # Every staying rank arrives before any builds the group, so a rank that died or hangs is found within
+        # reform_timeout instead of the group's (long) collective timeout.
+        store.add("arrived", 1)
+        deadline = time.monotonic() + self.reform_timeout.total_seconds()
+        while int(store.add("arrived", 0)) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{store.add('arrived', 0)} of {world} rank(s) arrived within {self.reform_timeout}"
+                )
+            time.sleep(0.005)
+        options: dict[str, Any] = {} if self.timeout is None else {"timeout": self.timeout}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **options)
+
+    def _stop_launcher_at_exit(self) -> None:
+        """At this process' exit, SIGTERM torchrun on this node: it stops its workers and exits instead of
+        counting the exit as a failure and restarting them into the job (a trapped signal also leaves the
+        rendezvous open for the nodes that go on). Sent before the process is gone, so torchrun handles the
+        signal before it can see the exit."""
+        launch = self.launch
+        if launch is None or not launch.elastic:
+            return
+        pid = launch.agent_pid
+        atexit.register(_signal_quietly, pid)
+
+
+def _signal_quietly(pid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGTERM)

@@ -1,0 +1,154 @@
+"""agent.client.elastic at the rank level: three real processes in a gloo group, each with a stand-in for its
+node's torchrun (a process of its own, so the tests can see which were told to stop), and the launcher's
+settings read from a real process' command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.lazy import HAS_TORCH
+from tests.support import REPO
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed"),
+]
+
+RANKS = Path(__file__).with_name("elastic_ranks.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def _stand_ins(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """One long sleep per node, standing in for its torchrun: a SIGTERM ends it with -15."""
+    procs = [subprocess.Popen(["sleep", "600"]) for _ in range(count)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _ranks(agents: Sequence[subprocess.Popen[bytes]], *args: str) -> list[tuple[int, dict[str, Any]]]:
+    """Run the three ranks; each one's exit status and answer (empty for a rank that printed none)."""
+    port = _free_port()
+    procs = []
+    for rank, agent in enumerate(agents):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": str(len(agents)),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo",
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env.pop("PREEMPTD_EXEC_DIR", None)
+        command = [sys.executable, str(RANKS), "--agent-pid", str(agent.pid), *args]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    found = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=100)
+        lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+        found.append((proc.returncode, json.loads(lines[-1]) if lines else {"stderr": err.decode()[-2000:]}))
+    return found
+
+
+def _signalled(agents: Sequence[subprocess.Popen[bytes]]) -> list[bool]:
+    """Which stand-ins a rank told to stop (given a moment for the signal to land)."""
+    result = []
+    for agent in agents:
+        try:
+            result.append(agent.wait(timeout=2) == -signal.SIGTERM)
+        except subprocess.TimeoutExpired:
+            result.append(False)
+    return result
+
+
+def test_the_noticed_node_leaves_and_the_others_form_a_group_of_two_that_works() -> None:
+    with _stand_ins(3) as agents:
+        found = _ranks(agents, "--noticed", "1")
+        assert [0, 75, 0] == [code for code, _ in found], found
+        assert ["continue", "leave", "continue"] == [doc["action"] for _, doc in found]
+        kept = [doc for _, doc in found if doc["action"] == "continue"]
+        assert [(0, 2, 2.0, ["0", "2"]), (1, 2, 2.0, ["1", "2"])] == [
+            (d["rank"], d["world_size"], d["sum"], d["env"]) for d in kept
+        ]  # the old ranks 0 and 2 summed over the new group, renumbered 0 and 1
+        assert [False, True, False] == _signalled(agents)  # only the leaving node's torchrun is told to stop
+
+
+def test_below_min_every_rank_stops_and_every_torchrun_is_told_to_stop() -> None:
+    with _stand_ins(3) as agents:
+        found = _ranks(agents, "--noticed", "1", "--min-nodes", "3", "--max-nodes", "4")
+        assert [75] * 3 == [code for code, _ in found], found
+        assert {("stop", "2 node(s) would stay, below --nnodes MIN 3")} == {
+            (doc["action"], doc["reason"]) for _, doc in found
+        }
+        assert [True] * 3 == _signalled(agents)
+
+
+def test_a_signal_without_a_notice_makes_no_node_leave_and_tells_no_torchrun_to_stop() -> None:
+    """torchrun stopping its own workers (a restart, a grow) looks like this: every rank stops, torchrun goes on."""
+    with _stand_ins(3) as agents:
+        found = _ranks(agents)
+        assert [75] * 3 == [code for code, _ in found], found
+        assert {("stop", "no rank has the notice")} == {(doc["action"], doc["reason"]) for _, doc in found}
+        assert [False] * 3 == _signalled(agents)
+
+
+def test_a_staying_rank_that_dies_during_the_re_form_turns_the_answer_into_stop_within_the_timeout() -> None:
+    with _stand_ins(3) as agents:
+        found = _ranks(agents, "--noticed", "1", "--die", "2")
+        assert [75, 75, 9] == [code for code, _ in found], found
+        assert "stop" == found[0][1]["action"]
+        assert "re-form at 2 rank(s) failed" in found[0][1]["reason"], found[0][1]
+        assert "leave" == found[1][1]["action"]
+        assert [True, True] == _signalled(agents)[
+            :2
+        ]  # the job stops for the notice: no restart in its window
+
+
+def test_the_launch_is_read_from_torchruns_own_command_line(tmp_path: Path) -> None:
+    """``python …/torchrun --nnodes 2:4 --rdzv-backend c10d …`` as the parent: its flags, parsed by torchrun's
+    own parser, the training script's own flags left alone."""
+    from agent.client.elastic import Launch, listens_on, torchrun_args
+
+    script = tmp_path / "torchrun"
+    script.write_text("import time\ntime.sleep(600)\n")
+    argv = [sys.executable, str(script), "--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            "10.0.0.1:29555", "--max-restarts", "3", "train.py", "--nnodes", "9"]  # fmt: skip
+    proc = subprocess.Popen(argv)
+    try:
+        launch = Launch.of_parent(proc.pid)
+        assert launch is not None
+        assert (2, 4, "c10d", "10.0.0.1:29555", 3, 29555, True) == (
+            launch.min_nodes, launch.max_nodes, launch.rdzv_backend, launch.rdzv_endpoint,
+            launch.max_restarts, launch.store_port, launch.elastic,
+        )  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait()
+    assert ["--nnodes", "3"] == torchrun_args(["python3", "-m", "torch.distributed.run", "--nnodes", "3"])
+    assert torchrun_args(["python3", "train.py"]) is None
+    assert Launch.of_parent(os.getpid()) is None  # pytest is not torchrun
+    static = Launch(1, 3, 3, "c10d", "h:1", 0)
+    assert not static.elastic
+    assert Launch(1, 2, 3, "etcd-v2", "h:2379", 0).store_port is None
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert listens_on(os.getpid(), port)
+    assert not listens_on(os.getpid(), port)

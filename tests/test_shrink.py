@@ -1,0 +1,160 @@
+"""Shrink, don't stop (issue 37), end to end: simulated hosts on this machine, each with its own agent and its
+own ``preemptd exec -- torchrun --nnodes 2:3 --rdzv-backend c10d`` of examples/sharded_training.py with
+``--tier peer`` over loopback (gloo on CPU). A drill on one host: its shard goes into the other hosts' RAM, its
+exec exits 75, and the other hosts' execs keep running: their workers re-form at world size 2 in the same
+processes and train on from the evacuated step with its full-state digest. Where the job cannot shrink (the
+c10d store's own host has the notice, or fewer than MIN nodes would stay) every exec exits 75 as before.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agent.client import EXIT_PREEMPTED
+from tests.lazy import HAS_TORCH
+from tests.support import http_json
+from tests.test_evacuate_hosts import Host, HostRun, _free_port, hosts
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed"),
+]
+
+
+def _elastic(port: int, nodes: str = "2:3") -> list[str]:
+    return ["--nnodes", nodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-id", "shrink-test", "--max-restarts", "3", "--monitor-interval", "0.1"]  # fmt: skip
+
+
+async def _start(group: Sequence[Host], ckpt: Path, nodes: str = "2:3") -> tuple[list[HostRun], int]:
+    """The example on every host of ``group`` under elastic torchrun; the runs once every rank has its agent,
+    and the index of the host whose torchrun serves the c10d rendezvous store."""
+    port = _free_port()
+    args = ["--steps", "100000", "--step-time", "0.02", "--log-every", "5"]
+    runs: list[HostRun] = []
+    try:
+        for node, host in enumerate(group):
+            runs.append(
+                await HostRun.start(host, node, len(group), port, ckpt, args, launcher=_elastic(port, nodes))
+            )
+        for run in runs:
+            await run.until("agent_connected")
+        return runs, _store_host(runs, port)
+    except BaseException:
+        await _kill(runs)
+        raise
+
+
+def _store_host(runs: Sequence[HostRun], port: int) -> int:
+    """Which run's process tree listens on the rendezvous port (the first torchrun to bind it serves it)."""
+    for index, run in enumerate(runs):
+        for proc in psutil.Process(run.proc.pid).children(recursive=True):
+            try:
+                listening = [c for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+            except psutil.Error:
+                continue
+            if any(c.laddr.port == port for c in listening):
+                return index
+    raise AssertionError(f"no torchrun listens on {port}")
+
+
+async def _drill(host: Host) -> None:
+    status, body = await http_json(host.socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60})
+    assert status == 201, body
+
+
+async def _kill(runs: Sequence[HostRun]) -> None:
+    for run in runs:
+        if run.proc.returncode is None:
+            run.proc.send_signal(signal.SIGKILL)  # exec's keeper takes the whole tree with it
+            await run.proc.wait()
+
+
+@pytest.mark.asyncio
+async def test_a_drill_on_one_host_of_three_makes_it_leave_and_the_others_train_on_at_world_size_2(
+    tmp_path: Path,
+) -> None:
+    """3 hosts, ``--nnodes 2:3``, a drill on a host that does not serve the rendezvous store: that host's exec
+    exits 75 and the others' keep running; their workers say ``reform`` ``continue`` 3 → 2, resume at world size
+    2 from the evacuated step (its next step, the checkpoint's full-state digest) and train past it; nothing
+    is written under the durable root."""
+    ckpt = tmp_path / "ckpt"
+    async with hosts(3) as three:
+        runs, store = await _start(three, ckpt)
+        try:
+            leaving = next(i for i in range(3) if i != store)
+            await _drill(three[leaving])
+            code = await runs[leaving].finish(timeout=120)
+            assert EXIT_PREEMPTED == code, runs[leaving].stderr[-4000:]
+            staying = [run for i, run in enumerate(runs) if i != leaving]
+            for run in staying:
+                await run.until("resumed", timeout=120)
+            [saved] = {(e["step"], e["digest"]) for e in runs[leaving].of("checkpoint") if e["emergency"]}
+            for run in staying:
+                [reform] = run.of("reform")
+                assert ("continue", 3, 2, 2) == (
+                    reform["action"], reform["previous_world_size"], reform["world_size"], reform["nodes"]
+                ), reform  # fmt: skip
+                [resumed] = run.of("resumed")
+                assert (saved[0], 2, saved[1], True) == (
+                    resumed["next_step"], resumed["world_size"], resumed["digest"], resumed["reformed"]
+                )  # fmt: skip
+            for run in staying:  # training goes on at world size 2, in the same execs
+                while not [e for e in run.of("step") if e["world_size"] == 2 and e["step"] >= saved[0] + 10]:
+                    await run.until_more(timeout=120)
+                assert run.proc.returncode is None
+            [left] = runs[leaving].of("reform")
+            assert ("leave", 2) == (left["action"], left["world_size"]), left
+            assert [] == list(ckpt.glob("step-*"))
+        finally:
+            await _kill(runs)
+
+
+@pytest.mark.asyncio
+async def test_a_drill_on_the_host_serving_the_c10d_store_stops_the_job_on_every_host(tmp_path: Path) -> None:
+    """The c10d rendezvous store lives in one torchrun: a notice on its host cannot shrink the job (the others'
+    torchrun would lose the rendezvous). Every exec exits 75 after the evacuation and says why."""
+    async with hosts(3) as three:
+        runs, store = await _start(three, tmp_path / "ckpt")
+        try:
+            await _drill(three[store])
+            codes = [await run.finish(timeout=120) for run in runs]
+            assert [EXIT_PREEMPTED] * 3 == codes, [run.stderr[-3000:] for run in runs]
+            reforms = [e for run in runs for e in run.of("reform")]
+            assert ["stop"] * 3 == [r["action"] for r in reforms]
+            assert all("rendezvous store" in r["reason"] for r in reforms), reforms
+        finally:
+            await _kill(runs)
+
+
+@pytest.mark.asyncio
+async def test_a_drill_that_would_leave_fewer_than_min_nodes_stops_the_job_on_every_host(
+    tmp_path: Path,
+) -> None:
+    """``--nnodes 2:3`` on 2 hosts: one leaving would leave 1 < MIN. Every exec exits 75 (torchrun stopped, not
+    restarting its workers into the window), as a static job does."""
+    async with hosts(2) as two:
+        runs, store = await _start(two, tmp_path / "ckpt")
+        try:
+            await _drill(two[1 - store])
+            codes = [await run.finish(timeout=120) for run in runs]
+            assert [EXIT_PREEMPTED] * 2 == codes, [run.stderr[-3000:] for run in runs]
+            reforms = [e for run in runs for e in run.of("reform")]
+            assert [("stop", 2)] * 2 == [(r["action"], r["world_size"]) for r in reforms]
+            assert all("below --nnodes MIN 2" in r["reason"] for r in reforms), reforms
+            assert all(len(run.of("fresh")) == 1 for run in runs)  # no worker was restarted
+        finally:
+            await _kill(runs)
+
+
+def test_nothing_is_left_running(tmp_path: Path) -> None:
+    """The tests above kill what they started: no torchrun of this test module outlives them."""
+    mine = [p for p in psutil.process_iter(["cmdline"]) if "shrink-test" in " ".join(p.info["cmdline"] or [])]
+    assert [] == [p.pid for p in mine if p.pid != os.getpid()]
