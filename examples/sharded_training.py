@@ -13,6 +13,11 @@ for all ranks. The global batch depends only on (seed, step) and each rank train
 resume on another number of ranks. Progress goes to stdout as JSON lines; ``checkpoint``, ``resumed`` and
 ``done`` carry ``world_size`` and a ``digest`` of the full (unsharded) model and optimizer state, which is the
 same whatever the world size.
+
+Under ``torchrun --nnodes MIN:MAX`` (an elastic rendezvous) with ``--tier peer``, a notice shrinks the job
+instead of stopping it: the notified hosts leave with 75, the others rebuild the model on a group of the
+staying ranks and go on from the evacuated step (``agent.client.elastic``, docs/elastic.md), printing
+``reform`` and ``resumed`` with the new world size.
 """
 
 from __future__ import annotations

@@ -273,6 +273,8 @@ async def test_a_drill_on_one_host_moves_its_shard_into_the_next_hosts_ram_and_e
     assert {"__1_0.distcp", "__2_0.distcp"} == set(e.held[2][0].files)
     assert [True, False, True] == e.left
     assert [True, True] == [doc["complete"] for doc in e.tier_files]
+    # The step carries the notified host's notice on the hosts that hold it, so a resume marks it handled.
+    assert [True, True] == [str(doc["notice_id"]).startswith("drill-") for doc in e.tier_files]
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"} == set(e.tier_files[0]["step_files"])
 
 

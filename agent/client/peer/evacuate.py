@@ -166,6 +166,9 @@ class Evacuation:
         """Evacuate ``state`` as ``step`` (of ``run``); ``noticed``: the ranks whose host has a notice.
         PeerTierUnusable on every rank when it cannot be done (nothing is committed then)."""
         resolved = resolve(state)
+        # The step's notice is the notified ranks' (the hosts that commit it have none of their own), so that
+        # a resume anywhere marks it handled instead of flushing for it again.
+        notice_id = next((n for n in self.ranks.gather(notice_id, self.group) if n), None)
         places = self.ranks.gather(self._place(noticed, estimate(resolved)), self.group)
         the_plan = plan(places)
         host = the_plan.host_of(self.ranks.rank)
