@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,6 +90,16 @@ def test_the_noticed_node_leaves_and_the_others_form_a_group_of_two_that_works()
         assert [False, True, False] == _signalled(agents)  # only the leaving node's torchrun is told to stop
 
 
+def test_two_notices_at_once_leave_two_nodes_and_the_other_two_go_on() -> None:
+    """N = 4, notices on nodes 1 and 3 at once, MIN 2: N - 2 >= MIN, so both leave together and 0 and 2 go on."""
+    with _stand_ins(4) as agents:
+        found = _ranks(agents, "--noticed", "1", "3", "--max-nodes", "4")
+        assert [0, 75, 0, 75] == [code for code, _ in found], found
+        kept = [doc for _, doc in found if doc["action"] == "continue"]
+        assert [(0, 2, 2.0), (1, 2, 2.0)] == [(d["rank"], d["world_size"], d["sum"]) for d in kept]
+        assert [False, True, False, True] == _signalled(agents)
+
+
 def test_below_min_every_rank_stops_and_every_torchrun_is_told_to_stop() -> None:
     with _stand_ins(3) as agents:
         found = _ranks(agents, "--noticed", "1", "--min-nodes", "3", "--max-nodes", "4")
@@ -131,6 +142,9 @@ def test_the_launch_is_read_from_torchruns_own_command_line(tmp_path: Path) -> N
             "10.0.0.1:29555", "--max-restarts", "3", "train.py", "--nnodes", "9"]  # fmt: skip
     proc = subprocess.Popen(argv)
     try:
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        while str(script) not in cmdline.read_bytes().decode():  # until the child has exec'd the script
+            time.sleep(0.01)
         launch = Launch.of_parent(proc.pid)
         assert launch is not None
         assert (2, 4, "c10d", "10.0.0.1:29555", 3, 29555, True) == (
@@ -152,3 +166,28 @@ def test_the_launch_is_read_from_torchruns_own_command_line(tmp_path: Path) -> N
         port = server.getsockname()[1]
         assert listens_on(os.getpid(), port)
     assert not listens_on(os.getpid(), port)
+
+
+@pytest.mark.parametrize(
+    ("nnodes", "expected"), [("2:3", "1"), ("--nnodes=1:4", "1"), ("3", ""), ("2:2", "")]
+)
+def test_exec_turns_torchruns_shared_store_off_for_an_elastic_launch(
+    tmp_path: Path, nnodes: str, expected: str
+) -> None:
+    """A later round after a shrink would wait on the first round's store (served by a node that left): exec
+    sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for ``torchrun --nnodes MIN:MAX`` unless it is set already."""
+    script = tmp_path / "torchrun"
+    script.write_text('#!/bin/sh\necho "[$TORCH_DISABLE_SHARE_RDZV_TCP_STORE]"\n')
+    script.chmod(0o755)
+    flags = [nnodes] if nnodes.startswith("--") else ["--nnodes", nnodes]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "agent", "exec", "--", str(script), *flags],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (0, f"[{expected}]") == (done.returncode, done.stdout.strip()), done.stderr

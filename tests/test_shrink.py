@@ -8,7 +8,6 @@ c10d store's own host has the notice, or fewer than MIN nodes would stay) every 
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,11 +32,14 @@ def _elastic(port: int, nodes: str = "2:3") -> list[str]:
             "--rdzv-id", "shrink-test", "--max-restarts", "3", "--monitor-interval", "0.1"]  # fmt: skip
 
 
-async def _start(group: Sequence[Host], ckpt: Path, nodes: str = "2:3") -> tuple[list[HostRun], int]:
+ARGS = ["--steps", "100000", "--step-time", "0.02", "--log-every", "5"]
+
+
+async def _start(group: Sequence[Host], ckpt: Path, nodes: str = "2:3") -> tuple[list[HostRun], int, int]:
     """The example on every host of ``group`` under elastic torchrun; the runs once every rank has its agent,
-    and the index of the host whose torchrun serves the c10d rendezvous store."""
+    the index of the host whose torchrun serves the c10d rendezvous store, and the rendezvous port."""
     port = _free_port()
-    args = ["--steps", "100000", "--step-time", "0.02", "--log-every", "5"]
+    args = ARGS
     runs: list[HostRun] = []
     try:
         for node, host in enumerate(group):
@@ -46,7 +48,7 @@ async def _start(group: Sequence[Host], ckpt: Path, nodes: str = "2:3") -> tuple
             )
         for run in runs:
             await run.until("agent_connected")
-        return runs, _store_host(runs, port)
+        return runs, _store_host(runs, port), port
     except BaseException:
         await _kill(runs)
         raise
@@ -78,16 +80,19 @@ async def _kill(runs: Sequence[HostRun]) -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_drill_on_one_host_of_three_makes_it_leave_and_the_others_train_on_at_world_size_2(
+async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_and_a_new_host_grows_it_back(
     tmp_path: Path,
 ) -> None:
     """3 hosts, ``--nnodes 2:3``, a drill on a host that does not serve the rendezvous store: that host's exec
     exits 75 and the others' keep running; their workers say ``reform`` ``continue`` 3 → 2, resume at world size
     2 from the evacuated step (its next step, the checkpoint's full-state digest) and train past it; nothing
-    is written under the durable root."""
+    is written under the durable root. Then a fourth host joins the rendezvous: every torchrun restarts its
+    workers at world size 3, which resume from the step saved when they were stopped, with its digest, and the
+    staying hosts' execs are still the same processes."""
     ckpt = tmp_path / "ckpt"
-    async with hosts(3) as three:
-        runs, store = await _start(three, ckpt)
+    async with hosts(4) as four:
+        three = four[:3]
+        runs, store, port = await _start(three, ckpt)
         try:
             leaving = next(i for i in range(3) if i != store)
             await _drill(three[leaving])
@@ -113,6 +118,22 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_and_the_others_train_
             [left] = runs[leaving].of("reform")
             assert ("leave", 2) == (left["action"], left["world_size"]), left
             assert [] == list(ckpt.glob("step-*"))
+
+            newcomer = await HostRun.start(four[3], 3, 3, port, ckpt, ARGS, launcher=_elastic(port))
+            runs.append(newcomer)
+            grown = [*staying, newcomer]
+            for run in grown:
+                while not [e for e in run.of("resumed") if e["world_size"] == 3]:
+                    await run.until_more(timeout=180)
+            stopped = {
+                (e["step"], e["digest"]) for run in staying for e in run.of("checkpoint") if e["emergency"]
+            }
+            stopped -= {saved}
+            assert 1 == len(stopped), stopped  # the save when torchrun stopped the workers to grow
+            [(step, digest)] = stopped
+            starts = [e for run in grown for e in run.of("resumed") if e["world_size"] == 3]
+            assert [(step, digest)] * 3 == [(e["next_step"], e["digest"]) for e in starts]
+            assert all(run.proc.returncode is None for run in grown)
         finally:
             await _kill(runs)
 
@@ -122,7 +143,7 @@ async def test_a_drill_on_the_host_serving_the_c10d_store_stops_the_job_on_every
     """The c10d rendezvous store lives in one torchrun: a notice on its host cannot shrink the job (the others'
     torchrun would lose the rendezvous). Every exec exits 75 after the evacuation and says why."""
     async with hosts(3) as three:
-        runs, store = await _start(three, tmp_path / "ckpt")
+        runs, store, _ = await _start(three, tmp_path / "ckpt")
         try:
             await _drill(three[store])
             codes = [await run.finish(timeout=120) for run in runs]
@@ -141,7 +162,7 @@ async def test_a_drill_that_would_leave_fewer_than_min_nodes_stops_the_job_on_ev
     """``--nnodes 2:3`` on 2 hosts: one leaving would leave 1 < MIN. Every exec exits 75 (torchrun stopped, not
     restarting its workers into the window), as a static job does."""
     async with hosts(2) as two:
-        runs, store = await _start(two, tmp_path / "ckpt")
+        runs, store, _ = await _start(two, tmp_path / "ckpt")
         try:
             await _drill(two[1 - store])
             codes = [await run.finish(timeout=120) for run in runs]
@@ -152,9 +173,3 @@ async def test_a_drill_that_would_leave_fewer_than_min_nodes_stops_the_job_on_ev
             assert all(len(run.of("fresh")) == 1 for run in runs)  # no worker was restarted
         finally:
             await _kill(runs)
-
-
-def test_nothing_is_left_running(tmp_path: Path) -> None:
-    """The tests above kill what they started: no torchrun of this test module outlives them."""
-    mine = [p for p in psutil.process_iter(["cmdline"]) if "shrink-test" in " ".join(p.info["cmdline"] or [])]
-    assert [] == [p.pid for p in mine if p.pid != os.getpid()]

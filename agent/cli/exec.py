@@ -58,6 +58,7 @@ from agent.client.preempted import ENV, read_records
 EXIT_PREEMPTED = 75  # the client's EXIT_PREEMPTED (EX_TEMPFAIL); kept here so exec does not import more
 STOP_GRACE_S = 10.0
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 # Everything a scheduler, a container runtime or a user may send to stop, warn or poke the job. SIGCHLD, the
 # job-control stops and SIGKILL are not forwarded (the last two cannot be caught).
@@ -184,6 +185,11 @@ def run(
     channel = _new_channel()
     env = dict(os.environ)
     env[ENV] = channel
+    if _is_torchrun(command) and _elastic(command):
+        # torchrun's agents share one store with their workers by default, served by the first round's rank 0
+        # on a port the other agents keep: once that node has left (a shrink), a later round (a grow) waits on
+        # a store no one writes to. Without sharing, each round's rank 0 serves a fresh one.
+        env.setdefault(SHARED_STORE_ENV, "1")
     terminal = _Terminal.of_this_process()
     prctl = load_prctl()
     holding = Hold(channel, enabled=hold, hold_max=hold_max, socket=socket)
@@ -410,6 +416,18 @@ def _listed(values: Iterable[Any]) -> str:
     return ", ".join(
         str(v) for v in sorted(distinct, key=lambda v: (0, v, "") if isinstance(v, int) else (1, 0, str(v)))
     )
+
+
+def _elastic(command: Sequence[str]) -> bool:
+    """torchrun told ``--nnodes MIN:MAX``: its membership may change while it runs."""
+    for index, word in enumerate(command):
+        value = command[index + 1] if word == "--nnodes" and index + 1 < len(command) else ""
+        if word.startswith("--nnodes="):
+            value = word.partition("=")[2]
+        low, colon, high = value.partition(":")
+        if colon and low != high:
+            return True
+    return False
 
 
 def _is_torchrun(command: Sequence[str]) -> bool:
