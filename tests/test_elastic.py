@@ -23,6 +23,7 @@ from tests.support import REPO
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.torch_mp,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed"),
 ]
@@ -53,9 +54,16 @@ def _ranks(agents: Sequence[subprocess.Popen[bytes]], *args: str) -> list[tuple[
     port = _free_port()
     procs = []
     for rank, agent in enumerate(agents):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "RANK": str(rank), "WORLD_SIZE": str(len(agents)),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo",
-               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(agents)),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
         env.pop("PREEMPTD_EXEC_DIR", None)
         command = [sys.executable, str(RANKS), "--agent-pid", str(agent.pid), *args]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -138,8 +146,21 @@ def test_the_launch_is_read_from_torchruns_own_command_line(tmp_path: Path) -> N
 
     script = tmp_path / "torchrun"
     script.write_text("import time\ntime.sleep(600)\n")
-    argv = [sys.executable, str(script), "--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            "10.0.0.1:29555", "--max-restarts", "3", "train.py", "--nnodes", "9"]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(script),
+        "--nnodes",
+        "2:4",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "10.0.0.1:29555",
+        "--max-restarts",
+        "3",
+        "train.py",
+        "--nnodes",
+        "9",
+    ]
     proc = subprocess.Popen(argv)
     try:
         cmdline = Path(f"/proc/{proc.pid}/cmdline")
@@ -148,9 +169,14 @@ def test_the_launch_is_read_from_torchruns_own_command_line(tmp_path: Path) -> N
         launch = Launch.of_parent(proc.pid)
         assert launch is not None
         assert (2, 4, "c10d", "10.0.0.1:29555", 3, 29555, True) == (
-            launch.min_nodes, launch.max_nodes, launch.rdzv_backend, launch.rdzv_endpoint,
-            launch.max_restarts, launch.store_port, launch.elastic,
-        )  # fmt: skip
+            launch.min_nodes,
+            launch.max_nodes,
+            launch.rdzv_backend,
+            launch.rdzv_endpoint,
+            launch.max_restarts,
+            launch.store_port,
+            launch.elastic,
+        )
     finally:
         proc.kill()
         proc.wait()

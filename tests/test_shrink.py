@@ -8,8 +8,14 @@ c10d store's own host has the notice, or fewer than MIN nodes would stay) every 
 
 from __future__ import annotations
 
+import itertools
+import os
+import shutil
 import signal
-from collections.abc import Sequence
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -22,33 +28,99 @@ from tests.test_evacuate_hosts import Host, HostRun, _free_port, hosts
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.torch_mp,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed"),
 ]
 
 
-def _elastic(port: int, nodes: str = "2:3") -> list[str]:
-    return ["--nnodes", nodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "shrink-test", "--max-restarts", "3", "--monitor-interval", "0.1"]  # fmt: skip
+def _elastic(port: int, nodes: str = "2:3", backend: str = "c10d") -> list[str]:
+    """torchrun's elastic flags; the rendezvous at 127.0.0.1:``port`` (c10d: served by the first torchrun to
+    bind it; etcd-v2: an etcd server), its id unique to the run (etcd keeps a closed one)."""
+    return [
+        "--nnodes",
+        nodes,
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"shrink-test-{os.getpid()}-{next(_RUNS)}",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.1",
+    ]
+
+
+_RUNS = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A real etcd server (Debian's etcd-server) with its v2 API, on loopback, for this module; its client port."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    pytest.importorskip("etcd", reason="python-etcd (torch's etcd-v2 rendezvous client) is not installed")
+    client, peer = _free_port(), _free_port()
+    data = tmp_path_factory.mktemp("etcd")
+    command = [
+        binary,
+        "--name",
+        "shrink",
+        "--data-dir",
+        str(data / "data"),
+        "--enable-v2",
+        "--listen-client-urls",
+        f"http://127.0.0.1:{client}",
+        "--advertise-client-urls",
+        f"http://127.0.0.1:{client}",
+        "--listen-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-cluster",
+        f"shrink=http://127.0.0.1:{peer}",
+    ]
+    with (data / "etcd.log").open("wb") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{client}/v2/keys", timeout=1):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((data / "etcd.log").read_text()[-3000:]) from None
+                time.sleep(0.1)
+        yield client
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 ARGS = ["--steps", "100000", "--step-time", "0.02", "--log-every", "5"]
 
 
-async def _start(group: Sequence[Host], ckpt: Path, nodes: str = "2:3") -> tuple[list[HostRun], int, int]:
-    """The example on every host of ``group`` under elastic torchrun; the runs once every rank has its agent,
-    the index of the host whose torchrun serves the c10d rendezvous store, and the rendezvous port."""
-    port = _free_port()
+async def _start(
+    group: Sequence[Host], ckpt: Path, nodes: str = "2:3", etcd: int | None = None
+) -> tuple[list[HostRun], int, list[str]]:
+    """The example on every host of ``group`` under elastic torchrun (a c10d rendezvous, or etcd-v2 on the etcd
+    server at port ``etcd``); the runs once every rank has its agent, the index of the host whose torchrun
+    serves the c10d rendezvous store (-1 with etcd), and the launcher flags (for a host joining later)."""
+    port = _free_port() if etcd is None else etcd
+    backend = "c10d" if etcd is None else "etcd-v2"
     args = ARGS
     runs: list[HostRun] = []
+    launcher = _elastic(port, nodes, backend)
     try:
         for node, host in enumerate(group):
-            runs.append(
-                await HostRun.start(host, node, len(group), port, ckpt, args, launcher=_elastic(port, nodes))
-            )
+            runs.append(await HostRun.start(host, node, len(group), port, ckpt, args, launcher=launcher))
         for run in runs:
             await run.until("agent_connected")
-        return runs, _store_host(runs, port), port
+        return runs, (-1 if etcd is not None else _store_host(runs, port)), launcher
     except BaseException:
         await _kill(runs)
         raise
@@ -92,7 +164,7 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_a
     ckpt = tmp_path / "ckpt"
     async with hosts(4) as four:
         three = four[:3]
-        runs, store, port = await _start(three, ckpt)
+        runs, store, launcher = await _start(three, ckpt)
         try:
             leaving = next(i for i in range(3) if i != store)
             await _drill(three[leaving])
@@ -105,12 +177,18 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_a
             for run in staying:
                 [reform] = run.of("reform")
                 assert ("continue", 3, 2, 2) == (
-                    reform["action"], reform["previous_world_size"], reform["world_size"], reform["nodes"]
-                ), reform  # fmt: skip
+                    reform["action"],
+                    reform["previous_world_size"],
+                    reform["world_size"],
+                    reform["nodes"],
+                ), reform
                 [resumed] = run.of("resumed")
                 assert (saved[0], 2, saved[1], True) == (
-                    resumed["next_step"], resumed["world_size"], resumed["digest"], resumed["reformed"]
-                )  # fmt: skip
+                    resumed["next_step"],
+                    resumed["world_size"],
+                    resumed["digest"],
+                    resumed["reformed"],
+                )
             for run in staying:  # training goes on at world size 2, in the same execs
                 while not [e for e in run.of("step") if e["world_size"] == 2 and e["step"] >= saved[0] + 10]:
                     await run.until_more(timeout=120)
@@ -119,7 +197,7 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_a
             assert ("leave", 2) == (left["action"], left["world_size"]), left
             assert [] == list(ckpt.glob("step-*"))
 
-            newcomer = await HostRun.start(four[3], 3, 3, port, ckpt, ARGS, launcher=_elastic(port))
+            newcomer = await HostRun.start(four[3], 3, 3, 0, ckpt, ARGS, launcher=launcher)
             runs.append(newcomer)
             grown = [*staying, newcomer]
             for run in grown:
@@ -171,5 +249,28 @@ async def test_a_drill_that_would_leave_fewer_than_min_nodes_stops_the_job_on_ev
             assert [("stop", 2)] * 2 == [(r["action"], r["world_size"]) for r in reforms]
             assert all("below --nnodes MIN 2" in r["reason"] for r in reforms), reforms
             assert all(len(run.of("fresh")) == 1 for run in runs)  # no worker was restarted
+        finally:
+            await _kill(runs)
+
+
+@pytest.mark.service
+@pytest.mark.asyncio
+async def test_with_an_etcd_rendezvous_any_host_can_leave_even_rank_0s(tmp_path: Path, etcd: int) -> None:
+    """``--rdzv-backend etcd-v2``: no torchrun holds the rendezvous, so a notice on the host of rank 0 (which
+    serves the workers' first store, and the c10d store under c10d) shrinks the job like any other."""
+    async with hosts(3) as three:
+        runs, _, _ = await _start(three, tmp_path / "ckpt", etcd=etcd)
+        try:
+            leaving = next(i for i, run in enumerate(runs) if run.of("fresh")[0]["rank"] == 0)
+            await _drill(three[leaving])
+            assert EXIT_PREEMPTED == await runs[leaving].finish(timeout=120), runs[leaving].stderr[-4000:]
+            staying = [run for i, run in enumerate(runs) if i != leaving]
+            for run in staying:
+                await run.until("resumed", timeout=120)
+                [reform] = run.of("reform")
+                assert ("continue", 2) == (reform["action"], reform["world_size"]), reform
+                while not [e for e in run.of("step") if e["world_size"] == 2]:
+                    await run.until_more(timeout=120)
+                assert run.proc.returncode is None
         finally:
             await _kill(runs)
