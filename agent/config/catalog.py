@@ -10,18 +10,9 @@ and are imported when a file is loaded; ``agent.client`` never loads them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any
 
 from agent.core.plugins import Registry, load_ref
-
-if TYPE_CHECKING:
-    from agent.config import Config
-    from agent.core.ports import Component
-
-# What a component entry builds its component with (agent/service/components.py): the component the
-# configuration asks for, or None.
-ComponentFactory: TypeAlias = "Callable[[Config], Component[Any] | None]"
 
 REGISTRIES: tuple[str, ...] = (
     "agent.sources.clouds:CLOUDS",

@@ -6,18 +6,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from msgspec import Meta
 
-from agent.config.catalog import ComponentFactory
 from agent.config.loader import read_toml
 from agent.core.errors import ConfigError
-from agent.core.plugins import Part, Table
-
-if TYPE_CHECKING:
-    from agent.config import Config
-    from agent.core.ports import Component
 
 Days = Annotated[float, Meta(gt=0, le=36500, description="a number of days > 0")]
 Seconds = Annotated[float, Meta(gt=0, le=1e9, description="a number of seconds > 0")]
@@ -61,21 +55,6 @@ class CostConfig:
             return self
         return prices_from_file(self.file, base=self)
 
-
-def build_ledger(config: Config) -> Component[Any] | None:
-    """The ledger, when ``[ledger] enabled``."""
-    if not config.table("ledger", LedgerConfig).enabled:
-        return None
-    from agent.ledger.component import LedgerComponent
-
-    return LedgerComponent()
-
-
-# The ledger's entry in the component registry (agent/service/components.py); its tables are checked when the
-# configuration is loaded: a bad value stops the start-up, named.
-COMPONENT: Part[ComponentFactory] = Part(
-    "ledger", build_ledger, (Table("ledger", LedgerConfig), Table("cost", CostConfig))
-)
 
 _PRICE_KEYS = ("spot_per_gpu_hour", "on_demand_per_gpu_hour", "storage_per_gb_month", "per_1000_requests")
 

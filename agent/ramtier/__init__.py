@@ -1,8 +1,8 @@
 """The RAM tier: a directory on tmpfs, owned by the agent, where jobs keep checkpoint steps in this host's
 memory (issue 24); see docs/ram-tier.md.
 
-Its names are imported when first used: the configuration catalog imports ``agent.ramtier.config`` for every
-file it checks, and the drain child (``python -m agent.ramtier.drain``) needs none of the component's web and
+Its names are imported when first used: the configuration catalog imports ``agent.ramtier.part`` and
+``config`` for every file it checks, and the drain child (``python -m agent.ramtier.drain``) needs none of the component's web and
 metrics libraries."""
 
 from __future__ import annotations

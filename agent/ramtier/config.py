@@ -4,18 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 from msgspec import Meta
 
 from agent.config import NonNegative
-from agent.config.catalog import ComponentFactory
 from agent.core.errors import ConfigError
-from agent.core.plugins import Part, Table
-
-if TYPE_CHECKING:
-    from agent.config import Config
-    from agent.core.ports import Component
 
 Fraction = Annotated[float, Meta(gt=0, le=1, description="a fraction above 0 and at most 1")]
 Bytes = Annotated[int, Meta(ge=0, description="a number of bytes, 0 or more")]
@@ -57,14 +51,3 @@ class RamTierConfig:
                 f"ram_tier.path must be an absolute path (a directory on tmpfs such as /dev/shm/preemptd), "
                 f"got {str(self.path)!r}"
             )
-
-
-def build_ram_tier(config: Config) -> Component[Any]:
-    """Always: the RAM tier answers "off" on its routes when it is disabled."""
-    from agent.ramtier.component import RamTierComponent
-
-    return RamTierComponent()
-
-
-# The RAM tier's entry in the component registry (agent/service/components.py), with its table.
-COMPONENT: Part[ComponentFactory] = Part("ram_tier", build_ram_tier, (Table("ram_tier", RamTierConfig),))

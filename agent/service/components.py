@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from agent.config import Config
-from agent.config.catalog import ComponentFactory
+from agent.config.factory import ComponentFactory
 from agent.core.plugins import Part, Registry
 from agent.core.ports import Component
 
@@ -24,8 +24,8 @@ ENTRY_POINT_GROUP = "preemptd.components"
 BUILTIN: tuple[str, ...] = (
     "agent.service.components:ACTIONS",
     "agent.service.components:ADVISOR",
-    "agent.ledger.config:COMPONENT",
-    "agent.ramtier.config:COMPONENT",
+    "agent.ledger.part:COMPONENT",
+    "agent.ramtier.part:COMPONENT",
     "agent.service.components:WINDOW",
     "agent.service.components:METRICS",
 )
