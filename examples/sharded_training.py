@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     watcher = Watcher(args.socket, signals=signals).start()
     schedule = CheckpointSchedule(args.interval_s, args.socket)
     # Under torchrun --nnodes MIN:MAX the job shrinks at a notice instead of stopping (a no-op otherwise).
-    elastic = Elastic()
+    elastic = Elastic(socket_path=args.socket)
     job: Job | None = None
     reform: Reform | None = None
     try:
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             if decision is None:
                 return 0
             job.store.close(timeout=5.0)  # deferred checksums, reports: before the group is rebuilt
-            reform = elastic.after_emergency(decision, watcher)
+            reform = elastic.after_emergency(decision, watcher, step=job.progress.step)
             emit("reform", rank=reform.rank, step=job.progress.step, **reform.as_dict())
             if reform.action != "continue":
                 emit("preempted", rank=reform.rank, step=job.progress.step, notice_id=decision.notice_id)

@@ -195,6 +195,11 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_a
                 assert run.proc.returncode is None
             [left] = runs[leaving].of("reform")
             assert ("leave", 2) == (left["action"], left["world_size"]), left
+            # Each host's agent heard it from its ranks: preemptd status shows the job's size and the change.
+            for index, host in enumerate(three):
+                _, doc = await http_json(host.socket, "GET", "/v1/status")
+                [entry] = doc["jobs"].values()
+                assert (2, "left" if index == leaving else "reformed") == (entry["world_size"], entry["last"])
             assert [] == list(ckpt.glob("step-*"))
 
             newcomer = await HostRun.start(four[3], 3, 3, 0, ckpt, ARGS, launcher=launcher)

@@ -63,10 +63,26 @@ def format_status(doc: dict[str, Any], now: datetime | None = None, width: int =
     if isinstance(tier, dict) and tier.get("enabled"):
         row(_ram_tier_line(tier), "")
     lines.extend(window_lines(doc.get("window"), width))
+    for text in _job_lines(doc.get("jobs")):
+        row(text, "")
     advice = doc.get("advice")
     if isinstance(advice, dict) and advice.get("interval_s"):
         lines.append(f"Advice: checkpoint every {duration(float(advice['interval_s']))}")
     return "\n".join(printable(line) for line in lines)
+
+
+def _job_lines(jobs: Any) -> list[str]:
+    """Each job whose ranks reported a change of membership: its world size now and the latest change."""
+    if not isinstance(jobs, dict):
+        return []
+    lines = []
+    for job, entry in jobs.items():
+        if not isinstance(entry, dict):
+            continue
+        history = entry.get("history") or [{}]
+        latest = history[-1] if isinstance(history[-1], dict) else {}
+        lines.append(f"Job {job}: world size {entry.get('world_size')}; {latest.get('what', '')}")
+    return lines
 
 
 def _agent_lines(doc: dict[str, Any], width: int) -> list[str]:

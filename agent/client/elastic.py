@@ -33,6 +33,7 @@ import signal
 import socket
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -42,7 +43,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from agent.client.preempted import withdraw
+from agent.client.reporting import client_info
 from agent.client.torch import Decision
+from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
 from agent.client.watcher import WatcherBase
 
 Action = Literal["continue", "leave", "stop"]
@@ -243,8 +246,10 @@ class Elastic:
         reform_timeout: timedelta = timedelta(seconds=60),
         timeout: timedelta | None = None,
         launch: Launch | None = None,
+        socket_path: str | Path | None = None,
     ) -> None:
         self.reform_timeout = reform_timeout
+        self.socket_path = socket_path
         self.timeout = timeout
         enabled = os.environ.get(ENV_SWITCH, "1").lower() not in ("0", "false", "no", "off")
         if launch is None and enabled and "TORCHELASTIC_RUN_ID" in os.environ:
@@ -257,18 +262,28 @@ class Elastic:
     def elastic(self) -> bool:
         return self.launch is not None and self.launch.elastic
 
-    def after_emergency(self, decision: Decision, watcher: WatcherBase | None = None) -> Reform:
+    def after_emergency(
+        self, decision: Decision, watcher: WatcherBase | None = None, step: int | None = None
+    ) -> Reform:
         """A collective on the default group, after the emergency save ``decision`` asked for committed on
         every rank (call it before exiting for the notice). A rank's node leaves when the rank has a notice
         from its agent (the decision's, or an active one in ``watcher``); a signal alone (torchrun stopping
-        its workers, a user's SIGUSR1) makes no node leave. Returns what this rank does next."""
+        its workers, a user's SIGUSR1) makes no node leave. Returns what this rank does next; when a notice
+        was behind it, each node's first local rank tells its agent (``preemptd status`` shows it), naming
+        ``step``, the step the job goes on from."""
         noticed = decision.notice_id is not None or (watcher is not None and watcher.notice is not None)
+        reform, view = self._answer(noticed)
+        if view.leaving and os.environ.get("LOCAL_RANK", "0") == "0":
+            self._tell_agent(reform, step)
+        return reform
+
+    def _answer(self, noticed: bool) -> tuple[Reform, View]:
         view = self._gather(noticed)
         reason = self._why_not(view)
         if reason is not None:
             if view.leaving:  # the job stops for a notice: torchrun must not restart it in the window
                 self._stop_launcher_at_exit()
-            return view.answer("stop", reason)
+            return view.answer("stop", reason), view
         # The lowest staying rank serves the new group's store and publishes its address through the old group.
         master = view.staying[0].rank
         box: list[Any] = [None]
@@ -284,19 +299,37 @@ class Elastic:
         size, nodes = len(view.staying), view.staying_nodes
         if view.members[view.rank].node in view.leaving:
             self._stop_launcher_at_exit()
-            return view.answer("leave", f"this node has the notice; {nodes} node(s) go on", size, nodes)
+            return view.answer("leave", f"this node has the notice; {nodes} node(s) go on", size, nodes), view
         new_rank = [m.rank for m in view.staying].index(view.rank)
         try:
             self._join(address, port, token, backend, new_rank, size)
         except Exception as exc:  # a staying rank died or hung: every rank that arrived falls back to stop
             self._stop_launcher_at_exit()
-            return view.answer("stop", f"re-form at {size} rank(s) failed: {exc}")
+            return view.answer("stop", f"re-form at {size} rank(s) failed: {exc}"), view
         withdraw()  # this process goes on: its emergency record no longer means "stopped for a notice"
         self.generation += 1
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(new_rank), str(size)
         return view.answer(
             "continue", f"{len(view.leaving)} node(s) left with the notice", size, nodes, new_rank
-        )
+        ), view
+
+    def _tell_agent(self, reform: Reform, step: int | None) -> None:
+        """One ``membership`` report to this node's agent; a failure is a warning, never the job's."""
+        phase = {"continue": "reformed", "leave": "left", "stop": "stopped"}[reform.action]
+        membership = {k: v for k, v in reform.as_dict().items() if k != "action"}
+        membership["seconds"] = float(membership["seconds"])
+        membership["reason"] = str(membership["reason"])[:500]
+        body = {
+            "kind": "membership",
+            "phase": phase,
+            "step": step,
+            "client": client_info(),
+            "membership": membership,
+        }
+        try:
+            request_json("POST", "/v1/reports", body, self.socket_path, timeout=2.0)
+        except (AgentUnavailable, AgentHTTPError, OSError) as exc:
+            warnings.warn(f"cannot tell the agent the job {phase}: {exc}", RuntimeWarning, stacklevel=3)
 
     def _gather(self, noticed: bool) -> View:
         """Every rank's node, notice and whether its torchrun serves the rendezvous store."""

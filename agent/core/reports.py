@@ -19,8 +19,11 @@ PHASES = ("started", "finished", "failed")
 # A ``participant`` report registers a training process as soon as it starts (its watcher connected), so a
 # notice that arrives before its first checkpoint waits for its emergency save all the same.
 REGISTERED = "registered"
-KINDS = ("checkpoint", "participant")
-PHASES_OF_KIND = {"checkpoint": PHASES, "participant": (REGISTERED,)}
+# A ``membership`` report says the job's ranks re-formed at another size (``reformed``), that this node left it
+# (``left``), or that it stopped instead of shrinking (``stopped``): see agent/client/elastic.py.
+MEMBERSHIP_PHASES = ("reformed", "left", "stopped")
+KINDS = ("checkpoint", "participant", "membership")
+PHASES_OF_KIND = {"checkpoint": PHASES, "participant": (REGISTERED,), "membership": MEMBERSHIP_PHASES}
 _CLIENT_KEYS = {
     "pid": int,
     "host": str,
@@ -52,6 +55,7 @@ class Report:
     peer_pid: int | None = None
     peer_uid: int | None = None
     flush: Mapping[str, Any] = field(default_factory=dict)
+    membership: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -68,6 +72,7 @@ class Report:
             "peer_pid": self.peer_pid,
             "peer_uid": self.peer_uid,
             **({"flush": dict(self.flush)} if self.flush else {}),
+            **({"membership": dict(self.membership)} if self.membership else {}),
         }
 
 
@@ -84,6 +89,7 @@ _FIELDS = frozenset(
         "path",
         "client",
         "flush",
+        "membership",
     }
 )
 
@@ -103,7 +109,10 @@ def parse_report(
     notice_id = _optional_text(doc, "notice_id")
     path = _optional_text(doc, "path")
     client = _client(doc.get("client") or {})
-    flush = _flush(doc.get("flush"))
+    flush = _checked(doc.get("flush"), "flush", _FLUSH_KEYS)
+    membership = _checked(doc.get("membership"), "membership", _MEMBERSHIP_KEYS)
+    if kind == "membership" and "world_size" not in membership:
+        raise ReportError("a 'membership' report needs 'membership.world_size' (the job's ranks now)")
     if kind == "participant" and client.get("participant") is not True:
         raise ReportError(
             "a 'participant' report registers the process as a participant: it needs 'client.participant': true"
@@ -122,6 +131,7 @@ def parse_report(
         peer_pid=peer_pid,
         peer_uid=peer_uid,
         flush=flush,
+        membership=membership,
     )
 
 
@@ -195,32 +205,42 @@ _FLUSH_KEYS: dict[str, type] = {
     # Seconds left before the deadline when the save ended: negative when it ended after it.
     "slack_s": float,
 }
+# What a membership report says (agent/client/elastic.py's Reform): name → type.
+_MEMBERSHIP_KEYS: dict[str, type] = {
+    "world_size": int,
+    "previous_world_size": int,
+    "nodes": int,
+    "previous_nodes": int,
+    "seconds": float,
+    "reason": str,
+}
 # Keys of seconds that may be negative.
 _SIGNED = frozenset({"slack_s"})
 
 
-def _flush(value: Any) -> dict[str, Any]:
-    """The optional ``flush`` object of a report, checked key by key (unknown keys are dropped)."""
+def _checked(value: Any, name: str, keys: Mapping[str, type]) -> dict[str, Any]:
+    """An optional object of a report (``flush``, ``membership``), checked key by key (unknown keys are
+    dropped)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ReportError(f"field 'flush' must be an object, got {_json_type(value)}")
+        raise ReportError(f"field {name!r} must be an object, got {_json_type(value)}")
     checked: dict[str, Any] = {}
     for key, item in value.items():
-        expected = _FLUSH_KEYS.get(key)
+        expected = keys.get(key)
         if expected is None or item is None:
             continue
         if expected is float:
             signed = (
                 key in _SIGNED and isinstance(item, (int, float)) and not isinstance(item, bool) and item < 0
             )
-            value = seconds(-item if signed else item, f"flush.{key}", MAX_DURATION_S, ReportError)
+            value = seconds(-item if signed else item, f"{name}.{key}", MAX_DURATION_S, ReportError)
             checked[key] = -value if signed else value
             continue
         if not isinstance(item, expected) or (expected is int and isinstance(item, bool)):
-            raise ReportError(f"field 'flush.{key}' must be {expected.__name__}, got {brief(item)}")
+            raise ReportError(f"field '{name}.{key}' must be {expected.__name__}, got {brief(item)}")
         if isinstance(item, str) and len(item) > MAX_TEXT:
-            raise ReportError(f"field 'flush.{key}' is longer than {MAX_TEXT} characters")
+            raise ReportError(f"field '{name}.{key}' is longer than {MAX_TEXT} characters")
         checked[key] = item
     return checked
 

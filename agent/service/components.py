@@ -28,6 +28,7 @@ BUILTIN: tuple[str, ...] = (
     "agent.ramtier.part:COMPONENT",
     "agent.service.components:WINDOW",
     "agent.service.components:METRICS",
+    "agent.service.components:MEMBERSHIP",
 )
 
 log = structlog.get_logger("preemptd.components")
@@ -59,11 +60,18 @@ def _metrics(config: Config) -> Component[Any]:
     return MetricsComponent(config.metrics, config.api.idle_timeout_s)
 
 
+def _membership(config: Config) -> Component[Any]:
+    from agent.service.membership import MembershipComponent
+
+    return MembershipComponent()
+
+
 # The built-in components whose tables are core sections ([actions], [advisor], [metrics]).
 ACTIONS: Part[ComponentFactory] = Part("actions", _actions)
 ADVISOR: Part[ComponentFactory] = Part("advisor", _advisor)
 WINDOW: Part[ComponentFactory] = Part("window", _window)
 METRICS: Part[ComponentFactory] = Part("metrics", _metrics)
+MEMBERSHIP: Part[ComponentFactory] = Part("membership", _membership)
 
 
 def _accept(_name: str, loaded: object) -> Part[ComponentFactory]:
