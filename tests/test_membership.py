@@ -9,6 +9,7 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from agent.cli.render import format_status
+from agent.service.journal import sentence
 from tests.support import http_json, running_agent
 
 
@@ -45,6 +46,7 @@ async def test_a_shrink_report_shows_in_status_and_the_journal(base: Path) -> No
     assert "Job llm: world size 2; shrank 3→2 in 0.47 s at step 1234" in format_status(doc).splitlines()
     lines = [e for e in logs if e["event"] == "job_membership"]
     assert [("llm", "reformed")] == [(e["job"], e["phase"]) for e in lines]
+    assert "Job llm: shrank 3→2 in 0.47 s at step 1234" == sentence("job_membership", lines[0])
 
 
 async def test_membership_reports_are_kept_per_job_bounded_and_logged_at_a_bounded_rate(base: Path) -> None:
