@@ -189,6 +189,7 @@ def open_job(
     device: torch.device,
     watcher: Watcher,
     schedule: CheckpointSchedule,
+    elastic: Elastic,
     reform: Reform | None = None,
 ) -> tuple[Job, int]:
     """Build the model and the store on the current group and resume from the newest step every rank can load
@@ -205,7 +206,7 @@ def open_job(
         model,
         optimizer,
         store,
-        Coordinator(watcher, schedule, every=args.every),
+        Coordinator(watcher, schedule, every=args.every, leaves=elastic.host_leaves),
         progress,
         {"train": TrainState(model, optimizer), "progress": progress},
     )
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     reform: Reform | None = None
     try:
         while True:
-            job, start = open_job(args, device, watcher, schedule, reform)
+            job, start = open_job(args, device, watcher, schedule, elastic, reform)
             decision = train(args, job, start, watcher, device)
             if decision is None:
                 return 0

@@ -10,12 +10,14 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.lazy import HAS_TORCH
@@ -217,3 +219,44 @@ def test_exec_turns_torchruns_shared_store_off_for_an_elastic_launch(
         timeout=60,
     )
     assert (0, f"[{expected}]") == (done.returncode, done.stdout.strip()), done.stderr
+
+
+def test_exec_notes_a_stopping_signal_for_its_command_to_tell_from_its_launchers(tmp_path: Path) -> None:
+    """A SIGTERM that reaches exec (a scheduler stopping the job) is noted in the channel directory before it is
+    passed on; a signal the command's own launcher sends (torchrun stopping its workers to grow) is not."""
+    child = tmp_path / "child.py"
+    child.write_text(
+        textwrap.dedent("""
+        import signal, sys, time
+        from agent.client.preempted import stopped_from_outside
+        def stop(signum, frame):
+            print("outside" if stopped_from_outside() else "launcher", flush=True)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGUSR2, lambda *a: stop(0, None))
+        print("ready", stopped_from_outside(), flush=True)
+        time.sleep(60)
+    """)
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    answers = []
+    for outside in (False, True):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "exec", "--no-hold", "--", sys.executable, str(child)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        assert "ready False" == proc.stdout.readline().strip()
+        if outside:
+            proc.send_signal(signal.SIGTERM)  # to exec, as a scheduler would
+        else:
+            command = next(
+                p for p in psutil.Process(proc.pid).children(recursive=True) if "exec" not in p.cmdline()
+            )
+            os.kill(command.pid, signal.SIGUSR2)  # straight to the command, as its launcher would
+        answers.append(proc.stdout.readline().strip())
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert ["launcher", "outside"] == answers

@@ -159,8 +159,8 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_a
     exits 75 and the others' keep running; their workers say ``reform`` ``continue`` 3 → 2, resume at world size
     2 from the evacuated step (its next step, the checkpoint's full-state digest) and train past it; nothing
     is written under the durable root. Then a fourth host joins the rendezvous: every torchrun restarts its
-    workers at world size 3, which resume from the step saved when they were stopped, with its digest, and the
-    staying hosts' execs are still the same processes."""
+    workers at world size 3, which resume from the step saved (into the hosts' RAM) when they were stopped, with
+    its digest, and the staying hosts' execs are still the same processes."""
     ckpt = tmp_path / "ckpt"
     async with hosts(4) as four:
         three = four[:3]
@@ -217,6 +217,9 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_a
             starts = [e for run in grown for e in run.of("resumed") if e["world_size"] == 3]
             assert [(step, digest)] * 3 == [(e["next_step"], e["digest"]) for e in starts]
             assert all(run.proc.returncode is None for run in grown)
+            # torchrun stopped the workers, exec got no signal: the hosts stayed, so the step went into their own
+            # RAM and the newcomer's shards came from there, never through the durable root.
+            assert [] == list(ckpt.glob("step-*"))
         finally:
             await _kill(runs)
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
-from agent.client.preempted import read_records
+from agent.client.preempted import SIGNALLED, read_records
 from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
 
 HOLD_MAX_S = 90.0
@@ -27,6 +27,10 @@ POLL_S = 0.2  # how often the records are read while a SIGTERM is held
 HOLDING_KINDS = ("termination", "maintenance")  # notices after which the host or its workload goes away
 # What a person sends to insist: passed on at once, and a held SIGTERM with it.
 _INSISTING = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGQUIT") if hasattr(signal, n))
+
+
+# Signals that stop the command: exec notes their arrival in the channel directory.
+_STOPPING = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 
 
 class Hold:
@@ -107,6 +111,11 @@ class Forwarder:
             self.forward(signum)
 
     def _handle(self, signum: int, frame: object) -> None:
+        if signum in _STOPPING and self.hold is not None:
+            # The command is being stopped from outside (a scheduler, a person): its processes can tell this
+            # from a signal their own launcher sends them (agent/client/preempted.py: stopped_from_outside).
+            with contextlib.suppress(OSError):
+                os.close(os.open(os.path.join(self.hold.channel, SIGNALLED), os.O_WRONLY | os.O_CREAT, 0o600))
         if self.pid is None:
             self.pending.append(signum)
             if signum == signal.SIGTERM:

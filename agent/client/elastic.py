@@ -42,7 +42,8 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from agent.client.preempted import withdraw
+from agent.client.events import Trigger
+from agent.client.preempted import stopped_from_outside, withdraw
 from agent.client.reporting import client_info
 from agent.client.torch import Decision
 from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
@@ -261,6 +262,15 @@ class Elastic:
     @property
     def elastic(self) -> bool:
         return self.launch is not None and self.launch.elastic
+
+    def host_leaves(self, trigger: Trigger) -> bool:
+        """For :class:`~agent.client.torch.Coordinator`'s ``leaves``: whether this rank's host goes away with
+        ``trigger``. A notice: yes. A signal: yes, unless the job is elastic, runs under ``preemptd exec`` and
+        exec received no stopping signal: then it was torchrun stopping its workers (a host joins, or a peer
+        failed) and the host stays, so the emergency step goes into the hosts' own RAM tiers."""
+        if trigger.reason == "notice" or not self.elastic:
+            return True
+        return stopped_from_outside() is not False
 
     def after_emergency(
         self, decision: Decision, watcher: WatcherBase | None = None, step: int | None = None

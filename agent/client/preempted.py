@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "PREEMPTD_EXEC_DIR"
+SIGNALLED = "signalled"  # created by exec when it receives a signal that stops the command
 RECORD_PREFIX = "emergency-"
 RECORD_SUFFIX = ".json"
 
@@ -74,6 +75,15 @@ def record_emergency(
         )
         return None
     return directory / name
+
+
+def stopped_from_outside() -> bool | None:
+    """Whether ``preemptd exec`` received a signal that stops its command (SIGTERM, SIGINT, SIGHUP, SIGQUIT):
+    the job is being stopped from outside, not by its own launcher. None outside exec (it cannot be told)."""
+    directory = channel()
+    if directory is None:
+        return None
+    return (directory / SIGNALLED).exists()
 
 
 def withdraw() -> list[Path]:

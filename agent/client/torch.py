@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from agent.checkpoint.durable import DurableFile
 from agent.checkpoint.manifest import reason_of
+from agent.client.events import Trigger
 from agent.client.group_exit import hold
 from agent.client.reporting import CheckpointSchedule
 from agent.client.store import (
@@ -135,6 +136,7 @@ class Coordinator:
         every: int = 1,
         group: Any = None,
         device: torch.device | None = None,
+        leaves: Callable[[Trigger], bool] | None = None,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
@@ -143,6 +145,7 @@ class Coordinator:
         self.every = every
         self.group = group
         self._device = device
+        self.leaves = leaves
 
     @property
     def distributed(self) -> bool:
@@ -162,18 +165,21 @@ class Coordinator:
             return NOTHING
         trigger = self.watcher.trigger if self.watcher is not None else None
         local_emergency = trigger is not None
+        # Whether this rank's host goes away with its trigger (Decision.noticed): any trigger, unless ``leaves``
+        # says otherwise (agent.client.elastic: torchrun stopping its workers to grow leaves the host in place).
+        local_leaving = trigger is not None and (self.leaves is None or self.leaves(trigger))
         local_periodic = self.schedule.due() if self.schedule is not None else False
         deadlines = [d for d in (trigger.deadline if trigger else None,) if d is not None]
         if self.watcher is not None and self.watcher.deadline is not None:
             deadlines.append(self.watcher.deadline)
         local_deadline = min(d.timestamp() for d in deadlines) if deadlines else math.inf
         emergency, periodic, deadline_ts = local_emergency, local_periodic, local_deadline
-        noticed: tuple[int, ...] = (0,) if local_emergency else ()
+        noticed: tuple[int, ...] = (0,) if local_leaving else ()
         if self.distributed:
             hold(self.group)  # its last reference dropped at exit, from Python (agent/client/group_exit.py)
             rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
             slots = [0.0] * world
-            slots[rank] = float(local_emergency)
+            slots[rank] = float(local_leaving)
             flags = torch.tensor(
                 [float(local_emergency), float(local_periodic), -local_deadline, *slots],
                 dtype=torch.float64,
