@@ -157,6 +157,24 @@ def static(port: int, nodes: int, rank: int) -> list[str]:
     ]
 
 
+def grow(runs: list[Run], stay: list[int], newcomer: Run) -> dict[str, float]:
+    """From a host joining the shrunk job (its exec started) to the first completed step at world size 3 on
+    every host: torchrun stops the staying workers (they save into their hosts' RAM), the round of 3 forms,
+    every worker loads (the newcomer's shards from the peers' RAM)."""
+    joined = time.monotonic()
+    runs.append(newcomer)  # stopped with the others
+    grown = [runs[i] for i in stay] + [newcomer]
+    saved = max(runs[i].wait("checkpoint", joined, emergency=True) for i in stay)
+    loaded = max(run.wait("resumed", joined, world_size=3) for run in grown)
+    stepped = max(run.wait("step", joined, world_size=3) for run in grown)
+    return {
+        "grow_s": stepped - joined,
+        "join_to_saved_s": saved - joined,
+        "saved_to_loaded_s": loaded - saved,
+        "grow_loaded_to_step_s": stepped - loaded,
+    }
+
+
 def one_round(socks: list[Path], base: Path, mode: str, step_time: float) -> dict[str, float]:
     ckpt = base / f"ckpt-{mode}-{time.monotonic_ns()}"
     job = f"{JOB}-{ckpt.name}"  # a job of its own in the RAM tiers
@@ -193,13 +211,18 @@ def one_round(socks: list[Path], base: Path, mode: str, step_time: float) -> dic
             reformed = max(runs[i].wait("reform", at) for i in stay)
             resumed = max(runs[i].wait("resumed", at) for i in stay)
             stepped = max(runs[i].wait("step", at, world_size=2) for i in stay)
-            return {
+            figures = {
                 "halt_s": stepped - at,
                 "notice_to_flush_s": flushed - at,
                 "flush_to_reform_s": reformed - flushed,
                 "reform_to_loaded_s": resumed - reformed,
                 "loaded_to_step_s": stepped - resumed,
             }
+            # Grow back: the notified host joins again (its agent, its drill cleared, a new exec of the launch).
+            drill(socks[leaving], "--clear", notice)
+            notice = ""
+            newcomer = start(socks[leaving], ckpt, launcher, tier, step_time, job)
+            return {**figures, **grow(runs, stay, newcomer)}
         for run in runs:
             run.proc.wait(timeout=120)
         exited = time.monotonic()
