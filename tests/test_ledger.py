@@ -228,6 +228,18 @@ def expected_total() -> dict[str, Any]:
             "checkpoint_bytes_saved": round(18 * 10**9 * (1 / math.sqrt(0.5) - 1)),
         },
         "cost": {"missing": ["cost.spot_per_gpu_hour", "cost.on_demand_per_gpu_hour"]},
+        "reforms": {
+            "reformed": 0,
+            "left": 0,
+            "stopped": 0,
+            "stopped_reasons": [],
+            "reform_s": 0.0,
+            "halted_gpu_seconds": 0.0,
+            "relaunch_s": None,
+            "relaunches_measured": 0,
+            "saved_reforms": 0,
+            "saved_gpu_hours": None,
+        },
     }
 
 

@@ -249,6 +249,7 @@ def _rows(fig: dict[str, Any]) -> list[tuple[str, str]]:
         ("steps redone", str(fig["steps_redone"])),
         ("goodput", _pct(fig["goodput"])),
     ]
+    rows += _reform_rows(fig.get("reforms"))  # absent from a document of an older agent
     benefit = fig["notice_benefit"]
     if benefit["interval_factor"] is not None:
         rows.append(
@@ -280,6 +281,36 @@ def _rows(fig: dict[str, Any]) -> list[tuple[str, str]]:
         if cost.get("assumed_zero"):
             rows.append(("not priced", ", ".join(cost["assumed_zero"]) + " (counted as 0)"))
     return rows
+
+
+def _reform_rows(fig: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """An elastic job's re-forms, departures and stops on this host; nothing for a job that had none."""
+    rows: list[tuple[str, str]] = []
+    if not fig:
+        return rows
+    if fig["reformed"]:
+        said = f"{fig['reformed']}x instead of stopping: {fig['halted_gpu_seconds']:.1f} GPU-s halted"
+        saved = fig["saved_gpu_hours"]
+        if saved is None:
+            said += "; no relaunch measured on this host"
+        elif fig["relaunch_s"] is not None:
+            said += f", a relaunch here takes {duration(fig['relaunch_s'])}: saved {_gpu_h(saved)}"
+        else:  # the total: each job against its own relaunch time
+            said += f"; saved {_gpu_h(saved)} over {plural(fig['saved_reforms'], 're-form')} with a relaunch measured"
+        rows.append(("re-formed", said))
+    if fig["left"]:
+        rows.append(("left", f"{fig['left']}x (this host's ranks left; the job went on elsewhere)"))
+    if fig["stopped"]:
+        reasons = "; ".join(fig["stopped_reasons"])
+        rows.append(("stopped", f"{fig['stopped']}x instead of shrinking: {reasons}"))
+    return rows
+
+
+def _gpu_h(value: float) -> str:
+    """GPU-hours a re-form saved, small as they are: 0.009, 0.000278, 1.25."""
+    if abs(value) >= 1:
+        return f"{value:.2f} GPU-h"
+    return f"{value:.3f} GPU-h" if abs(value) >= 0.001 else f"{value:.6f} GPU-h"
 
 
 _NAME = 26  # the column of a row's value

@@ -36,7 +36,9 @@ class NoticeFact:
 
 @dataclass(frozen=True)
 class ReportFact:
-    """One client report (a checkpoint started/finished/failed, or a participant's registration)."""
+    """One client report (a checkpoint started/finished/failed, a participant's registration, or an elastic
+    job's membership: re-formed, left or stopped; agent/client/elastic.py). The membership fields come last,
+    with defaults: a ledger document or file from before them still loads."""
 
     time: float
     job: str
@@ -52,6 +54,12 @@ class ReportFact:
     notice_id: str | None
     tier: str | None
     fallback_step: int | None
+    # membership reports: the job's ranks after and before, how long the re-form (or the decision) took, and
+    # why it stopped instead of shrinking
+    world_size: int | None = None
+    previous_world_size: int | None = None
+    seconds: float | None = None
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,9 +118,15 @@ def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def report_fact(report: Report) -> ReportFact:
     client = report.client
     tier = report.flush.get("tier")
+    membership = report.membership
+    reason = membership.get("reason")
     return ReportFact(
         time=report.received_at.timestamp(),
         job=job_of(client, report.peer_pid),
@@ -129,4 +143,8 @@ def report_fact(report: Report) -> ReportFact:
         notice_id=report.notice_id,
         tier=tier if isinstance(tier, str) else None,
         fallback_step=_int(report.flush.get("fallback_step")),
+        world_size=_int(membership.get("world_size")),
+        previous_world_size=_int(membership.get("previous_world_size")),
+        seconds=_float(membership.get("seconds")),
+        reason=reason if isinstance(reason, str) else None,
     )

@@ -13,7 +13,8 @@ from datetime import datetime
 from typing import Any
 
 from agent.ledger.facts import Facts, ReportFact
-from agent.ledger.tally import Rules, Tally, goodput, iso, rounded, tally_job
+from agent.ledger.reforms import Reforms, reform_figures, reforms
+from agent.ledger.tally import Rules, Tally, goodput, iso, rounded, tally, timeline
 
 REPORT_SCHEMA = 1
 
@@ -105,8 +106,9 @@ def notice_benefit(t: Tally) -> dict[str, Any]:
     }
 
 
-def figures(t: Tally, prices: Prices | None) -> dict[str, Any]:
-    """The ``--json`` figures of one job or of the total (each key in docs/ledger.md)."""
+def figures(t: Tally, prices: Prices | None, shrunk: Reforms | None = None) -> dict[str, Any]:
+    """The ``--json`` figures of one job or of the total (each key in docs/ledger.md); ``shrunk``: its
+    re-forms (an elastic job's)."""
     events = t.announced + t.unannounced
     return {
         "jobs": t.jobs,
@@ -127,6 +129,7 @@ def figures(t: Tally, prices: Prices | None) -> dict[str, Any]:
         "goodput": rounded(goodput(t), 4),
         "notice_benefit": notice_benefit(t),
         "cost": cost(t, prices) if prices is not None else {"missing": ["cost"]},
+        "reforms": reform_figures(shrunk or Reforms()),
     }
 
 
@@ -150,12 +153,13 @@ def build_report(
     by_job: dict[str, list[ReportFact]] = {}
     for report in sorted(reports, key=lambda r: r.time):
         by_job.setdefault(report.job, []).append(report)
-    total = Tally()
+    total, shrunk = Tally(), Reforms()
     jobs: dict[str, Any] = {}
     for name, rows in sorted(by_job.items()):
-        one = tally_job(name, rows, notices, at, rules)
-        jobs[name] = figures(one, prices)
-        total += one
+        tl = timeline(name, rows, notices, at, rules)
+        one, its = tally(tl, rules), reforms(tl, rules)
+        jobs[name] = figures(one, prices, its)
+        total, shrunk = total + one, shrunk + its
     leads = [n.lead_s for n in notices if n.lead_s is not None and (rules.drills or not n.drill)]
     kinds: dict[str, int] = {}
     sources: dict[str, int] = {}
@@ -180,7 +184,7 @@ def build_report(
                 "max": rounded(max(leads)) if leads else None,
             },
         },
-        "total": figures(total, prices),
+        "total": figures(total, prices, shrunk),
         "jobs": jobs,
         "flushes": list(total.flushes),
         "resumes": sorted(total.resumes, key=lambda r: r["time"]),

@@ -29,11 +29,21 @@ CREATE TABLE IF NOT EXISTS notices (
 CREATE TABLE IF NOT EXISTS reports (
     seq INTEGER PRIMARY KEY, time REAL NOT NULL, job TEXT NOT NULL, pid INTEGER, rank INTEGER,
     gpus INTEGER, kind TEXT NOT NULL, phase TEXT NOT NULL, step INTEGER, duration_s REAL, bytes INTEGER,
-    emergency INTEGER NOT NULL, notice_id TEXT, tier TEXT, fallback_step INTEGER
+    emergency INTEGER NOT NULL, notice_id TEXT, tier TEXT, fallback_step INTEGER,
+    world_size INTEGER, previous_world_size INTEGER, seconds REAL, reason TEXT
 );
 CREATE INDEX IF NOT EXISTS reports_time ON reports (time);
 CREATE INDEX IF NOT EXISTS notices_time ON notices (time);
 """
+# Columns added to ``reports`` since the first schema (membership reports), with their types: :func:`connect`
+# adds those a file lacks, and :func:`read` of a file not yet opened for writing reads them as NULL. The
+# schema version stays 1: an older agent names the columns it writes and reads, so it still uses the file.
+_ADDED_REPORT_COLUMNS = (
+    ("world_size", "INTEGER"),
+    ("previous_world_size", "INTEGER"),
+    ("seconds", "REAL"),
+    ("reason", "TEXT"),
+)
 # A notice keeps the time it was first seen; later events change its deadline, clearing and severity.
 _UPSERT_NOTICE = (
     f"INSERT INTO notices ({', '.join(_NOTICE_COLUMNS)}) VALUES ({', '.join('?' * len(_NOTICE_COLUMNS))}) "
@@ -75,6 +85,7 @@ def connect(path: Path) -> sqlite3.Connection:
         conn.execute("PRAGMA synchronous=NORMAL")
         _check(conn)
         conn.executescript(SCHEMA)
+        _add_columns(conn)
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     except sqlite3.DatabaseError as exc:
         conn.close()
@@ -83,6 +94,23 @@ def connect(path: Path) -> sqlite3.Connection:
         conn.close()
         raise
     return conn
+
+
+def _report_columns(conn: sqlite3.Connection) -> set[str]:
+    return {row[1] for row in conn.execute("PRAGMA table_info(reports)")}
+
+
+def _add_columns(conn: sqlite3.Connection) -> None:
+    """Bring a ledger written by an older agent up to date: the ``reports`` columns it lacks, NULL in its
+    rows (one transaction: a crash leaves the file as it was or migrated)."""
+    have = _report_columns(conn)
+    missing = [(name, kind) for name, kind in _ADDED_REPORT_COLUMNS if name not in have]
+    if not missing:
+        return
+    with conn:
+        conn.execute("BEGIN")
+        for name, kind in missing:
+            conn.execute(f"ALTER TABLE reports ADD COLUMN {name} {kind}")
 
 
 def move_aside(path: Path, now: datetime) -> Path:
@@ -126,7 +154,11 @@ def read(path: Path, since: float | None = None, job: str | None = None) -> Fact
         notices = conn.execute(
             f"SELECT {', '.join(_NOTICE_COLUMNS)} FROM notices WHERE time >= ? ORDER BY detected_at", (start,)
         ).fetchall()
-        query = f"SELECT {', '.join(_REPORT_COLUMNS)} FROM reports WHERE time >= ?"
+        # A file an older agent wrote and no agent has opened since lacks the added columns: NULL for them.
+        have = _report_columns(conn)
+        added = {name for name, _ in _ADDED_REPORT_COLUMNS}
+        columns = [c for c in _REPORT_COLUMNS if c in have or c not in added]
+        query = f"SELECT {', '.join(columns)} FROM reports WHERE time >= ?"
         args: tuple[Any, ...] = (start,)
         if job is not None:
             query += " AND job = ?"
@@ -138,7 +170,7 @@ def read(path: Path, since: float | None = None, job: str | None = None) -> Fact
         conn.close()
     return Facts(
         notices=tuple(_notice(dict(zip(_NOTICE_COLUMNS, row, strict=True))) for row in notices),
-        reports=tuple(_report(dict(zip(_REPORT_COLUMNS, row, strict=True))) for row in reports),
+        reports=tuple(_report(dict(zip(columns, row, strict=True))) for row in reports),
     )
 
 

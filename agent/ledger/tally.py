@@ -136,13 +136,19 @@ def _rank_key(report: ReportFact) -> int:
 
 
 def _gpus(reports: Sequence[ReportFact]) -> int:
-    """The job's GPUs on this host: each rank's latest ``gpus``, one for a rank that does not say."""
+    """The job's GPUs on this host: each rank's latest ``gpus``, one for a rank that does not say. A process
+    counts under the rank it first reported: an elastic job that re-forms renumbers its ranks in the same
+    processes (agent/client/elastic.py), which adds no GPU."""
     per_rank: dict[int, int] = {}
+    first_rank: dict[int, int] = {}  # pid -> the rank it first reported
     for report in reports:
+        rank = _rank_key(report)
+        if report.pid is not None:
+            rank = first_rank.setdefault(report.pid, rank)
         if report.gpus is not None and report.gpus > 0:
-            per_rank[_rank_key(report)] = report.gpus
+            per_rank[rank] = report.gpus
         else:
-            per_rank.setdefault(_rank_key(report), 1)
+            per_rank.setdefault(rank, 1)
     return sum(per_rank.values())
 
 
