@@ -189,6 +189,11 @@ def job_in(state: str, *, requeue: bool = True, restarts: int = 0, exit_code: in
             False,
             ("not_requeueable", "left alone: not requeueable (submitted with --no-requeue)"),
         ),
+        (
+            SlurmJob(1, "train", "root", "RUNNING", True, NODE, batch=False),
+            False,
+            ("not_requeueable", "left alone: not a batch job (Slurm requeues only jobs that sbatch started)"),
+        ),
         (job_in("RUNNING", restarts=1), False, ("skipped", "already requeued (restart count 1)")),
         (job_in("PENDING", restarts=1), True, ("ok", "requeued")),
         (job_in("PENDING"), False, ("skipped", "already pending")),

@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from agent.client.reporting import elastic_nodes
 from tests.lazy import HAS_TORCH
 from tests.support import REPO
 
@@ -197,18 +198,28 @@ def test_the_launch_is_read_from_torchruns_own_command_line(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    ("nnodes", "expected"), [("2:3", "1"), ("--nnodes=1:4", "1"), ("3", ""), ("2:2", "")]
+    ("nnodes", "expected"),
+    [("2:3", "1 2:3 min 2"), ("--nnodes=1:4", "1 1:4 min 1"), ("3", "min -"), ("2:2", "min -")],
 )
 def test_exec_turns_torchruns_shared_store_off_for_an_elastic_launch(
     tmp_path: Path, nnodes: str, expected: str
 ) -> None:
     """A later round after a shrink would wait on the first round's store (served by a node that left): exec
-    sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for ``torchrun --nnodes MIN:MAX`` unless it is set already."""
+    sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for ``torchrun --nnodes MIN:MAX`` unless it is set already, and
+    PREEMPTD_ELASTIC_NODES, which the ranks' registration (client_info) reports as min_nodes/max_nodes."""
     script = tmp_path / "torchrun"
-    script.write_text('#!/bin/sh\necho "[$TORCH_DISABLE_SHARE_RDZV_TCP_STORE]"\n')
+    script.write_text(
+        f'#!/bin/sh\nprintf \'%s %s \' "$TORCH_DISABLE_SHARE_RDZV_TCP_STORE" "$PREEMPTD_ELASTIC_NODES"\n'
+        f"exec {sys.executable} -c 'from agent.client.reporting import client_info; "
+        'print("min", client_info().get("min_nodes", "-"))\'\n'
+    )
     script.chmod(0o755)
     flags = [nnodes] if nnodes.startswith("--") else ["--nnodes", nnodes]
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "PREEMPTD_ELASTIC_NODES")
+    }
     env["PYTHONPATH"] = str(REPO)
     done = subprocess.run(
         [sys.executable, "-m", "agent", "exec", "--", str(script), *flags],
@@ -218,7 +229,15 @@ def test_exec_turns_torchruns_shared_store_off_for_an_elastic_launch(
         text=True,
         timeout=60,
     )
-    assert (0, f"[{expected}]") == (done.returncode, done.stdout.strip()), done.stderr
+    assert (0, expected) == (done.returncode, done.stdout.strip()), done.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("2:3", {"min_nodes": 2, "max_nodes": 3}), ("3", {}), ("3:2", {}), ("0:2", {}), ("a:b", {}), ("", {})],
+)
+def test_elastic_nodes_of_the_launch(value: str, expected: dict[str, int]) -> None:
+    assert elastic_nodes(value) == expected
 
 
 def test_exec_notes_a_stopping_signal_for_its_command_to_tell_from_its_launchers(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ class Host:
     index: int
     base: Path
     agent: Agent | None = None
+    settings: dict[str, Any] = field(default_factory=dict)  # more of the agent's configuration
 
     @property
     def socket(self) -> Path:
@@ -71,18 +72,21 @@ class Host:
     async def start(self) -> None:
         """Start its agent (again: the same socket, state and RAM tier); return once the tier is read back."""
         settings = {"ram_tier.enabled": True, "ram_tier.path": str(self.ram), "ram_tier.cap_bytes": 1 << 30}
+        settings.update(self.settings)
         self.agent = Agent(agent_config(self.base, settings))
         await self.agent.start()
         await asyncio.wait_for(self.tier.loaded.wait(), 30)
 
 
 @asynccontextmanager
-async def hosts(count: int) -> AsyncIterator[list[Host]]:
-    """``count`` simulated hosts, their agents started."""
+async def hosts(
+    count: int, settings: Mapping[int, dict[str, Any]] | None = None
+) -> AsyncIterator[list[Host]]:
+    """``count`` simulated hosts, their agents started (host ``i`` with ``settings[i]`` added)."""
     async with AsyncExitStack() as stack:
         found = []
         for index in range(count):
-            host = Host(index, short_tmp())
+            host = Host(index, short_tmp(), settings=dict((settings or {}).get(index, {})))
             stack.callback(shutil.rmtree, host.base, True)
             await host.start()
             # The agent running at the end (a host may have restarted it); stopping twice does nothing.

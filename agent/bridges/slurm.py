@@ -28,6 +28,7 @@ from agent.bridges.slurm_work import Work
 from agent.core.notice import Event, EventType, utcnow
 from agent.core.plugins import Part, Table
 from agent.core.ports import Host, ReactorFactory
+from agent.core.reports import Report
 from agent.core.tasks import TaskSet
 from agent.window.limits import withdraw_limits
 
@@ -114,6 +115,10 @@ class SlurmBridge:
         self.steps.work[notice.id] = work
         self._trim()
         work.run = self.tasks.spawn(self.steps.on_notice(work), f"notice:{notice.id}")
+
+    def on_report(self, report: Report) -> None:
+        """What a rank here says about its Slurm job: elastic (its MIN), and whether it shrank without us."""
+        self.steps.elastic.note(report)
 
     def status(self) -> dict[str, Any]:
         return {

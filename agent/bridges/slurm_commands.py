@@ -79,6 +79,10 @@ class SlurmJob:
     exit_code: int | None = None
     # When the job ended (Unix seconds); for a job still running Slurm gives its expected end instead.
     end_time: int | None = None
+    # sbatch's jobs; only they can be requeued. A batch job's script runs on its batch host: the job cannot
+    # outlive that node, even with --no-kill.
+    batch: bool = True
+    batch_host: str = ""
 
     @property
     def active(self) -> bool:
@@ -190,6 +194,8 @@ def parse_jobs(text: str) -> list[SlurmJob]:
                 restarts=_number(item.get("restart_cnt")) or 0,
                 exit_code=code,
                 end_time=_number(item.get("end_time")),
+                batch=item.get("batch_flag") is not False,
+                batch_host=str(item.get("batch_host") or ""),
             )
         )
     return jobs
@@ -233,6 +239,8 @@ def requeue_verdict(job: SlurmJob, restarts_at_notice: int, tried: bool) -> tupl
     status. ``tried``: a requeue of ours was sent and may have landed although it failed here."""
     if not job.requeue:
         return "not_requeueable", "left alone: not requeueable (submitted with --no-requeue)"
+    if not job.batch:
+        return "not_requeueable", "left alone: not a batch job (Slurm requeues only jobs that sbatch started)"
     if job.restarts > restarts_at_notice:
         # Requeued since the notice found it: by a try of ours that timed out, or by Slurm itself
         # (RequeueExit=75); a second requeue would stop the run that has started again.

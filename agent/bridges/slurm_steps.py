@@ -27,6 +27,7 @@ from agent.bridges.slurm_commands import (
     requeue_verdict,
 )
 from agent.bridges.slurm_config import SlurmConfig
+from agent.bridges.slurm_elastic import ElasticJobs
 from agent.bridges.slurm_work import Outcomes, Work
 from agent.core.notice import format_time
 from agent.core.tasks import wait_for_any
@@ -57,6 +58,7 @@ class SlurmSteps:
         self.work: dict[str, Work] = {}
         self.lock = asyncio.Lock()
         self.outcomes = Outcomes(config.history_size, clock)
+        self.elastic = ElasticJobs()  # what the ranks here said about their jobs (slurm_elastic.py)
 
     def carry_over(self, previous: SlurmSteps) -> None:
         """Take over what ``previous`` (the steps before a reload) drained and is waiting for, its lock, its
@@ -65,6 +67,7 @@ class SlurmSteps:
         self.lock = previous.lock
         self.outcomes.counts = previous.outcomes.counts
         self.outcomes.recent = previous.outcomes.recent
+        self.elastic.carry_over(previous.elastic)
         if not self.config.node and previous.config.node == self.config.node:
             self.node = previous.node
 
@@ -187,33 +190,61 @@ class SlurmSteps:
                 work.jobs[job.job_id]["signal"] = self.signal
 
     async def _requeue_all(self, work: Work) -> None:
-        """Give the jobs ``stop_wait_s`` (never past deadline - margin) to exit on their own, then requeue
-        each one that should run again, each until it lands or its time is up."""
+        """Give the jobs ``stop_wait_s`` (never past deadline - margin) to exit on their own, and an elastic job
+        until deadline - margin to say whether it shrank, then requeue each one that should run again, each
+        until it lands or its time is up."""
         ids = set(work.jobs)
-        end = self._clock() + timedelta(seconds=self.config.stop_wait_s)
+        since = work.notice.detected_at
+        latest = None
         if work.notice.deadline is not None:
-            end = min(end, work.notice.deadline - timedelta(seconds=self.config.margin_s))
+            latest = work.notice.deadline - timedelta(seconds=self.config.margin_s)
+        end = self._clock() + timedelta(seconds=self.config.stop_wait_s)
+        end = min(end, latest) if latest is not None else end
         # A job that stops itself after its flush (exit 75 through `preemptd exec`) is requeued from its
         # finished state; only one still running at the latest moment is stopped by the requeue. A failed
         # read here only shortens the wait: each requeue reads its job again.
-        while self._clock() < end and not work.cleared:
+        while not work.cleared:
+            word = any(self.elastic.waiting(j, since) and not _runs_batch(work, j) for j in ids)
+            limit = latest if word and latest is not None else end
+            if self._clock() >= limit:
+                break
             try:
                 jobs = await self.commands.jobs(ids)
             except SlurmError:
                 jobs = list(work.found.values())
-            if not any(self._awaited(work, job) for job in jobs):
+            if not word and not any(self._awaited(work, job) for job in jobs):
                 break
-            await wait_for_any(work.clear, timeout=min(1.0, max(0.0, (end - self._clock()).total_seconds())))
+            await wait_for_any(
+                work.clear, timeout=min(1.0, max(0.0, (limit - self._clock()).total_seconds()))
+            )
         await asyncio.gather(*(self._requeue_job(work, job_id) for job_id in sorted(ids)))
 
     def _awaited(self, work: Work, job: SlurmJob) -> bool:
         """Whether the requeue step waits for ``job`` to stop on its own: one of the notice's jobs, running,
-        requeueable and not requeued since."""
+        requeueable, not requeued since, and not an elastic job that goes on without this node."""
         found = work.found.get(job.job_id)
-        return found is not None and job.active and job.requeue and job.restarts <= found.restarts
+        if found is None or not (job.active and job.requeue and job.batch and job.restarts <= found.restarts):
+            return False
+        return self._kept(work, job.job_id) is None
+
+    def _kept(self, work: Work, job_id: int) -> str | None:
+        """Why ``job_id`` is not requeued although this node goes: elastic, it goes on without it."""
+        kept = self.elastic.kept(job_id, work.notice.detected_at)
+        if kept is not None and _runs_batch(work, job_id):
+            work.jobs[job_id]["elastic_note"] = (
+                f"not kept: its batch script runs on {work.node}, and the job cannot outlive that node"
+            )
+            return None
+        return kept
 
     async def _requeue_job(self, work: Work, job_id: int) -> None:
         entry = work.jobs[job_id]
+        entry.update(self.elastic.describe(job_id, work.notice.detected_at))
+        kept = self._kept(work, job_id)
+        if kept is not None:  # its other nodes train on: a requeue would stop them
+            entry["outcome"] = kept
+            self.outcomes.record(work, "requeue", str(job_id), "skipped", detail=kept)
+            return
         entry["outcome"] = "requeue pending"  # the notice's `pending` says how often it was tried, and why
         # A clear does not end the tries: a job that has stopped comes back only through this requeue.
         done = await self.persist(
@@ -402,3 +433,9 @@ class SlurmSteps:
     def _recovered(self) -> None:
         if self.node is not None:
             self.outcomes.recovered()
+
+
+def _runs_batch(work: Work, job_id: int) -> bool:
+    """Whether ``job_id`` is a batch job whose script runs on this node (Slurm ends it when the node fails)."""
+    found = work.found.get(job_id)
+    return found is not None and found.batch and found.batch_host == work.node

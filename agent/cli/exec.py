@@ -54,6 +54,7 @@ from agent.cli.exec_child import (
 )
 from agent.cli.exec_hold import HOLD_MAX_S, Forwarder, Hold
 from agent.client.preempted import ENV, read_records
+from agent.client.reporting import ELASTIC_NODES_ENV
 
 EXIT_PREEMPTED = 75  # the client's EXIT_PREEMPTED (EX_TEMPFAIL); kept here so exec does not import more
 STOP_GRACE_S = 10.0
@@ -185,7 +186,9 @@ def run(
     channel = _new_channel()
     env = dict(os.environ)
     env[ENV] = channel
-    if _is_torchrun(command) and _elastic(command):
+    nodes = _elastic(command) if _is_torchrun(command) else None
+    if nodes:
+        env[ELASTIC_NODES_ENV] = nodes  # the ranks' registration says the job is elastic, and its MIN
         # torchrun's agents share one store with their workers by default, served by the first round's rank 0
         # on a port the other agents keep: once that node has left (a shrink), a later round (a grow) waits on
         # a store no one writes to. Without sharing, each round's rank 0 serves a fresh one.
@@ -418,16 +421,16 @@ def _listed(values: Iterable[Any]) -> str:
     )
 
 
-def _elastic(command: Sequence[str]) -> bool:
-    """torchrun told ``--nnodes MIN:MAX``: its membership may change while it runs."""
+def _elastic(command: Sequence[str]) -> str | None:
+    """``MIN:MAX`` when torchrun was told ``--nnodes MIN:MAX``: its membership may change while it runs."""
     for index, word in enumerate(command):
         value = command[index + 1] if word == "--nnodes" and index + 1 < len(command) else ""
         if word.startswith("--nnodes="):
             value = word.partition("=")[2]
         low, colon, high = value.partition(":")
         if colon and low != high:
-            return True
-    return False
+            return value
+    return None
 
 
 def _is_torchrun(command: Sequence[str]) -> bool:

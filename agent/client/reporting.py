@@ -23,6 +23,9 @@ log = logging.getLogger("agent.client")
 
 REPORT_TIMEOUT_S = 2.0
 _JOB_VARIABLES = ("PREEMPTD_JOB", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "JOB_ID")
+# ``MIN:MAX`` nodes of an elastic launch, set by ``preemptd exec`` for ``torchrun --nnodes MIN:MAX``: the
+# registration says so, and a scheduler bridge keeps the job while it shrinks above MIN (docs/slurm.md).
+ELASTIC_NODES_ENV = "PREEMPTD_ELASTIC_NODES"
 
 
 def _env_int(name: str) -> int | None:
@@ -56,7 +59,18 @@ def client_info(
     job = next((os.environ[v] for v in _JOB_VARIABLES if os.environ.get(v)), None)
     if job:
         info["job"] = job[:512]
+    if os.environ.get("SLURM_JOB_ID"):
+        info["slurm_job_id"] = os.environ["SLURM_JOB_ID"][:512]
+    info.update(elastic_nodes(os.environ.get(ELASTIC_NODES_ENV, "")))
     return info
+
+
+def elastic_nodes(value: str) -> dict[str, int]:
+    """``{"min_nodes": MIN, "max_nodes": MAX}`` of an elastic launch's ``MIN:MAX`` (empty when it is none)."""
+    low, colon, high = value.partition(":")
+    if not (colon and low.isdigit() and high.isdigit()) or not 0 < int(low) < int(high):
+        return {}
+    return {"min_nodes": int(low), "max_nodes": int(high)}
 
 
 class Reporter:

@@ -33,6 +33,9 @@ _CLIENT_KEYS = {
     "name": str,
     "participant": bool,
     "gpus": int,  # GPUs this process drives (the ledger's GPU-hours; one when absent)
+    "slurm_job_id": str,  # the Slurm job it runs in (the Slurm bridge's elastic jobs)
+    "min_nodes": int,  # an elastic launch's MIN and MAX nodes (torchrun --nnodes MIN:MAX under exec)
+    "max_nodes": int,
 }
 MAX_TEXT = 512
 # Bounds that keep every accepted value usable downstream (``timedelta``, float arithmetic, int64 metrics).
