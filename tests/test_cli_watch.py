@@ -239,3 +239,39 @@ def read_all(fd: int) -> bytes:
             break
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def test_watch_shows_an_elastic_jobs_reform_as_it_happens_but_not_the_ones_before(base: Path) -> None:
+    """A membership report (the ranks re-formed at another world size) reaches `preemptd watch` as a line of
+    its own ("job llm: shrank 3→2 in 0.47 s at step 1234"; --json: type membership); a re-form the agent had
+    before watch started is not repeated."""
+    reform = {
+        "kind": "membership",
+        "phase": "reformed",
+        "step": 1234,
+        "client": {"job": "llm", "rank": 0},
+        "membership": {"world_size": 2, "previous_world_size": 3, "seconds": 0.47},
+    }
+    async with running_agent(base) as agent:
+        sock = agent.config.socket
+        status, _ = await http_json(sock, "POST", "/v1/reports", {**reform, "step": 1000})
+        assert status < 300
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+        argv = [sys.executable, "-m", "agent", "watch", "--json", "--socket", str(sock)]
+        env["PYTHONPATH"] = str(REPO)
+        proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=asyncio.subprocess.PIPE)
+        try:
+            assert proc.stdout is not None
+            first = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+            assert first["type"] == "snapshot"
+            status, _ = await http_json(sock, "POST", "/v1/reports", reform)
+            assert status < 300
+            shown = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+        finally:
+            proc.terminate()
+            await proc.wait()
+    assert ("membership", "llm", 1234) == (shown["type"], shown["job"], shown["step"])
+    assert "shrank 3→2 in 0.47 s at step 1234" == shown["what"]
+    line = format_event(shown, now=datetime(2026, 12, 6, 18, 0, tzinfo=timezone.utc))
+    assert line.endswith("MEMBERSHIP job llm: shrank 3→2 in 0.47 s at step 1234"), line
+    assert all(len(part) <= 80 for part in line.splitlines())

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 from agent import __version__
 from agent.cli import help as cli_help
 from agent.cli.render import countdown, format_event, format_status, note, track
+from agent.cli.watch_jobs import JobsPoller
 from agent.client.transport import AgentHTTPError, AgentUnavailable, EventStream, request_json
 from agent.client.watcher import Backoff
 from agent.core.durations import format_duration, parse_duration
@@ -201,8 +202,11 @@ class _Reader(threading.Thread):
 def cmd_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     stream_out = out or sys.stdout
     events: queue.Queue[tuple[str, Any]] = queue.Queue()
+    jobs = JobsPoller(args.socket, events)
+    jobs.poll()
     reader = _Reader(args.socket, events, wait=args.wait)
     reader.start()
+    jobs.start()
     active: dict[str, dict[str, Any]] = {}
     live = stream_out.isatty() and not args.json
     shown = 0
@@ -223,6 +227,8 @@ def cmd_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     stream_out.write(format_event(payload) + "\n")
                 track(active, payload)
                 shown += 1
+            elif what == "membership":  # not counted for --count: the count is of the stream's events
+                stream_out.write((json.dumps(payload) if args.json else format_event(payload)) + "\n")
             elif what == "disconnected" and not args.json:
                 stream_out.write(note(f"waiting for the agent: {payload}") + "\n")
             elif what == "connected" and not args.json and shown:
@@ -236,6 +242,7 @@ def cmd_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return EXIT_OK
     finally:
         reader.stop.set()
+        jobs.stop.set()
         if live:
             stream_out.write("\n")
 

@@ -325,6 +325,8 @@ def format_event(doc: dict[str, Any], now: datetime | None = None, width: int = 
         return "\n".join(
             _wrap(f"{notice.get('kind') or 'notice'} {notice_id}: {_ready_sentence(data)}", width, first)
         )
+    if kind == "membership":  # a job's change of membership (agent/cli/watch_jobs.py)
+        return "\n".join(_wrap(f"job {doc.get('job')}: {doc.get('what')}", width, first, max_lines=2))
     if not notice:  # an event type this CLI does not know: show it rather than nothing
         return "\n".join(_wrap(json.dumps(doc, sort_keys=True), width, first))
     if kind == "cleared":
