@@ -191,6 +191,11 @@ class FakeKube:
     tokens: set[str] | None = None
     # (certificate, key) files: serve HTTPS, as an in-cluster API server does.
     tls: tuple[Path, Path] | None = None
+    # Add-ons (tests/k8s_fake_jobs.py): more resources for discovery (as in GROUPS), more routes (tried after
+    # the built-in ones, as in _routes) and callbacks run after every request answered (a controller's sync).
+    extra_groups: dict[str, list[tuple[str, str, bool, list[str]]]] = field(default_factory=dict)
+    extra_routes: list[tuple[str, str, Any]] = field(default_factory=list)
+    after_request: list[Callable[[], None]] = field(default_factory=list)
     _version: int = 1000
     _runner: web.AppRunner | None = None
     _changed: asyncio.Condition | None = None
@@ -364,6 +369,34 @@ class FakeKube:
         self.pods[(namespace, name)] = pod
         return pod
 
+    def delete_pod(self, namespace: str, name: str, *, disruption: tuple[str, str] | None = None) -> None:
+        """Delete a pod as the API server does: a pod that is not finished first gets the ``DisruptionTarget``
+        condition (``disruption``: its reason and message) when the deletion is a disruption (an eviction);
+        a pod with finalizers stays, with a ``deletionTimestamp``, until they are removed (the kubelet's
+        termination is the test's to play); any other pod goes at once (the fake does not wait for a kubelet).
+        The condition: https://kubernetes.io/docs/concepts/workloads/pods/disruptions/#pod-disruption-conditions
+        (reason ``EvictionByEvictionAPI`` for the Eviction API)."""
+        pod = self.pods[(namespace, name)]
+        status = pod.setdefault("status", {})
+        if disruption is not None and status.get("phase") not in ("Succeeded", "Failed"):
+            conditions = [c for c in status.get("conditions") or [] if c.get("type") != "DisruptionTarget"]
+            reason, message = disruption
+            conditions.append(
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": reason,
+                    "message": message,
+                    "lastTransitionTime": now_rfc3339(),
+                }
+            )
+            status["conditions"] = conditions
+        if pod["metadata"].get("finalizers"):
+            pod["metadata"].setdefault("deletionTimestamp", now_rfc3339())
+            pod["metadata"]["resourceVersion"] = self._next_version()
+        else:
+            del self.pods[(namespace, name)]
+
     def block_eviction(self, namespace: str, name: str, budget: str = "train-pdb") -> None:
         """A PodDisruptionBudget (``budget``) forbids evicting this pod until :meth:`unblock_eviction`."""
         self.blocked[(namespace, name)] = budget
@@ -450,6 +483,8 @@ class FakeKube:
                 raise
             except PatchError as exc:
                 response = status_error(exc.code, exc.reason, str(exc))
+        for callback in self.after_request:
+            callback()
         entry.status = response.status
         assert self._changed is not None
         async with self._changed:
@@ -499,7 +534,15 @@ class FakeKube:
             ("POST", ns + r"/events", self._create_event),
             ("GET", r"/api/v1/events", self._list_events),
             ("GET", ns + r"/events", self._list_events),
+            *self.extra_routes,
         ]
+
+    def groups(self) -> dict[str, list[tuple[str, str, bool, list[str]]]]:
+        """GROUPS with the add-ons' resources."""
+        merged = {gv: list(resources) for gv, resources in GROUPS.items()}
+        for gv, resources in self.extra_groups.items():
+            merged.setdefault(gv, []).extend(resources)
+        return merged
 
     # --- discovery --------------------------------------------------------------------------------------
 
@@ -520,7 +563,7 @@ class FakeKube:
 
     async def _api_groups(self, request: web.Request) -> web.Response:
         groups = []
-        for group_version in GROUPS:
+        for group_version in self.groups():
             if "/" not in group_version:
                 continue
             group, version = group_version.split("/")
@@ -538,7 +581,7 @@ class FakeKube:
                 "verbs": verbs,
                 **({"group": "policy", "version": "v1"} if name == "pods/eviction" else {}),
             }
-            for name, kind, namespaced, verbs in GROUPS[group_version]
+            for name, kind, namespaced, verbs in self.groups()[group_version]
         ]
         return json_response(
             {
@@ -553,7 +596,7 @@ class FakeKube:
         return self._resource_list("v1")
 
     async def _group_resources(self, request: web.Request, group: str, version: str) -> web.Response:
-        if f"{group}/{version}" not in GROUPS:
+        if f"{group}/{version}" not in self.groups():
             return status_error(404, "NotFound", f"the server could not find the group {group}/{version}")
         return self._resource_list(f"{group}/{version}")
 
@@ -669,8 +712,8 @@ class FakeKube:
                 ],
             )
             return response
-        del self.pods[(namespace, name)]
         self.evicted.append((namespace, name))
+        self.delete_pod(namespace, name, disruption=("EvictionByEvictionAPI", "Eviction API: evicting"))
         return json_response(
             {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201},
             status=201,
