@@ -91,10 +91,8 @@ def test_the_job_is_an_elastic_launch_as_wide_as_the_job() -> None:
     # The policy: 75 of the training container, and an eviction, are not failures.
     assert "Never" == pod["restartPolicy"]
     exit_rule, disruption_rule = spec["podFailurePolicy"]["rules"]
-    assert {
-        "action": "Ignore",
-        "onExitCodes": {"containerName": train["name"], "operator": "In", "values": [75]},
-    } == (exit_rule)
+    on_75 = {"containerName": train["name"], "operator": "In", "values": [75]}
+    assert {"action": "Ignore", "onExitCodes": on_75} == exit_rule
     assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} == disruption_rule
     assert pod["terminationGracePeriodSeconds"] >= 60
     assert {"rules": [{"succeededCount": 1}]} == spec["successPolicy"]
@@ -112,10 +110,8 @@ def test_the_job_mounts_the_socket_as_the_training_pod_example_does() -> None:
         d for d in yaml.safe_load_all((EXAMPLES.parent / "training-pod-example.yaml").read_text()) if d
     ]
     job_pod = one("elastic-job.yaml", "Job")["spec"]["template"]["spec"]
-    pytorch_pod = one("pytorchjob-elastic.yaml", "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Worker"][
-        "template"
-    ]
-    for pod in (job_pod, pytorch_pod["spec"]):
+    worker = one("pytorchjob-elastic.yaml", "PyTorchJob")["spec"]["pytorchReplicaSpecs"]["Worker"]
+    for pod in (job_pod, worker["template"]["spec"]):
         [train] = pod["containers"]
         assert {"name": "PREEMPTD_SOCKET", "value": "/run/preemptd/preemptd.sock"} in train["env"]
         for mount in ("/run/preemptd", "/dev/shm/preemptd"):
