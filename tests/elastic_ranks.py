@@ -1,7 +1,8 @@
 """One rank of tests/test_elastic.py: a gloo group of WORLD_SIZE processes on a TCPStore at MASTER_PORT, then
 ``Elastic.after_emergency`` with a launch whose torchrun is a stand-in process (``--agent-pid``), a notice on
 the ranks ``--noticed`` names; prints one JSON line with the answer and, after a re-form, an all_reduce over
-the new group. ``--die`` names a rank that exits at once instead of joining the new group."""
+the new group. ``--die`` names a rank that exits at once instead of joining the new group, ``--hang`` one that stays alive
+and silent instead (its sockets open, as a frozen process's)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -26,12 +28,13 @@ def main() -> int:
     parser.add_argument("--min-nodes", type=int, default=2)
     parser.add_argument("--max-nodes", type=int, default=3)
     parser.add_argument("--die", type=int, default=None)
+    parser.add_argument("--hang", type=int, default=None)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     launch = Launch(args.agent_pid, args.min_nodes, args.max_nodes, "etcd-v2", "127.0.0.1:2379", 3)
     elastic = Elastic(launch=launch, reform_timeout=timedelta(seconds=3))
-    if args.die is not None and rank == args.die:
+    if rank in (args.die, args.hang):
         # A staying rank that dies during the re-form: it takes part in the agreement over the old group as
         # Elastic does (the gathered members, the new store's address from the lowest staying rank), then is
         # gone before it joins the new group.
@@ -41,6 +44,8 @@ def main() -> int:
         )
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=min(set(range(dist.get_world_size())) - set(args.noticed)))
+        if rank == args.hang:
+            time.sleep(600)  # the test kills it once the others have answered
         os._exit(9)
     decision = Decision(checkpoint=True, emergency=True, notice_id="n-1" if rank in args.noticed else None)
     reform = elastic.after_emergency(decision)

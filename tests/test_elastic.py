@@ -52,8 +52,11 @@ def _stand_ins(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             proc.wait()
 
 
-def _ranks(agents: Sequence[subprocess.Popen[bytes]], *args: str) -> list[tuple[int, dict[str, Any]]]:
-    """Run the three ranks; each one's exit status and answer (empty for a rank that printed none)."""
+def _ranks(
+    agents: Sequence[subprocess.Popen[bytes]], *args: str, hung: int | None = None
+) -> list[tuple[int, dict[str, Any]]]:
+    """Run the three ranks; each one's exit status and answer (empty for a rank that printed none). Rank
+    ``hung`` is killed once the others have answered."""
     port = _free_port()
     procs = []
     for rank, agent in enumerate(agents):
@@ -71,7 +74,12 @@ def _ranks(agents: Sequence[subprocess.Popen[bytes]], *args: str) -> list[tuple[
         command = [sys.executable, str(RANKS), "--agent-pid", str(agent.pid), *args]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     found = []
-    for proc in procs:
+    for rank, proc in enumerate(procs):
+        if rank == hung:
+            others = [p for p in procs if p is not proc]
+            for other in others:
+                other.wait(timeout=100)
+            proc.kill()
         out, err = proc.communicate(timeout=100)
         lines = [line for line in out.decode().splitlines() if line.startswith("{")]
         found.append((proc.returncode, json.loads(lines[-1]) if lines else {"stderr": err.decode()[-2000:]}))
@@ -140,6 +148,17 @@ def test_a_staying_rank_that_dies_during_the_re_form_turns_the_answer_into_stop_
         assert [True, True] == _signalled(agents)[
             :2
         ]  # the job stops for the notice: no restart in its window
+
+
+def test_a_staying_rank_that_hangs_during_the_re_form_is_waited_for_only_reform_timeout() -> None:
+    """A frozen staying rank (alive, sockets open, silent) never arrives at the new group's store: the others
+    stop after ``reform_timeout`` (3 s here) instead of gloo's 30 minutes, and the notice stops the job."""
+    with _stand_ins(3) as agents:
+        found = _ranks(agents, "--noticed", "1", "--hang", "2", hung=2)
+        assert [75, 75, -signal.SIGKILL] == [code for code, _ in found], found
+        assert ("stop", "leave") == (found[0][1]["action"], found[1][1]["action"])
+        assert "re-form at 2 rank(s) failed" in found[0][1]["reason"], found[0][1]
+        assert [True, True] == _signalled(agents)[:2]
 
 
 def test_the_launch_is_read_from_torchruns_own_command_line(tmp_path: Path) -> None:
