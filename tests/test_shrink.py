@@ -26,6 +26,26 @@ from tests.lazy import HAS_TORCH
 from tests.support import http_json
 from tests.test_evacuate_hosts import Host, HostRun, _free_port, hosts
 
+# The example with the evacuation's senders replaced, the first time only, by a death (the marker file says it
+# happened): the notified rank dies as its transfer starts, and its restarted worker sends normally.
+_DIE_SENDING_ONCE = """
+import os, runpy, sys
+import agent.client.peer._stream as evacuate_stream
+import agent.client.peer.evacuate as evacuate
+
+MARK = {mark!r}
+
+def die(*args, **kwargs):
+    open(MARK, "x").close()
+    os._exit(9)
+
+if not os.path.exists(MARK):
+    evacuate.send_file = die
+    evacuate_stream.send_piece = die
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.torch_mp,
@@ -220,6 +240,50 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_a
             # torchrun stopped the workers, exec got no signal: the hosts stayed, so the step went into their own
             # RAM and the newcomer's shards came from there, never through the durable root.
             assert [] == list(ckpt.glob("step-*"))
+        finally:
+            await _kill(runs)
+
+
+@pytest.mark.asyncio
+async def test_an_evacuation_torn_by_a_dying_rank_is_never_loaded_and_the_retry_of_the_notice_shrinks_the_job(
+    tmp_path: Path,
+) -> None:
+    """A durable step first; then a drill on a host whose rank dies as its transfer starts: nothing is committed
+    to any RAM tier, every staying rank falls back to the durable step, and torchrun restarts the workers at
+    world size 3 from it (its digest on every rank: never a mixed state). The notice is still up: the restarted
+    workers evacuate again, the host leaves and the others shrink to 2 from that step."""
+    ckpt = tmp_path / "ckpt"
+    wrapper = tmp_path / "die_sending_once.py"
+    wrapper.write_text(_DIE_SENDING_ONCE.format(mark=str(tmp_path / "died")))
+    args = ["--steps", "100000", "--step-time", "0.02", "--interval-s", "0.5", "--log-every", "5"]
+    async with hosts(3) as three:
+        port = _free_port()
+        launcher = _elastic(port)
+        runs: list[HostRun] = []
+        try:
+            for node, host in enumerate(three):
+                runs.append(await HostRun.start(host, node, 3, port, ckpt, args, wrapper, launcher))
+            for run in runs:
+                await run.until("checkpoint")
+            leaving = next(i for i in range(3) if i != _store_host(runs, port))
+            await _drill(three[leaving])
+            assert EXIT_PREEMPTED == await runs[leaving].finish(timeout=150), runs[leaving].stderr[-4000:]
+            [saved] = {(e["step"], e["digest"]) for e in runs[leaving].of("checkpoint") if e["emergency"]}
+            staying = [run for i, run in enumerate(runs) if i != leaving]
+            for run in staying:
+                while not [e for e in run.of("resumed") if e["world_size"] == 2]:
+                    await run.until_more(timeout=150)
+            durable = {
+                (e["step"], e["digest"]) for run in runs for e in run.of("checkpoint") if not e["emergency"]
+            }
+            for run in staying:
+                [fell] = run.of("preempted")
+                assert fell["failed_step"] > fell["step"], fell
+                first, again = run.of("resumed")
+                assert (3, fell["step"]) == (first["world_size"], first["next_step"])
+                assert (fell["step"], first["digest"]) in durable
+                assert (2, saved) == (again["world_size"], (again["next_step"], again["digest"]))
+                assert run.proc.returncode is None
         finally:
             await _kill(runs)
 
