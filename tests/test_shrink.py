@@ -289,6 +289,33 @@ async def test_an_evacuation_torn_by_a_dying_rank_is_never_loaded_and_the_retry_
 
 
 @pytest.mark.asyncio
+async def test_a_notice_during_a_grow_back_leaves_the_job_at_the_same_size_with_one_digest(
+    tmp_path: Path,
+) -> None:
+    """``--nnodes 2:4`` on 3 hosts; a 4th host joins and, as every torchrun stops its workers to grow, a drill
+    comes on a host that does not serve the store: whichever comes first, the noticed host leaves (its exec
+    exits 75) and the three others train on at world size 3, all from the same step with the same digest."""
+    ckpt = tmp_path / "ckpt"
+    async with hosts(4) as four:
+        runs, store, launcher = await _start(four[:3], ckpt, nodes="2:4")
+        try:
+            leaving = next(i for i in range(3) if i != store)
+            newcomer = await HostRun.start(four[3], 3, 4, 0, ckpt, ARGS, launcher=launcher)
+            runs.append(newcomer)
+            await _drill(four[leaving])
+            assert EXIT_PREEMPTED == await runs[leaving].finish(timeout=180), runs[leaving].stderr[-4000:]
+            staying = [run for i, run in enumerate(runs) if i != leaving]
+            for run in staying:
+                while not [e for e in run.of("step") if e["world_size"] == 3]:
+                    await run.until_more(timeout=180)
+            last = [[e for e in run.of("resumed") if e["world_size"] == 3][-1] for run in staying]
+            assert 1 == len({(e["next_step"], e["digest"]) for e in last}), last
+            assert all(run.proc.returncode is None for run in staying)
+        finally:
+            await _kill(runs)
+
+
+@pytest.mark.asyncio
 async def test_a_drill_on_the_host_serving_the_c10d_store_stops_the_job_on_every_host(tmp_path: Path) -> None:
     """The c10d rendezvous store lives in one torchrun: a notice on its host cannot shrink the job (the others'
     torchrun would lose the rendezvous). Every exec exits 75 after the evacuation and says why."""
