@@ -199,6 +199,18 @@ class _Reader(threading.Thread):
             self.stop.wait(backoff.next())
 
 
+def _show(what: str, payload: Any, out: TextIO, as_json: bool, shown: bool) -> int:
+    """Write one item of watch's queue; 1 when it counts for --count (a stream event; a membership line does
+    not)."""
+    if what in ("event", "membership"):
+        out.write((json.dumps(payload) if as_json else format_event(payload)) + "\n")
+    elif what == "disconnected" and not as_json:
+        out.write(note(f"waiting for the agent: {payload}") + "\n")
+    elif what == "connected" and not as_json and shown:
+        out.write(note("reconnected") + "\n")
+    return 1 if what == "event" else 0
+
+
 def cmd_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
     stream_out = out or sys.stdout
     events: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -220,19 +232,9 @@ def cmd_watch(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 return _fail_no_agent(payload, args.socket)
             if live:
                 stream_out.write("\r\033[K")
+            shown += _show(what, payload, stream_out, args.json, shown > 0)
             if what == "event":
-                if args.json:
-                    stream_out.write(json.dumps(payload) + "\n")
-                else:
-                    stream_out.write(format_event(payload) + "\n")
                 track(active, payload)
-                shown += 1
-            elif what == "membership":  # not counted for --count: the count is of the stream's events
-                stream_out.write((json.dumps(payload) if args.json else format_event(payload)) + "\n")
-            elif what == "disconnected" and not args.json:
-                stream_out.write(note(f"waiting for the agent: {payload}") + "\n")
-            elif what == "connected" and not args.json and shown:
-                stream_out.write(note("reconnected") + "\n")
             if live and active:
                 stream_out.write(countdown(active))
             stream_out.flush()
