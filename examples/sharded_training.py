@@ -76,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--drain", action="store_true", help="with --tier peer: the agents copy it to the root"
     )
     parser.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="with --tier peer: a peer snapshot (this host's RAM and the next host's) every this many steps",
+    )
+    parser.add_argument(
         "--log-every", type=int, default=0, help="a 'step' line every this many steps (0: none)"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -254,6 +260,8 @@ def train(
 
         decision = coordinator.check(step + 1)
         if not decision.checkpoint:
+            if args.snapshot_every and (step + 1) % args.snapshot_every == 0:
+                snapshot(job, step + 1)
             continue
         job.progress.step = step + 1
         if args.async_saves and not decision.emergency:
@@ -314,6 +322,21 @@ def train(
     store.wait_async()  # the last background save is committed before "done"
     emit("done", rank=rank, step=args.steps, world_size=world_size, digest=digest(model, optimizer))
     return None
+
+
+def snapshot(job: Job, step: int) -> None:
+    """A peer snapshot of the state after ``step``: staged now, copied into two hosts' RAM in the background."""
+    job.progress.step = step
+    taken = job.store.snapshot(step, job.state)
+    if taken is not None:
+        emit(
+            "snapshot",
+            rank=dist.get_rank(),
+            step=step,
+            blocked_s=round(taken.blocked_s, 4),
+            world_size=dist.get_world_size(),
+            digest=digest(job.model, job.optimizer),
+        )
 
 
 class Stopped(Exception):

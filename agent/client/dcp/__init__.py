@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -65,6 +65,9 @@ from agent.client.store import (
     valid_only,
 )
 from agent.client.store_failure import convertible, fall_back, free_bytes, save_failure
+
+if TYPE_CHECKING:  # imported on use (agent.client.peer's modules import this package first)
+    from agent.client.peer.snapshot import SnapshotRun
 
 __all__ = [
     "CRC_SIDECAR",
@@ -299,7 +302,18 @@ class ShardedStore:
         every rank waits for it and it is the emergency checkpoint (reported ``async:
         waited_for_in_flight``); otherwise the emergency save starts at once, next to it (``async:
         emergency_while_in_flight``). Rank 0 decides, so every rank does the same."""
+        if self.peer is not None:
+            self.peer.settle()  # one background collective at a time on the store's second group
         return self._background.start(step, state, metadata)
+
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> SnapshotRun | None:
+        """A peer snapshot of ``state`` as ``step`` (``tier="peer"``/``"auto"``): staged now, copied into the
+        RAM of this host and of the next one in the background (:mod:`agent.client.peer.snapshot`); None when
+        it could not start (a warning says why). A background save in flight is waited for first."""
+        if self.peer is None:
+            raise ValueError("snapshots go into the peers' RAM tiers: construct the store with tier='peer'")
+        self._background.wait()
+        return self.peer.snapshot(step, state)
 
     def wait_async(self, timeout: float | None = None) -> ShardedCheckpoint | None:
         """Wait for the background save in flight (if any) to be committed; its checkpoint, or None when
@@ -381,6 +395,8 @@ class ShardedStore:
         saves and loads no more. Call it before ``destroy_process_group()``, or at least before exit."""
         try:
             self.wait_async(timeout)
+            if self.peer is not None:
+                self.peer.settle(timeout)
         except TimeoutError as exc:  # its group stays alive: released at exit
             _log.warning("%s after %s s: closing without it", exc, timeout)
         except Exception as exc:  # reported as failed already; exiting must not raise it again

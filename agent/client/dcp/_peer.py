@@ -25,6 +25,7 @@ from agent.client.store_failure import fall_back, summary
 
 if TYPE_CHECKING:  # imported on use at run time: see PeerTier.save
     from agent.client.peer.evacuate import Evacuated
+    from agent.client.peer.snapshot import PeerSnapshots, SnapshotRun
 
 _log = logging.getLogger("agent.client.dcp")
 
@@ -73,6 +74,22 @@ class PeerTier:
         # the shard is written into the notified host's RAM tier and its files sent afterwards; bench/.)
         ranks.add_stream()
         self.streaming = True
+        self.snapshots: PeerSnapshots | None = None  # made by the first snapshot()
+
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> SnapshotRun | None:
+        """Start a peer snapshot of ``state`` as ``step`` (:mod:`agent.client.peer.snapshot`); None when it
+        could not start (a warning says why)."""
+        from agent.client.peer.snapshot import PeerSnapshots  # on use: see save()
+
+        if self.snapshots is None:
+            self.snapshots = PeerSnapshots(self.ranks, self.tiers, self.job, self._report, self.thread_count)
+        run = int(self.ranks.from_zero(self.local.run_for(step) if self.ranks.rank == 0 else 0))
+        return self.snapshots.start(step, run, state)
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for the snapshot in flight, if any (an emergency save never races one)."""
+        if self.snapshots is not None:
+            self.snapshots.settle(timeout)
 
     def save(
         self,
@@ -89,6 +106,7 @@ class PeerTier:
         it (a rank died), CheckpointError with the newest earlier committed durable step as its ``fallback``
         (recorded for ``preemptd exec``), as a failed durable emergency save does."""
         started = time.monotonic()
+        self.settle()
         flush = self._plan(step, deadline)
         if flush is None:
             return None

@@ -1,0 +1,307 @@
+"""Peer snapshots (issue 38): a step kept in the RAM of two hosts, so that a host lost without a notice loses
+no more than the steps since the newest snapshot.
+
+On the training thread, every rank reserves room in its host's RAM tier (its own shard and the shard it will
+hold for a rank of the previous host in the ring) and DCP stages its shard into CPU memory; that copy is all a
+snapshot blocks training for. In the background, on the store's second gloo group, DCP writes the staged shard
+into the host's RAM tier, each rank sends its files to its buddy on the next host of the ring (the same rule
+as an evacuation's, with every host sending), the ranks agree that every file of the step is in the RAM of two
+hosts with its CRC32, and each host commits the step with the files it holds. A resume takes the newest step
+complete across the hosts' union (:mod:`agent.client.peer.resume`), so it finds a snapshot whole after the loss
+of any one host. Each store keeps its newest ``keep`` snapshots and frees older ones.
+
+Nothing is committed when any part fails (a full tier, a lost peer, a rank that died): the snapshot is
+reported ``failed`` and training goes on. A snapshot never races an evacuation: an emergency save first waits
+for the one in flight (:meth:`PeerSnapshots.settle`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+
+from agent.client.dcp._commit import Ranks
+from agent.client.peer._plan import PeerTierUnusable, Place, Plan
+from agent.client.peer._transfer import SummingFileSystem, receive_file, send_file
+from agent.client.peer.evacuate import Evacuation, estimate, resolve
+from agent.client.peer.ramtier import RamTier
+from agent.client.store_failure import summary
+
+_log = logging.getLogger("agent.client.peer")
+
+__all__ = ["PeerSnapshots", "Snapshot", "SnapshotRun", "phases", "ring"]
+
+
+@dataclass
+class SnapshotRun:
+    """One snapshot: ``blocked_s`` is how long it blocked training (staging); ``complete_s`` how long until
+    it was committed on every host (or failed: ``error``)."""
+
+    step: int
+    started: float
+    blocked_s: float = 0.0
+    complete_s: float | None = None
+    holders: Mapping[str, tuple[str, ...]] | None = None  # each file's hosts, once committed
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+
+def ring(places: Sequence[Place]) -> Plan:
+    """Every rank's buddy: the (k mod n)-th rank of the next host in the ring (hosts ordered by their lowest
+    rank), as an evacuation picks for a notified host; PeerTierUnusable when a rank's tier cannot be used or
+    the job has one host (no peer to hold a copy)."""
+    problems = [f"rank {p.rank}: {p.problem}" for p in places if p.problem]
+    if problems:
+        raise PeerTierUnusable("; ".join(problems), next(p.reason for p in places if p.problem))
+    grouped: dict[str, list[int]] = {}
+    for place in sorted(places, key=lambda p: p.rank):
+        grouped.setdefault(place.host, []).append(place.rank)
+    hosts = tuple((host, tuple(ranks)) for host, ranks in grouped.items())
+    if len(hosts) < 2:
+        raise PeerTierUnusable("the job runs on one host: no peer to keep a copy", "one_host")
+    buddy: dict[int, int] = {}
+    for index, (_host, ranks) in enumerate(hosts):
+        _, after = hosts[(index + 1) % len(hosts)]
+        buddy.update({rank: after[k % len(after)] for k, rank in enumerate(ranks)})
+    return Plan(hosts, frozenset(), buddy)
+
+
+def phases(count: int) -> list[int]:
+    """The phase in which each host of a ring of ``count`` sends to the next one, so that no host sends and
+    receives in one phase (a blocking send waits for its receiver): even hosts, then odd ones, and with an
+    odd count the last host on its own."""
+    found = [index % 2 for index in range(count)]
+    if count % 2:
+        found[-1] = 2
+    return found
+
+
+class Snapshot(Evacuation):
+    """One snapshot of the store's group (a collective): :meth:`stage` on the training thread, :meth:`finish`
+    on a thread of its own with ``ranks.async_group``."""
+
+    def __init__(self, ranks: Ranks, tier: RamTier, job: str, thread_count: int = 1) -> None:
+        super().__init__(ranks, ranks.group, tier, job, thread_count)
+
+    def stage(self, step: int, state: Mapping[str, Any]) -> Callable[[int], Mapping[str, tuple[str, ...]]]:
+        """Reserve and stage; returns the rest of the snapshot, to run in the background with the run
+        number: it returns each file's holders once the step is committed on every host."""
+        resolved = resolve(state)
+        places = self.ranks.gather(self._place((), estimate(resolved)), self.group)
+        the_plan = ring(places)
+        host = the_plan.host_of(self.ranks.rank)
+        directory, reservation = self._reserve(the_plan, step, places, host)
+        sums = SummingFileSystem()
+        writer = FileSystemWriter(directory, sync_files=False, thread_count=self.thread_count)
+        writer.fs = sums
+        try:
+            future: Any = dcp_async_save(
+                resolved, storage_writer=writer, process_group=self.ranks.async_group
+            )
+        except BaseException:
+            if self.ranks.rank == the_plan.leader(host):
+                self._free(step)
+            raise
+
+        def rest(run: int) -> Mapping[str, tuple[str, ...]]:
+            self.group = self.ranks.async_group  # from here on, the background's collectives
+            try:
+                future.result()
+                return self._replicate(the_plan, step, run, host, directory, reservation, sums.sums)
+            except Exception:
+                if self.ranks.rank == the_plan.leader(host):
+                    self._free(step)
+                raise
+
+        return rest
+
+    def _replicate(
+        self,
+        the_plan: Plan,
+        step: int,
+        run: int,
+        host: str,
+        directory: Path,
+        reservation: str,
+        sums: Mapping[str, tuple[int, int]],
+    ) -> Mapping[str, tuple[str, ...]]:
+        listed = self._agree(self._own_files(directory, {}), "listing the shard files")
+        described = [files for files, _ in listed]
+        received = self._exchange(the_plan, directory, described, sums)
+        # What this rank holds, as a survivor of an evacuation would: its own files and those it received.
+        kept = self._held(replace(the_plan, buddy={}), directory, described, received, sums)
+        held = self._agree(kept, "confirming the copies")
+        files, holders = self._twice(the_plan, held, described)
+        mine = {name: entry for name, entry in files.items() if host in holders[name]}
+        extra = {"step_files": {n: int(e["size"]) for n, e in files.items()}, "snapshot": True}
+        self._commit(
+            the_plan, step, run, host, directory, reservation, mine, dict.fromkeys(mine, host), extra
+        )
+        return holders
+
+    def _exchange(
+        self,
+        the_plan: Plan,
+        directory: Path,
+        described: list[dict[str, int]],
+        sums: Mapping[str, tuple[int, int]],
+    ) -> dict[str, int] | str:
+        """Each rank sends its files to its buddy and receives those of the ranks it is the buddy of, host by
+        host in :func:`phases`; the files received (name → CRC32), or a problem."""
+        rank = self.ranks.rank
+        order = [host for host, _ in the_plan.hosts]
+        phase = phases(len(order))
+        mine = phase[order.index(the_plan.host_of(rank))]
+        senders = the_plan.senders_to(rank)
+        sender_phase = {s: phase[order.index(the_plan.host_of(s))] for s in senders}
+        received: dict[str, int] = {}
+        problems: list[str] = []
+        for current in range(max(phase) + 1):
+            if current == mine:
+                for name, size in sorted(described[rank].items()):
+                    crc, written = sums.get(name, (None, -1))
+                    send_file(
+                        self.group,
+                        the_plan.buddy[rank],
+                        directory / name,
+                        size,
+                        crc=crc if written == size else None,
+                    )
+            for sender in (s for s in senders if sender_phase[s] == current):
+                for name, size in sorted(described[sender].items()):
+                    crc, problem = receive_file(self.group, sender, directory / name, size)
+                    if problem:
+                        problems.append(f"rank {rank}: {problem}")
+                    else:
+                        received[name] = crc
+        return "; ".join(problems) if problems else received
+
+    def _twice(
+        self, the_plan: Plan, held: list[dict[str, dict[str, int]]], described: list[dict[str, int]]
+    ) -> tuple[dict[str, dict[str, int]], dict[str, tuple[str, ...]]]:
+        """Every file of the step held by two hosts, with its size and one CRC32: the files and their hosts."""
+        files: dict[str, dict[str, int]] = {}
+        hosts: dict[str, set[str]] = {}
+        crcs: dict[str, set[int]] = {}
+        for rank, entries in enumerate(held):
+            for name, entry in entries.items():
+                files[name] = dict(entry)
+                hosts.setdefault(name, set()).add(the_plan.host_of(rank))
+                crcs.setdefault(name, set()).add(int(entry["crc32"]))
+        sizes = {name: size for own in described for name, size in own.items()}
+        short = sorted(
+            n
+            for n, size in sizes.items()
+            if len(hosts.get(n, ())) < 2 or files[n]["size"] != size or len(crcs[n]) != 1
+        )
+        if short:
+            raise PeerTierUnusable(f"not in the RAM of two hosts with one CRC32: {', '.join(short)}")
+        return files, {name: tuple(sorted(found)) for name, found in hosts.items()}
+
+
+class PeerSnapshots:
+    """A store's snapshots: at most one in flight, ``keep`` newest committed ones kept in the RAM tiers."""
+
+    def __init__(
+        self,
+        ranks: Ranks,
+        tier: RamTier,
+        job: str,
+        report: Callable[..., None],
+        thread_count: int = 1,
+        keep: int = 2,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep!r}")
+        self.ranks = ranks
+        self.tier = tier
+        self.job = job
+        self.thread_count = thread_count
+        self.keep = keep
+        self._report = report
+        self.inflight: SnapshotRun | None = None
+        self.committed: list[int] = []  # the snapshot steps this store committed and keeps, oldest first
+
+    def start(self, step: int, run: int, state: Mapping[str, Any]) -> SnapshotRun | None:
+        """Snapshot ``state`` as ``step`` (after waiting for the one in flight); the run in flight, or None
+        when it could not start (a warning and a ``failed`` report say why; training goes on)."""
+        self.settle()
+        handle = SnapshotRun(step=step, started=time.monotonic())
+        flush: dict[str, Any] = {"sharded": True, "world_size": self.ranks.world_size, "tier": "snapshot"}
+        self._report("started", step, flush=flush)
+        snapshot = Snapshot(self.ranks, self.tier, self.job, self.thread_count)
+        try:
+            rest = snapshot.stage(step, state)
+        except Exception as exc:
+            self._failed(handle, exc, flush)
+            return None
+        handle.blocked_s = time.monotonic() - handle.started
+        handle.thread = threading.Thread(
+            target=self._complete,
+            args=(handle, rest, run, flush),
+            name=f"preemptd-snapshot {step}",
+            daemon=True,
+        )
+        self.inflight = handle
+        self.ranks.worker = handle.thread
+        handle.thread.start()
+        return handle
+
+    def _complete(
+        self,
+        handle: SnapshotRun,
+        rest: Callable[[int], Mapping[str, tuple[str, ...]]],
+        run: int,
+        flush: dict[str, Any],
+    ) -> None:
+        try:
+            handle.holders = rest(run)
+        except BaseException as exc:  # kept for settle(), which says it
+            handle.error = exc
+            self._report("failed", handle.step, flush=flush)
+            return
+        handle.complete_s = time.monotonic() - handle.started
+        self._report(
+            "finished",
+            handle.step,
+            duration_s=handle.blocked_s,
+            flush={**flush, "complete_s": round(handle.complete_s, 3)},
+        )
+        self._evict(handle.step)
+
+    def _evict(self, step: int) -> None:
+        """Keep the newest ``keep`` snapshots; the host's leader frees the older ones (a rank of every host
+        does it for its own host: the lowest rank on it, which the tier's reservation names)."""
+        self.committed.append(step)
+        old, self.committed = self.committed[: -self.keep], self.committed[-self.keep :]
+        for gone in old:
+            with contextlib.suppress(Exception):  # the agent removes what it cannot (its cap, a restart)
+                self.tier.free(self.job, gone)
+
+    def settle(self, timeout: float | None = None) -> SnapshotRun | None:
+        """Wait for the snapshot in flight (an emergency save does, before it evacuates); it, or None. A
+        failure is a warning here, not an error: the snapshot was never committed."""
+        handle = self.inflight
+        if handle is None or handle.thread is None:
+            return None
+        handle.thread.join(timeout)
+        if handle.thread.is_alive():
+            raise TimeoutError(f"the snapshot of step {handle.step} is still running")
+        self.inflight = None
+        if handle.error is not None:
+            _log.warning("the snapshot of step %s was not committed: %s", handle.step, summary(handle.error))
+        return handle
+
+    def _failed(self, handle: SnapshotRun, exc: Exception, flush: dict[str, Any]) -> None:
+        handle.error = exc
+        self._report("failed", handle.step, flush=flush)
+        _log.warning("the snapshot of step %s was not taken: %s", handle.step, summary(exc))
