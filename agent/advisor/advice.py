@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from agent.advisor import levels
 from agent.advisor import math as cm
 from agent.advisor.estimate import Observations
 from agent.advisor.losses import LOSS_CAUSES
@@ -167,6 +168,9 @@ def advise(obs: Observations, config: AdvisorConfig, now: datetime) -> dict[str,
         high = advised_interval(_with_m(inputs, high_m)) if math.isfinite(high_m) else None
         doc["interval_range_s"] = [round(low, 3), _round(high)]
     doc["explanation"] = explain(doc, obs, config)
+    two = levels.section(obs.snapshots, config, inputs.save_s, inputs.mtbp_lost_s)
+    if two is not None:  # only when peer snapshots were reported: the document is otherwise unchanged
+        doc["two_level"] = two
     return doc
 
 

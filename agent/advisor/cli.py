@@ -352,6 +352,9 @@ def _print_human(doc: dict[str, Any], inputs: Inputs, out: TextIO) -> None:
         + (f" against {100 * waste['current']:.1f}% now" if waste.get("current") is not None else "")
         + "."
     )
+    if doc.get("two_level"):  # peer snapshots were reported
+        print(file=out)
+        say(doc["two_level"]["explanation"])
     naive = waste.get("if_every_interruption_lost_work")
     if naive:
         say(

@@ -37,6 +37,7 @@ MAX_RECORDS = 200_000
 _NOTICE_KEYS = ("id", "kind", "drill", "detected_at", "deadline", "cleared_at")
 _REPORT_KEYS = ("kind", "phase", "received_at", "step", "duration_s", "emergency", "notice_id", "peer_pid")
 _CLIENT_KEYS = ("job", "name", "host")
+_FLUSH_KEYS = ("tier", "complete_s")  # a peer snapshot and its completion time (two-level advice)
 
 
 def compact(record: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -58,6 +59,9 @@ def compact(record: Mapping[str, Any]) -> dict[str, Any] | None:
         client = doc.get("client")
         if isinstance(client, Mapping):
             report["client"] = {k: client[k] for k in _CLIENT_KEYS if k in client}
+        flush = doc.get("flush")
+        if isinstance(flush, Mapping) and any(k in flush for k in _FLUSH_KEYS):
+            report["flush"] = {k: flush[k] for k in _FLUSH_KEYS if k in flush}
         out["report"] = report
     return out
 
@@ -301,7 +305,7 @@ class AdvisorComponent:
         doc = self._advice
         if doc is None:
             return None
-        return {
+        section = {
             "interval_s": doc.get("interval_s"),
             "confidence": doc.get("confidence"),
             "save_time_s": doc["save_time"]["value_s"],
@@ -311,9 +315,30 @@ class AdvisorComponent:
             "reason": doc.get("reason"),
             "computed_at": doc.get("computed_at"),
         }
+        if "two_level" in doc:
+            section["two_level"] = _two_level_summary(doc["two_level"])
+        return section
 
     def status_flush_risk(self) -> dict[str, Any] | None:
         return self._flush_risk
+
+
+def _two_level_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """The two intervals and what the peer level saves, for status (the whole: ``GET /v1/advice``)."""
+    peer, durable = doc.get("peer") or {}, doc.get("durable") or {}
+    waste = doc.get("expected_waste") or {}
+    return {
+        "levels": doc.get("levels"),
+        "peer_interval_s": peer.get("interval_s"),
+        "peer_steps": peer.get("steps"),
+        "durable_interval_s": durable.get("interval_s"),
+        "every_snapshots": durable.get("every_snapshots"),
+        "waste": waste.get("two_level"),
+        "durable_only_waste": waste.get("durable_only"),
+        "saves": doc.get("saves"),
+        "ram_loss_share": doc["assumption"]["ram_loss_share"],
+        "reason": doc.get("reason"),
+    }
 
 
 class AdvisorCollector:

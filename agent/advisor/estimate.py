@@ -94,6 +94,27 @@ class Observations:
     drills_ignored: int = 0
     pending_notices: int = 0
     checkpoints: tuple[Checkpoint, ...] = field(default=(), repr=False)
+    snapshots: Snapshots | None = None  # None: no peer snapshot reported
+
+
+@dataclass(frozen=True)
+class Snapshots:
+    """What the peer snapshot reports say: the stall δ1, the completion time L1 and the step time."""
+
+    stall: SaveTime
+    complete_s: float | None  # median over the snapshots that reported ``flush.complete_s``
+    completes: int
+    step_s: float | None  # median seconds per step between consecutive snapshots of a job
+    step_gaps: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stall": self.stall.to_json(),
+            "complete_s": _r(self.complete_s),
+            "completes": self.completes,
+            "step_time_s": _r(self.step_s, 4),
+            "step_gaps": self.step_gaps,
+        }
 
 
 def check_config(config: AdvisorConfig) -> None:
@@ -116,6 +137,11 @@ def check_config(config: AdvisorConfig) -> None:
             raise ConfigError(
                 f"key 'advisor.{key}': expected an integer of at least 1, got {getattr(config, key)!r}"
             )
+    if not 0.0 < config.ram_loss_share < 1.0:
+        raise ConfigError(
+            "key 'advisor.ram_loss_share': expected a share above 0 and below 1 (e.g. 0.2), "
+            f"got {config.ram_loss_share!r}"
+        )
     if not 0.0 < config.credible_level < 1.0:
         raise ConfigError(
             f"key 'advisor.credible_level': expected a probability between 0 and 1 (e.g. 0.9), "
@@ -160,7 +186,7 @@ def observe(records: Iterable[Any], now: datetime, config: AdvisorConfig) -> Obs
     exposure = times.exposure_s
 
     checkpoints = merge_checkpoints(reports)
-    periodic = [c for c in checkpoints if not c.emergency]
+    periodic = [c for c in checkpoints if not c.emergency and not c.snapshot]
     emergency = [c for c in checkpoints if c.emergency]
     save = _save_time(periodic, config.report_window, config.save_time_s, max(1, config.min_reports))
     emergency_save = _save_time(emergency, config.report_window, None, 1)
@@ -187,6 +213,40 @@ def observe(records: Iterable[Any], now: datetime, config: AdvisorConfig) -> Obs
         drills_ignored=counted.drills,
         pending_notices=counted.pending,
         checkpoints=tuple(checkpoints),
+        snapshots=_snapshots(checkpoints, losses, runs, config),
+    )
+
+
+def _snapshots(
+    checkpoints: Sequence[Checkpoint], losses: Sequence[Loss], runs: Sequence[Run], config: AdvisorConfig
+) -> Snapshots | None:
+    """δ1, L1 and the step time from the peer snapshots (not emergency ones), as δ from durable ones."""
+    taken = [c for c in checkpoints if c.snapshot and not c.emergency]
+    if not taken:
+        return None
+    stall = _save_time(taken, config.report_window, None, max(1, config.min_reports))
+    recent = taken[-config.report_window :]
+    completes = [c.complete_s for c in recent if c.complete_s is not None]
+    breaks = sorted([loss.time for loss in losses] + [run.start for run in runs])
+    by_job: dict[str, list[Checkpoint]] = {}
+    for checkpoint in recent:
+        by_job.setdefault(checkpoint.job, []).append(checkpoint)
+    per_step: list[float] = []
+    for done in by_job.values():
+        for a, b in itertools.pairwise(done):
+            if a.step is None or b.step is None or b.step <= a.step:
+                continue  # a restart from an earlier step, or no step numbers
+            if any(a.finished_at < t <= b.finished_at for t in breaks):
+                continue  # a loss or an agent restart in between: not training time
+            compute = (b.finished_at - a.finished_at).total_seconds() - b.duration_s
+            if compute > 0:
+                per_step.append(compute / (b.step - a.step))
+    return Snapshots(
+        stall=stall,
+        complete_s=median(completes) if completes else None,
+        completes=len(completes),
+        step_s=median(per_step) if len(per_step) >= 2 else None,
+        step_gaps=len(per_step),
     )
 
 

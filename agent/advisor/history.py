@@ -25,6 +25,8 @@ class Checkpoint:
     emergency: bool
     notice_id: str | None
     reports: int
+    snapshot: bool = False  # a peer snapshot (``flush.tier`` "snapshot"), not a durable checkpoint
+    complete_s: float | None = None  # a snapshot's time until committed on the peers (L1), slowest rank
 
 
 @dataclass
@@ -56,6 +58,8 @@ class Report:
     step: int | None
     job: str
     run: int
+    snapshot: bool = False
+    complete_s: float | None = None
 
 
 def _time(record: Mapping[str, Any], key: str = "time") -> datetime | None:
@@ -138,6 +142,8 @@ def _report(doc: Any, at: datetime, run: int) -> Report | None:
     assert isinstance(client, Mapping)
     job = client.get("job") or client.get("name") or client.get("host") or doc.get("peer_pid") or ""
     step = doc.get("step")
+    flush = doc.get("flush") if isinstance(doc.get("flush"), Mapping) else {}
+    assert isinstance(flush, Mapping)
     return Report(
         time=_time(doc, "received_at") or at,
         phase=str(phase),
@@ -147,7 +153,15 @@ def _report(doc: Any, at: datetime, run: int) -> Report | None:
         step=step if isinstance(step, int) and not isinstance(step, bool) else None,
         job=str(job),
         run=run,
+        snapshot=flush.get("tier") == "snapshot",
+        complete_s=_seconds(flush.get("complete_s")),
     )
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value) if value >= 0 else None
 
 
 def merge_checkpoints(reports: Sequence[Report]) -> list[Checkpoint]:
@@ -157,7 +171,7 @@ def merge_checkpoints(reports: Sequence[Report]) -> list[Checkpoint]:
         if report.phase != "finished" or report.duration_s is None:
             continue
         key: tuple[Any, ...] = (
-            (report.job, report.step, report.emergency, report.notice_id)
+            (report.job, report.step, report.emergency, report.notice_id, report.snapshot)
             if report.step is not None
             else (index,)
         )
@@ -171,6 +185,8 @@ def merge_checkpoints(reports: Sequence[Report]) -> list[Checkpoint]:
             emergency=group[0].emergency,
             notice_id=group[0].notice_id,
             reports=len(group),
+            snapshot=group[0].snapshot,
+            complete_s=max((r.complete_s for r in group if r.complete_s is not None), default=None),
         )
         for group in groups.values()
     ]

@@ -206,6 +206,10 @@ class AdvisorConfig:
     # How often the advisor appends an ``advice`` record to the history log (it also bounds how much uptime
     # an unclean stop can hide); 0 disables.
     record_interval_s: SecondsOrOff = 3600.0
+    # Share of the unannounced losses that also destroy every RAM copy of some shard (host and peer lost
+    # together): nothing measures it yet. The two-level advice takes λ2 = share·λ for durable checkpoints and
+    # λ1 = (1 - share)·λ for peer snapshots; 0.2 is a same-pool peer's co-loss within ±3 min (docs/advisor.md).
+    ram_loss_share: float = 0.2
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,7 @@ _FLUSH_KEYS: dict[str, type] = {
     "fallback": str,
     # Seconds left before the deadline when the save ended: negative when it ended after it.
     "slack_s": float,
+    "complete_s": float,  # a peer snapshot (tier "snapshot"): seconds until committed on the peers
 }
 # What a membership report says (agent/client/elastic.py's Reform): name → type.
 _MEMBERSHIP_KEYS: dict[str, type] = {
