@@ -10,6 +10,7 @@ import textwrap
 from datetime import datetime, timezone
 from typing import Any
 
+from agent.core.domain import Domain
 from agent.core.screen import WIDTH, duration, keep, parse_time, plural, printable, when, wrap
 from agent.window.effective import window_lines
 
@@ -86,8 +87,8 @@ def _job_lines(jobs: Any) -> list[str]:
 
 
 def _agent_lines(doc: dict[str, Any], width: int) -> list[str]:
-    """The agent's own lines: its version and overall state, where it listens and runs, its uptime, and a
-    problem with its state directory."""
+    """The agent's own lines: its version and overall state, where it listens and runs, its failure domain,
+    its uptime, and a problem with its state directory."""
     lines: list[str] = []
 
     def row(text: str, first: str = _ITEM) -> None:
@@ -105,6 +106,9 @@ def _agent_lines(doc: dict[str, Any], width: int) -> list[str]:
         where.append(f"instance {instance['instance_id']}")
     if any(where):
         row(", ".join(part for part in where if part))
+    domain = Domain.from_json(agent.get("domain"))
+    if domain is not None:  # one line, whatever the cloud said: its fields are bounded, the line is cut
+        lines.extend(line[:width] for line in wrap(f"failure domain {domain}", _ITEM, _MORE, width, 1))
     if agent:
         since = [f"up {duration(float(agent.get('uptime_s') or 0))}"]
         if agent.get("state_dir"):

@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from agent.core.domain import DOMAIN, Domain
 from agent.core.jobs import JOB_NAMES, JobNameRegistry
 from agent.core.peers import is_admin, peer_credentials
 from agent.ramtier.errors import TierError
@@ -156,7 +157,15 @@ def _subject(tier: TierView, request: web.Request) -> Subject:
 async def info(tier: TierView, request: web.Request) -> web.StreamResponse:
     await tier.ready_root()
     who = _subject(tier, request)
-    return web.json_response(tier.summary(who.owner, every_uid=who.privileged))
+    return web.json_response({**tier.summary(who.owner, every_uid=who.privileged), "domain": _domain(tier)})
+
+
+def _domain(tier: TierView) -> dict[str, str] | None:
+    """This host's failure domain, which every rank reads here before an evacuation: None until a cloud
+    source has identified the instance (and on an agent without a cloud)."""
+    offered = tier.host.capability(DOMAIN)
+    domain = offered() if callable(offered) else None
+    return domain.to_json() if isinstance(domain, Domain) else None
 
 
 async def job_id(tier: TierView, request: web.Request) -> web.StreamResponse:

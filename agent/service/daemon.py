@@ -21,6 +21,7 @@ from agent import __version__
 from agent.config import Config, load_config
 from agent.core import status
 from agent.core.board import NoticeBoard
+from agent.core.domain import DOMAIN
 from agent.core.errors import AlreadyRunningError, ConfigError
 from agent.core.expiry import Drills, Expiry
 from agent.core.fanout import Fanout
@@ -76,6 +77,7 @@ class Agent:
         self.expiry = Expiry(self.board, clock, lambda: self.config, self._speaks_for)
         self.drills = Drills(identity.boot_id, self.inject, clock, self.log)
         self.hooks = Hooks(self.log, self.runner.capability)
+        self.hooks.provide(DOMAIN, identity.domain)
         self.reports_total = self.hooks.reports_total
         self.reports_rejected = 0  # counted by the API's handlers
         self.components: list[Component[Any]] = list(components or [])

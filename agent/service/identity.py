@@ -1,6 +1,6 @@
 """Who the running agent is, as ``/v1/status`` shows it under ``agent``: the version, this start (boot id,
-pid, start time, uptime), the cloud and instance its sources identified, where it serves and keeps its state;
-and which boot of the host it runs in.
+pid, start time, uptime), the cloud and instance its sources identified and the failure domain they give
+(:mod:`agent.core.domain`), where it serves and keeps its state; and which boot of the host it runs in.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 from agent import __version__
 from agent.config import Config
+from agent.core.domain import Domain, domain_of
 
 
 class Identity:
@@ -29,6 +30,10 @@ class Identity:
         """A source found which cloud and instance this host is."""
         self.cloud, self.instance = cloud, dict(instance)
 
+    def domain(self) -> Domain | None:
+        """This host's failure domain, once a source identified the instance (offered as ``domain``)."""
+        return domain_of(self.cloud, self.instance)
+
     def to_json(self, socket: Path | None, activated: bool, config: Config) -> dict[str, Any]:
         """``socket``: the path served (None before it is bound); ``activated``: handed over by systemd."""
         return {
@@ -39,6 +44,7 @@ class Identity:
             "uptime_s": round(time.monotonic() - self._started_mono, 3),
             "cloud": self.cloud,
             "instance": self.instance,
+            "domain": None if (domain := self.domain()) is None else domain.to_json(),
             "socket": str(socket) if socket else None,
             "socket_activated": activated,
             "state_dir": str(config.state_dir),

@@ -106,9 +106,13 @@ class AwsSimulator(Simulator):
         seed: int | None = None,
         imdsv1: bool = False,
         empty_maintenance: str = "[]",
+        life_cycle: str = "spot",
+        placement_group: str | None = None,
     ) -> None:
         """``imdsv1``: also answer GETs without a token (IMDS "optional"); ``empty_maintenance``: ``"[]"`` or
-        ``"404"``, what the scheduled-maintenance path answers when nothing is scheduled."""
+        ``"404"``, what the scheduled-maintenance path answers when nothing is scheduled. ``life_cycle``:
+        ``instance-life-cycle`` (spot, on-demand, scheduled); ``placement_group``: ``placement/group-name``,
+        404 when None (an instance outside a placement group)."""
         if empty_maintenance not in ("[]", "404"):
             raise SimulatorError('empty_maintenance must be "[]" or "404"')
         self.imdsv1 = imdsv1
@@ -120,7 +124,7 @@ class AwsSimulator(Simulator):
             "ami-id": "ami-0abcdef1234567890",
             "instance-id": "i-0123456789abcdef0",
             "instance-type": "p4d.24xlarge",
-            "instance-life-cycle": "spot",
+            "instance-life-cycle": life_cycle,
             "hostname": "ip-10-0-0-12.ec2.internal",
             "local-hostname": "ip-10-0-0-12.ec2.internal",
             "local-ipv4": "10.0.0.12",
@@ -131,6 +135,8 @@ class AwsSimulator(Simulator):
             "services/domain": "amazonaws.com",
             "services/partition": "aws",
         }
+        if placement_group is not None:
+            self.identity["placement/group-name"] = placement_group
         super().__init__(host, port, seed)
         self.reset_state()
 

@@ -107,12 +107,17 @@ class AzureSimulator(Simulator):
         not_before_format: str = "rfc1123",
         rate_limit: int = RATE_LIMIT,
         instance: str = "serve",
+        priority: str = "Spot",
+        placement_group_id: str = "",
     ) -> None:
         """``not_before_format``: ``"rfc1123"`` as Azure sends it, or ``"iso"`` as Microsoft's mock does.
-        ``instance``: what ``/metadata/instance`` answers (:data:`INSTANCE_ANSWERS`)."""
+        ``instance``: what ``/metadata/instance`` answers (:data:`INSTANCE_ANSWERS`). ``priority``: Spot,
+        Regular or Low; ``placement_group_id``: the scale set's placement group, ``""`` outside a scale set."""
         if not_before_format not in ("rfc1123", "iso"):
             raise SimulatorError('not_before_format must be "rfc1123" or "iso"')
         self.vm_name = vm_name
+        self.priority = priority
+        self.placement_group_id = placement_group_id
         self.not_before_format = not_before_format
         self.rate_limit = rate_limit
         self.instance = self._instance_answer(instance)
@@ -242,7 +247,10 @@ class AzureSimulator(Simulator):
                 "name": self.vm_name,
                 "offer": "ubuntu-hpc",
                 "osType": "Linux",
-                "priority": "Spot",
+                "placementGroupId": self.placement_group_id,
+                "platformFaultDomain": "0",
+                "platformUpdateDomain": "0",
+                "priority": self.priority,
                 "provider": "Microsoft.Compute",
                 "publisher": "microsoft-dsvm",
                 "resourceGroupName": "training",

@@ -94,13 +94,16 @@ class GcpSimulator(Simulator):
         offer_upcoming: bool = True,
         on_host_maintenance: str = "TERMINATE",
         upcoming_idle: str = "empty",
+        provisioning_model: str | None = "SPOT",
     ) -> None:
         """``offer_upcoming``: whether ``instance/upcoming-maintenance`` exists (404 otherwise, as on machine
         families without it). ``upcoming_idle``: what it answers while nothing is scheduled, one of
-        ``UPCOMING_IDLE``."""
+        ``UPCOMING_IDLE``. ``provisioning_model``: SPOT or STANDARD (``scheduling/preemptible`` follows
+        it), or None for a preemptible VM that predates it (404)."""
         self.offer_upcoming = offer_upcoming
         self.upcoming_idle = _check_idle(upcoming_idle)
         self.on_host_maintenance = on_host_maintenance
+        self.provisioning_model = provisioning_model
         self._change = asyncio.Event()
         self._stopping = False
         self.waiting = 0  # hanging GETs now blocked on a change
@@ -165,6 +168,7 @@ class GcpSimulator(Simulator):
     # --- protocol ---
 
     def _leaves(self) -> dict[str, str]:
+        preemptible = "TRUE" if self.provisioning_model in ("SPOT", None) else "FALSE"
         leaves = {
             "instance/id": "4520031799277581759",
             "instance/name": "gpu-trainer-0",
@@ -175,16 +179,17 @@ class GcpSimulator(Simulator):
             "instance/image": "projects/deeplearning-platform-release/global/images/common-cu121",
             "instance/preempted": "TRUE" if self.preempted else "FALSE",
             "instance/maintenance-event": self.maintenance_event,
-            "instance/scheduling/preemptible": "TRUE",
+            "instance/scheduling/preemptible": preemptible,
             "instance/scheduling/on-host-maintenance": self.on_host_maintenance,
             "instance/scheduling/automatic-restart": "FALSE",
-            "instance/scheduling/provisioning-model": "SPOT",
             "instance/service-accounts/default/aliases": "default",
             "instance/service-accounts/default/email": "123456789012-compute@developer.gserviceaccount.com",
             "instance/service-accounts/default/scopes": "https://www.googleapis.com/auth/cloud-platform",
             "project/project-id": "sim-project",
             "project/numeric-project-id": "123456789012",
         }
+        if self.provisioning_model is not None:
+            leaves["instance/scheduling/provisioning-model"] = self.provisioning_model
         return leaves
 
     def _token(self) -> str:

@@ -47,6 +47,7 @@ IDENTITY_PATHS = {
     "instance_type": "/latest/meta-data/instance-type",
     "zone": "/latest/meta-data/placement/availability-zone",
     "life_cycle": "/latest/meta-data/instance-life-cycle",
+    "placement_group": "/latest/meta-data/placement/group-name",  # 404 outside a placement group
 }
 
 # Stable observation keys: one per condition, never derived from the payload (whose `time` may drift).

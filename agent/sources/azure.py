@@ -202,6 +202,8 @@ def parse_instance(body: bytes) -> dict[str, str]:
         ours: str(compute[theirs]) for theirs, ours in fields.items() if compute.get(theirs) is not None
     }
     identity["priority"] = str(compute.get("priority") or "Regular")
+    if compute.get("placementGroupId"):  # a scale set's placement group; "" outside one
+        identity["placement_group_id"] = str(compute["placementGroupId"])
     return identity
 
 

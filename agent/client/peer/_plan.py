@@ -1,15 +1,30 @@
 """The evacuation's plan: who holds what (the hosts in a ring, those with a notice, each notified rank's buddy),
 computed alike by every rank from what each one tells the others, and the refusal every rank raises when the
 peer tier cannot be used. Part of :mod:`agent.client.peer.evacuate`; import from there.
+
+A notified host's buddy host is chosen outside its failure domain (docs/ram-tier.md, "Failure domains and
+placement"): a host without a notice in another capacity pool first, then one whose domain is not known,
+then one in another pool that has a notice too, then one of the host's own pool in another placement group,
+then any; ring order breaks ties. Without any domain that is the next host in the ring without a notice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from agent.client.peer.ramtier import RamTierError
+from agent.core.domain import Domain
+
+# Which rule chose a notified host's holder, best first (Placement.rule).
+OTHER_POOL = "other_pool"  # another capacity pool, none of whose hosts has a notice
+UNKNOWN_DOMAIN = "unknown_domain"  # the holder's domain, or the notified host's, is not known
+NOTICED_POOL = "noticed_pool"  # another pool, but one where a host has a notice too
+OTHER_GROUP = "other_group"  # the notified host's own pool, another placement group
+SAME_POOL = "same_pool"  # the notified host's own pool: the last choice
+RING = "ring"  # no rank told a domain (older agents): the next host in the ring without a notice
+RULES = (OTHER_POOL, UNKNOWN_DOMAIN, NOTICED_POOL, OTHER_GROUP, SAME_POOL)
 
 
 class PeerTierUnusable(Exception):
@@ -41,6 +56,26 @@ class Place:
     estimate: int  # bytes its shard should take
     problem: str | None = None  # why its host's RAM tier cannot be used
     reason: str = "tier_unavailable"  # that, as PeerTierUnusable's reason
+    domain: Domain | None = None  # its host's failure domain (RamTier.domain_of), None when not known
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a notified host's shards go and why: the holder host, the rule that chose it (one of
+    :data:`RULES`, or :data:`RING`), and both hosts' domains as far as they are known."""
+
+    holder: str
+    rule: str
+    domain: Domain | None = None
+    holder_domain: Domain | None = None
+
+    def to_json(self) -> dict[str, str | None]:
+        return {
+            "holder": self.holder,
+            "rule": self.rule,
+            "domain": None if self.domain is None else str(self.domain),
+            "holder_domain": None if self.holder_domain is None else str(self.holder_domain),
+        }
 
 
 @dataclass(frozen=True)
@@ -51,6 +86,7 @@ class Plan:
     hosts: tuple[tuple[str, tuple[int, ...]], ...]
     notified: frozenset[str]
     buddy: Mapping[int, int] = field(default_factory=dict)
+    placement: Mapping[str, Placement] = field(default_factory=dict)  # by notified host
 
     def host_of(self, rank: int) -> str:
         return next(host for host, ranks in self.hosts if rank in ranks)
@@ -62,11 +98,68 @@ class Plan:
     def senders_to(self, rank: int) -> list[int]:
         return sorted(sender for sender, receiver in self.buddy.items() if receiver == rank)
 
+    def placement_json(self) -> dict[str, dict[str, str | None]]:
+        """Each notified host's holder and why, for status and reports."""
+        return {host: found.to_json() for host, found in sorted(self.placement.items())}
+
+
+def host_domains(places: Sequence[Place]) -> dict[str, Domain | None]:
+    """Each host's domain: the first one its ranks told, in rank order (they read one agent)."""
+    domains: dict[str, Domain | None] = {}
+    for place in sorted(places, key=lambda p: p.rank):
+        if domains.get(place.host) is None:
+            domains[place.host] = place.domain
+    return domains
+
+
+def _rank(mine: Domain | None, theirs: Domain | None, noticed_pools: frozenset[Any]) -> tuple[int, str, bool]:
+    """A candidate holder's tier (its index in RULES), that rule, and whether it is known to be in another
+    placement group than the notified host."""
+    other_group = bool(mine and theirs and mine.group and theirs.group and mine.group != theirs.group)
+    if theirs is not None and theirs.pool in noticed_pools and (mine is None or theirs.pool != mine.pool):
+        rule = NOTICED_POOL
+    elif mine is None or theirs is None:
+        rule = UNKNOWN_DOMAIN
+    elif theirs.pool != mine.pool:
+        rule = OTHER_POOL
+    else:
+        rule = OTHER_GROUP if other_group else SAME_POOL
+    return RULES.index(rule), rule, other_group
+
+
+def choose_holder(
+    hosts: Sequence[tuple[str, Sequence[int]]],
+    index: int,
+    notified: Collection[str],
+    domains: Mapping[str, Domain | None],
+) -> tuple[int, str]:
+    """The index in ``hosts`` (ring order) of the host that holds the shards of ``hosts[index]``, and the
+    rule that chose it: the best tier of :data:`RULES`, then a known other placement group, then the next in
+    the ring. Without any domain: the next host in the ring without a notice, rule :data:`RING`. The same on
+    every rank for the same arguments."""
+    mine = domains.get(hosts[index][0])
+    noticed_pools = frozenset(d.pool for h, d in domains.items() if d is not None and h in notified)
+    best: tuple[tuple[int, bool, int], int, str] | None = None
+    for step in range(1, len(hosts)):
+        at = (index + step) % len(hosts)
+        if hosts[at][0] in notified:
+            continue
+        tier, rule, other_group = _rank(mine, domains.get(hosts[at][0]), noticed_pools)
+        key = (tier, not other_group, step)
+        if best is None or key < best[0]:
+            best = (key, at, rule)
+    if best is None:
+        raise ValueError("every host has a notice")
+    if all(d is None for d in domains.values()):
+        return best[1], RING
+    return best[1], best[2]
+
 
 def plan(places: Sequence[Place]) -> Plan:
     """The evacuation plan every rank computes alike from the gathered places; PeerTierUnusable when a rank
     cannot use its host's tier or when every host has a notice. The k-th rank of a notified host sends to the
-    (k mod n)-th rank of the next host in the ring without a notice."""
+    (k mod n)-th rank of the host :func:`choose_holder` picks (without domains: the next host in the ring
+    without a notice)."""
     problems = [f"rank {p.rank}: {p.problem}" for p in places if p.problem]
     if problems:
         raise PeerTierUnusable("; ".join(problems), next(p.reason for p in places if p.problem))
@@ -79,12 +172,15 @@ def plan(places: Sequence[Place]) -> Plan:
         raise PeerTierUnusable(
             f"every host of the job has a notice ({len(hosts)} of {len(hosts)})", "all_hosts_noticed"
         )
+    domains = host_domains(places)
     buddy: dict[int, int] = {}
+    placement: dict[str, Placement] = {}
     for index, (host, ranks) in enumerate(hosts):
         if host not in notified:
             continue
-        after = [hosts[(index + step) % len(hosts)] for step in range(1, len(hosts))]
-        _, survivors = next(h for h in after if h[0] not in notified)
+        at, rule = choose_holder(hosts, index, notified, domains)
+        holder, survivors = hosts[at]
+        placement[host] = Placement(holder, rule, domains[host], domains[holder])
         for k, rank in enumerate(ranks):
             buddy[rank] = survivors[k % len(survivors)]
-    return Plan(hosts, notified, buddy)
+    return Plan(hosts, notified, buddy, placement)

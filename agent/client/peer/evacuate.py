@@ -224,7 +224,7 @@ class Evacuation:
         except RamTierError as exc:
             where = f"{socket.gethostname()}:?"
             return Place(rank, where, rank in noticed, nbytes, str(exc), fallback_reason(exc))
-        return Place(rank, host_key(info), rank in noticed, nbytes)
+        return Place(rank, host_key(info), rank in noticed, nbytes, domain=RamTier.domain_of(info))
 
     def _reserve(self, the_plan: Plan, step: int, places: Sequence[Place], host: str) -> tuple[Path, str]:
         """The host's leader reserves room for its ranks' shards and for those its ranks receive; every

@@ -21,6 +21,7 @@ from typing import Any
 
 from agent.checkpoint.checksum import crc32
 from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
+from agent.core.domain import Domain
 
 TIER_FILE = "tier.json"
 _JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -133,8 +134,15 @@ class RamTier:
         self.drain_to = None if drain_to is None else os.path.abspath(drain_to)
 
     def info(self) -> dict[str, Any]:
-        """The tier as the agent sees it: path, cap, used/reserved/free bytes, jobs."""
+        """The tier as the agent sees it: path, cap, used/reserved/free bytes, jobs, and the host's failure
+        domain (``domain``: :meth:`domain_of` reads it)."""
         return dict(self._call("GET", "/v1/ram-tier"))
+
+    @staticmethod
+    def domain_of(info: Mapping[str, Any]) -> Domain | None:
+        """The failure domain of the host whose :meth:`info` this is; None when its agent does not know it
+        (no cloud identified yet, an older agent, a document that is not a domain)."""
+        return Domain.from_json(info.get("domain"))
 
     def job(self, job: str) -> dict[str, Any]:
         """What the tier holds for ``job``: its path and its steps (newest first)."""
