@@ -227,10 +227,10 @@ def test_preemptd_status_prints_the_domain_in_one_line_of_at_most_80_columns() -
     lines = [line for line in text.splitlines() if "failure domain" in line]
     assert ["  failure domain aws/p4d.24xlarge/us-east-1a/spot group pg-train"] == lines
     long = Domain("azure", "Standard_" + "N" * 100, "z" * 100, "spot", "g" * 128)
-    text = format_status(status_doc(long))
-    lines = [line for line in text.splitlines() if "failure domain" in line or line.startswith("    ")]
-    assert 1 == len([line for line in lines if "failure domain" in line])
-    assert all(len(line) <= 80 for line in text.splitlines())
+    text = format_status(status_doc(long)).splitlines()
+    at = [i for i, line in enumerate(text) if "failure domain" in line]
+    assert (1, "  up 5.0s") == (len(at), text[at[0] + 1])  # no continuation line
+    assert all(len(line) <= 80 for line in text)
     assert "failure domain" not in format_status(status_doc(None))
 
 
