@@ -8,6 +8,7 @@ torn one, though nothing was ever written under the durable root."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -16,8 +17,10 @@ from typing import Any
 
 import pytest
 
+from agent.client import EXIT_PREEMPTED
 from tests.lazy import HAS_TORCH
-from tests.test_evacuate_hosts import JOB, Host, _train, hosts
+from tests.support import http_json
+from tests.test_evacuate_hosts import JOB, Host, HostRun, _train, hosts
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,6 +50,18 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+async def finished(runs: list[HostRun], timeout: float = 180.0) -> list[int]:
+    """Every run's exit status; on a timeout, the runs killed and every run's stderr in the failure."""
+    try:
+        return [await run.finish(timeout=timeout) for run in runs]
+    except (TimeoutError, asyncio.TimeoutError):
+        for run in runs:
+            if run.proc.returncode is None:
+                run.proc.kill()
+        tails = [((await run.proc.stderr.read()).decode() if run.proc.stderr else "")[-3000:] for run in runs]
+        raise AssertionError(f"not all runs ended in {timeout} s: {tails}") from None
+
+
 def committed(host: Host) -> list[int]:
     """The job's steps the host's agent holds, committed (newest first)."""
     return [record.step for record in host.tier.holdings.steps_of(os.getuid(), JOB)]
@@ -65,7 +80,7 @@ async def test_snapshots_land_in_two_hosts_and_a_host_lost_mid_snapshot_costs_on
     args = ("--steps", "100000", "--step-time", "0.02", "--snapshot-every", str(EVERY))
     async with hosts(3) as three:
         runs = await _train(three, ckpt, *args, wrappers={1: wrapper})
-        codes = [await run.finish(timeout=240) for run in runs]
+        codes = await finished(runs)
         assert all(code != 0 for code in codes), codes  # the job cannot go on without host 1
         taken = {(e["step"], e["digest"]) for run in runs for e in run.of("snapshot")}
         digests = dict(taken)
@@ -84,8 +99,37 @@ async def test_snapshots_land_in_two_hosts_and_a_host_lost_mid_snapshot_costs_on
         await three[1].stop()  # host 1 is gone, and its RAM with it
         shutil.rmtree(three[1].ram)
         again = await _train([three[0], three[2]], ckpt, "--steps", str(TORN + 2))
-        restarted = [await run.finish(timeout=240) for run in again]
+        restarted = await finished(again)
     assert [0, 0] == restarted, [run.stderr[-3000:] for run in again]
     starts = [(e["next_step"], e["world_size"], e["digest"]) for run in again for e in run.of("resumed")]
     newest = TORN - EVERY
     assert [(newest, 2, digests[newest])] * 2 == starts
+
+
+async def test_a_notice_while_snapshots_run_every_step_evacuates_cleanly_and_the_job_resumes_from_it(
+    tmp_path: Path,
+) -> None:
+    """A snapshot every step, so one is in flight whenever the drill comes: the emergency save waits for it
+    and evacuates; every exec exits 75 and the job relaunched on hosts 0 and 2 resumes from the evacuated step
+    with its digest, newer than any snapshot."""
+    ckpt = tmp_path / "ckpt"
+    async with hosts(3) as three:
+        runs = await _train(three, ckpt, "--steps", "100000", "--step-time", "0.02", "--snapshot-every", "1")
+        for run in runs:
+            while len(run.of("snapshot")) < 5:
+                await run.until_more(timeout=120)
+        status, body = await http_json(
+            three[1].socket, "POST", "/v1/drills", {"kind": "termination", "in_s": 60}
+        )
+        assert status == 201, body
+        codes = await finished(runs)
+        assert [EXIT_PREEMPTED] * 3 == codes, [run.stderr[-3000:] for run in runs]
+        [saved] = {(e["step"], e["digest"]) for run in runs for e in run.of("checkpoint") if e["emergency"]}
+        assert saved[0] >= max(e["step"] for run in runs for e in run.of("snapshot"))
+        await three[1].stop()
+        shutil.rmtree(three[1].ram)
+        again = await _train([three[0], three[2]], ckpt, "--steps", str(saved[0] + 2))
+        restarted = await finished(again)
+    assert [0, 0] == restarted, [run.stderr[-3000:] for run in again]
+    starts = [(e["next_step"], e["digest"]) for run in again for e in run.of("resumed")]
+    assert [saved] * 2 == starts

@@ -1,14 +1,15 @@
 """Peer snapshots (issue 38): a step kept in the RAM of two hosts, so that a host lost without a notice loses
 no more than the steps since the newest snapshot.
 
-On the training thread, every rank reserves room in its host's RAM tier (its own shard and the shard it will
-hold for a rank of the previous host in the ring) and DCP stages its shard into CPU memory; that copy is all a
-snapshot blocks training for. In the background, on the store's second gloo group, DCP writes the staged shard
-into the host's RAM tier, each rank sends its files to its buddy on the next host of the ring (the same rule
-as an evacuation's, with every host sending), the ranks agree that every file of the step is in the RAM of two
-hosts with its CRC32, and each host commits the step with the files it holds. A resume takes the newest step
-complete across the hosts' union (:mod:`agent.client.peer.resume`), so it finds a snapshot whole after the loss
-of any one host. Each store keeps its newest ``keep`` snapshots and frees older ones.
+On the training thread, every rank reserves room in its host's RAM tier (its own shard and those it will hold
+for ranks of other hosts) and DCP stages its shard into CPU memory; that copy is all a snapshot blocks training
+for. In the background, on the store's second gloo group, DCP writes the staged shard into the host's RAM tier,
+each rank sends its files to its buddy on the host that holds its host's copy (chosen as an evacuation chooses:
+another capacity pool first, the host's own pool last, else the next host in the ring), the ranks agree that
+every file of the step is in the RAM of two hosts with one CRC32, and each host commits the step with the files
+it holds. A resume takes the newest step complete across the hosts' union (:mod:`agent.client.peer.resume`),
+so it finds a snapshot whole after the loss of any one host. Each store keeps its newest ``keep`` snapshots and
+frees older ones.
 
 Nothing is committed when any part fails (a full tier, a lost peer, a rank that died): the snapshot is
 reported ``failed`` and training goes on. A snapshot never races an evacuation: an emergency save first waits
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 from agent.client.dcp._commit import Ranks
-from agent.client.peer._plan import PeerTierUnusable, Place, Plan
+from agent.client.peer._plan import PeerTierUnusable, Place, Placement, Plan, choose_holder, host_domains
 from agent.client.peer._transfer import SummingFileSystem, receive_file, send_file
 from agent.client.peer.evacuate import Evacuation, estimate, resolve
 from agent.client.peer.ramtier import RamTier
@@ -56,9 +57,10 @@ class SnapshotRun:
 
 
 def ring(places: Sequence[Place]) -> Plan:
-    """Every rank's buddy: the (k mod n)-th rank of the next host in the ring (hosts ordered by their lowest
-    rank), as an evacuation picks for a notified host; PeerTierUnusable when a rank's tier cannot be used or
-    the job has one host (no peer to hold a copy)."""
+    """Every rank's buddy: the (k mod n)-th rank of the host that holds its host's copy, chosen as an
+    evacuation chooses a notified host's holder (:func:`choose_holder`: another capacity pool first, the host's
+    own pool last; without domains, the next host in the ring), with every host sending; PeerTierUnusable when
+    a rank's tier cannot be used or the job has one host (no peer to hold a copy)."""
     problems = [f"rank {p.rank}: {p.problem}" for p in places if p.problem]
     if problems:
         raise PeerTierUnusable("; ".join(problems), next(p.reason for p in places if p.problem))
@@ -68,20 +70,27 @@ def ring(places: Sequence[Place]) -> Plan:
     hosts = tuple((host, tuple(ranks)) for host, ranks in grouped.items())
     if len(hosts) < 2:
         raise PeerTierUnusable("the job runs on one host: no peer to keep a copy", "one_host")
+    domains = host_domains(places)
     buddy: dict[int, int] = {}
-    for index, (_host, ranks) in enumerate(hosts):
-        _, after = hosts[(index + 1) % len(hosts)]
+    placement: dict[str, Placement] = {}
+    for index, (host, ranks) in enumerate(hosts):
+        at, rule = choose_holder(hosts, index, frozenset(), domains)
+        holder, after = hosts[at]
+        placement[host] = Placement(holder, rule, domains[host], domains[holder])
         buddy.update({rank: after[k % len(after)] for k, rank in enumerate(ranks)})
-    return Plan(hosts, frozenset(), buddy)
+    return Plan(hosts, frozenset(), buddy, placement)
 
 
-def phases(count: int) -> list[int]:
-    """The phase in which each host of a ring of ``count`` sends to the next one, so that no host sends and
-    receives in one phase (a blocking send waits for its receiver): even hosts, then odd ones, and with an
-    odd count the last host on its own."""
-    found = [index % 2 for index in range(count)]
-    if count % 2:
-        found[-1] = 2
+def phases(holders: Sequence[int]) -> list[int]:
+    """The phase in which each host sends its copy to its holder (``holders[i]``: the index of host i's
+    holder), so that no host sends and receives in one phase (a blocking send waits for its receiver): the
+    smallest phase that its holder does not send in and none of the hosts it holds for sends in. A ring of
+    even length takes two phases, an odd one three."""
+    found: list[int] = []
+    for index, holder in enumerate(holders):
+        taken = {found[holder]} if holder < index else set()
+        taken |= {found[other] for other in range(index) if holders[other] == index}
+        found.append(next(phase for phase in range(len(holders)) if phase not in taken))
     return found
 
 
@@ -159,7 +168,7 @@ class Snapshot(Evacuation):
         host in :func:`phases`; the files received (name → CRC32), or a problem."""
         rank = self.ranks.rank
         order = [host for host, _ in the_plan.hosts]
-        phase = phases(len(order))
+        phase = phases([order.index(the_plan.placement[host].holder) for host in order])
         mine = phase[order.index(the_plan.host_of(rank))]
         senders = the_plan.senders_to(rank)
         sender_phase = {s: phase[order.index(the_plan.host_of(s))] for s in senders}

@@ -1,0 +1,66 @@
+"""The snapshot planner, pure (agent/client/peer/snapshot.py): every host's copy goes to one other host,
+chosen by the evacuation's placement rule (another capacity pool first; without domains the next host in the
+ring), and the phases in which hosts send never make a host send and receive at once."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agent.client.peer._plan import OTHER_POOL, RING, PeerTierUnusable, Place
+from agent.client.peer.snapshot import phases, ring
+from agent.core.domain import Domain
+from tests.lazy import HAS_TORCH
+
+pytestmark = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+
+
+def places(hosts: list[str], per_host: int = 2, domains: dict[str, Domain] | None = None) -> list[Place]:
+    return [
+        Place(index * per_host + k, host, False, 1 << 20, domain=(domains or {}).get(host))
+        for index, host in enumerate(hosts)
+        for k in range(per_host)
+    ]
+
+
+def test_without_domains_each_host_is_held_by_the_next_in_the_ring() -> None:
+    the_plan = ring(places(["a", "b", "c"]))
+    assert {h: p.holder for h, p in the_plan.placement.items()} == {"a": "b", "b": "c", "c": "a"}
+    assert {p.rule for p in the_plan.placement.values()} == {RING}
+    assert the_plan.buddy == {0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1}
+    assert the_plan.notified == frozenset()
+
+
+def test_a_copy_goes_to_another_capacity_pool_before_the_next_host_of_the_same_pool() -> None:
+    spot = Domain("aws", "p5.48xlarge", "us-east-1a", "spot")
+    other = Domain("aws", "p5.48xlarge", "us-east-1b", "spot")
+    the_plan = ring(places(["a", "b", "c"], 1, {"a": spot, "b": spot, "c": other}))
+    assert the_plan.placement["a"].holder == "c"
+    assert the_plan.placement["a"].rule == OTHER_POOL
+    assert the_plan.placement["c"].holder in ("a", "b")
+
+
+def test_one_host_has_no_peer_and_a_bad_tier_names_its_rank() -> None:
+    with pytest.raises(PeerTierUnusable, match="one host") as one:
+        ring(places(["a"]))
+    assert one.value.reason == "one_host"
+    bad = [*places(["a", "b"])[:3], Place(3, "b", False, 1, "tier is full", "no_room")]
+    with pytest.raises(PeerTierUnusable, match="rank 3: tier is full") as full:
+        ring(bad)
+    assert full.value.reason == "no_room"
+
+
+@pytest.mark.parametrize(("count", "expected"), [(2, [0, 1]), (3, [0, 1, 2]), (4, [0, 1, 0, 1])])
+def test_a_ring_takes_two_phases_or_three_when_odd(count: int, expected: list[int]) -> None:
+    assert phases([(i + 1) % count for i in range(count)]) == expected
+
+
+def test_no_host_sends_and_receives_in_one_phase_whoever_holds_for_whom() -> None:
+    generator = random.Random(38)
+    for _ in range(500):
+        count = generator.randint(2, 9)
+        holders = [generator.choice([j for j in range(count) if j != i]) for i in range(count)]
+        found = phases(holders)
+        for host, holder in enumerate(holders):
+            assert found[host] != found[holder], (holders, found)
