@@ -25,6 +25,7 @@ one JSON object (medians, per-round ratios, the machine); figures go to bench/RE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,33 @@ def wait_for_tier(sock: Path, timeout: float = 60.0) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def simulated_hosts(count: int, prefix: str, cap: int = 1 << 30) -> Iterator[tuple[Path, list[Path]]]:
+    """``count`` agents, each with its own socket, state and RAM tier (in /dev/shm), started and ready: the
+    base directory and their sockets. Stopped on leaving; their logs kept (and named) when it raised."""
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    agents, socks = [], []
+    try:
+        for index in range(count):
+            host = base / f"h{index}"
+            host.mkdir()
+            agents.append(start_agent(host, Path(tempfile.mkdtemp(prefix="pd-ram-", dir="/dev/shm")), cap))
+            socks.append(host / "a.sock")
+        for sock in socks:
+            wait_for_tier(sock)
+        yield base, socks
+    finally:
+        for agent in agents:
+            agent.terminate()
+            agent.wait(timeout=30)
+        if sys.exc_info()[0] is None:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            print(f"the hosts' logs: {base}", file=sys.stderr)
+        for ram in Path("/dev/shm").glob("pd-ram-*"):
+            shutil.rmtree(ram, ignore_errors=True)
 
 
 def crc_implementation() -> str:

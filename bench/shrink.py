@@ -19,11 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -33,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from evacuate import free_port, machine, start_agent, wait_for_tier  # noqa: E402
+from evacuate import free_port, machine, simulated_hosts  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "sharded_training.py"
 JOB = "bench-shrink"
@@ -251,18 +249,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--step-time", type=float, default=0.02)
     args = parser.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="pd-shrink-", dir="/tmp"))
-    agents, socks = [], []
-    try:
-        for index in range(3):
-            host = base / f"h{index}"
-            host.mkdir()
-            agents.append(
-                start_agent(host, Path(tempfile.mkdtemp(prefix="pd-ram-", dir="/dev/shm")), 1 << 30)
-            )
-            socks.append(host / "a.sock")
-        for sock in socks:
-            wait_for_tier(sock)
+    with simulated_hosts(3, "pd-shrink-") as (base, socks):
         results: dict[str, list[dict[str, float]]] = {"shrink": [], "relaunch_ram": [], "relaunch_disk": []}
         for _ in range(args.rounds):
             for mode, rounds in results.items():
@@ -287,16 +274,6 @@ def main() -> int:
                 indent=2,
             )
         )
-    finally:
-        for agent in agents:
-            agent.terminate()
-            agent.wait(timeout=30)
-        if sys.exc_info()[0] is None:
-            shutil.rmtree(base, ignore_errors=True)
-        else:
-            print(f"the hosts' logs: {base}", file=sys.stderr)
-        for ram in Path("/dev/shm").glob("pd-ram-*"):
-            shutil.rmtree(ram, ignore_errors=True)
     return 0
 
 

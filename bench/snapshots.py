@@ -22,10 +22,8 @@ import argparse
 import itertools
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from evacuate import free_port, machine, start_agent, wait_for_tier  # noqa: E402
+from evacuate import free_port, machine, simulated_hosts  # noqa: E402
 from shrink import EXAMPLE, Run, static  # noqa: E402
 
 JOB = "bench-snapshots"
@@ -125,18 +123,7 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--step-time", type=float, default=0.02)
     args = parser.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="pd-snap-", dir="/tmp"))
-    agents, socks = [], []
-    try:
-        for index in range(2):
-            host = base / f"h{index}"
-            host.mkdir()
-            agents.append(
-                start_agent(host, Path(tempfile.mkdtemp(prefix="pd-ram-", dir="/dev/shm")), 1 << 30)
-            )
-            socks.append(host / "a.sock")
-        for sock in socks:
-            wait_for_tier(sock)
+    with simulated_hosts(2, "pd-snap-") as (base, socks):
         modes = {"none": 0, f"every_{args.every}": args.every, "every_1": 1}
         results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
         for _ in range(args.rounds):
@@ -172,16 +159,6 @@ def main() -> int:
                 indent=2,
             )
         )
-    finally:
-        for agent in agents:
-            agent.terminate()
-            agent.wait(timeout=30)
-        if sys.exc_info()[0] is None:
-            shutil.rmtree(base, ignore_errors=True)
-        else:
-            print(f"the hosts' logs: {base}", file=sys.stderr)
-        for ram in Path("/dev/shm").glob("pd-ram-*"):
-            shutil.rmtree(ram, ignore_errors=True)
     return 0
 
 

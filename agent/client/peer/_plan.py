@@ -155,18 +155,24 @@ def choose_holder(
     return best[1], best[2]
 
 
-def plan(places: Sequence[Place]) -> Plan:
-    """The evacuation plan every rank computes alike from the gathered places; PeerTierUnusable when a rank
-    cannot use its host's tier or when every host has a notice. The k-th rank of a notified host sends to the
-    (k mod n)-th rank of the host :func:`choose_holder` picks (without domains: the next host in the ring
-    without a notice)."""
+def usable_hosts(places: Sequence[Place]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The hosts in ring order (by lowest rank), each with its ranks; PeerTierUnusable naming every rank whose
+    host's tier cannot be used."""
     problems = [f"rank {p.rank}: {p.problem}" for p in places if p.problem]
     if problems:
         raise PeerTierUnusable("; ".join(problems), next(p.reason for p in places if p.problem))
     grouped: dict[str, list[int]] = {}
     for place in sorted(places, key=lambda p: p.rank):
         grouped.setdefault(place.host, []).append(place.rank)
-    hosts = tuple((host, tuple(ranks)) for host, ranks in grouped.items())
+    return tuple((host, tuple(ranks)) for host, ranks in grouped.items())
+
+
+def plan(places: Sequence[Place]) -> Plan:
+    """The evacuation plan every rank computes alike from the gathered places; PeerTierUnusable when a rank
+    cannot use its host's tier or when every host has a notice. The k-th rank of a notified host sends to the
+    (k mod n)-th rank of the host :func:`choose_holder` picks (without domains: the next host in the ring
+    without a notice)."""
+    hosts = usable_hosts(places)
     notified = frozenset(p.host for p in places if p.noticed)
     if len(notified) == len(hosts):
         raise PeerTierUnusable(

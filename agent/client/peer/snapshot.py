@@ -31,7 +31,15 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 from agent.client.dcp._commit import Ranks
-from agent.client.peer._plan import PeerTierUnusable, Place, Placement, Plan, choose_holder, host_domains
+from agent.client.peer._plan import (
+    PeerTierUnusable,
+    Place,
+    Placement,
+    Plan,
+    choose_holder,
+    host_domains,
+    usable_hosts,
+)
 from agent.client.peer._transfer import SummingFileSystem, receive_file, send_file
 from agent.client.peer.evacuate import Evacuation, estimate, resolve
 from agent.client.peer.ramtier import RamTier
@@ -61,13 +69,7 @@ def ring(places: Sequence[Place]) -> Plan:
     evacuation chooses a notified host's holder (:func:`choose_holder`: another capacity pool first, the host's
     own pool last; without domains, the next host in the ring), with every host sending; PeerTierUnusable when
     a rank's tier cannot be used or the job has one host (no peer to hold a copy)."""
-    problems = [f"rank {p.rank}: {p.problem}" for p in places if p.problem]
-    if problems:
-        raise PeerTierUnusable("; ".join(problems), next(p.reason for p in places if p.problem))
-    grouped: dict[str, list[int]] = {}
-    for place in sorted(places, key=lambda p: p.rank):
-        grouped.setdefault(place.host, []).append(place.rank)
-    hosts = tuple((host, tuple(ranks)) for host, ranks in grouped.items())
+    hosts = usable_hosts(places)
     if len(hosts) < 2:
         raise PeerTierUnusable("the job runs on one host: no peer to keep a copy", "one_host")
     domains = host_domains(places)
