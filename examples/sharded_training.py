@@ -44,6 +44,7 @@ from torch.distributed.fsdp import fully_shard
 from agent.client import EXIT_PREEMPTED, CheckpointError, CheckpointSchedule, Watcher
 from agent.client.dcp import Progress, ShardedStore, TrainState
 from agent.client.elastic import Elastic, Reform
+from agent.client.hazard import hazard_of, steps_between
 from agent.client.peer.ramtier import RamTier
 from agent.client.torch import Coordinator, Decision
 
@@ -242,7 +243,8 @@ def train(
     committed (the caller decides whether the job stops or shrinks); raises when a save fails otherwise."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, optimizer, store, coordinator = job.model, job.optimizer, job.store, job.coordinator
-    was_connected = False
+    coordinator.last_snapshot = start  # the next snapshot comes K steps after the step resumed from
+    was_connected, hazard = False, 1.0
     for step in range(start, args.steps):
         tokens = batch(args.seed, step, rank, world_size, device)
         optimizer.zero_grad(set_to_none=True)
@@ -259,9 +261,14 @@ def train(
             emit("step", rank=rank, step=step + 1, world_size=world_size)
 
         decision = coordinator.check(step + 1)
+        if args.snapshot_every and coordinator.hazard != hazard:
+            hazard = coordinator.hazard
+            why = hazard_of(watcher.notices, watcher.policy).reasons
+            every = steps_between(args.snapshot_every, hazard)
+            emit("snapshot_rate", rank=rank, step=step + 1, every=every, hazard=hazard, reasons=list(why))
         if not decision.checkpoint:
-            if args.snapshot_every and (step + 1) % args.snapshot_every == 0:
-                snapshot(job, step + 1)
+            if args.snapshot_every and coordinator.snapshot_due(step + 1, args.snapshot_every):
+                snapshot(job, step + 1, coordinator.hazard)
             continue
         job.progress.step = step + 1
         if args.async_saves and not decision.emergency:
@@ -324,8 +331,9 @@ def train(
     return None
 
 
-def snapshot(job: Job, step: int) -> None:
-    """A peer snapshot of the state after ``step``: staged now, copied into two hosts' RAM in the background."""
+def snapshot(job: Job, step: int, hazard: float) -> None:
+    """A peer snapshot of the state after ``step``: staged now, copied into two hosts' RAM in the background.
+    ``hazard``: the job's agreed hazard factor (more than 1: snapshots come more often, agent.client.hazard)."""
     job.progress.step = step
     taken = job.store.snapshot(step, job.state)
     if taken is not None:
@@ -335,6 +343,7 @@ def snapshot(job: Job, step: int) -> None:
             step=step,
             blocked_s=round(taken.blocked_s, 4),
             world_size=dist.get_world_size(),
+            hazard=hazard,
             digest=digest(job.model, job.optimizer),
         )
 

@@ -22,6 +22,7 @@ from agent.checkpoint.durable import DurableFile
 from agent.checkpoint.manifest import reason_of
 from agent.client.events import Trigger
 from agent.client.group_exit import hold
+from agent.client.hazard import hazard_of, steps_between
 from agent.client.reporting import CheckpointSchedule
 from agent.client.store import (
     Checkpoint,
@@ -123,9 +124,12 @@ class Coordinator:
 
     Call :meth:`check` after every step on every rank (it is a collective on the steps where
     ``step % every == 0``, a no-op otherwise), then :meth:`done` once the checkpoint it asked for is durable.
-    One ``all_reduce`` (MAX) carries the notice flag, the periodic flag, the earliest deadline and each
-    rank's own notice flag (one slot per rank), on the job's own process group (``group``; the default group when None). Without an initialised
-    process group the decision is the local one. Keep ``every`` times the step time well inside a notice window.
+    One ``all_reduce`` (MAX) carries the notice flag, the periodic flag, the earliest deadline, the hazard
+    factor of this rank's host (:mod:`agent.client.hazard`) and each rank's own notice flag (one slot per rank),
+    on the job's own process group (``group``; the default group when None). Without an initialised process
+    group the decision is the local one. Keep ``every`` times the step time well inside a notice window.
+    After each check, :attr:`hazard` is the job's agreed factor (the largest of any rank's); :meth:`snapshot_due`
+    says when the next peer snapshot is due under it.
     """
 
     def __init__(
@@ -146,6 +150,17 @@ class Coordinator:
         self.group = group
         self._device = device
         self.leaves = leaves
+        self.hazard = 1.0  # the job's hazard factor, as agreed at the last check
+        self.last_snapshot = 0  # the step of the last snapshot snapshot_due said was due
+
+    def snapshot_due(self, step: int, every: int) -> bool:
+        """Whether a peer snapshot is due after ``step`` for a job that takes one every ``every`` steps as a
+        rule: ``steps_between(every, hazard)`` steps after the last one (the same on every rank). A job resumed
+        at step N sets :attr:`last_snapshot` to N."""
+        if step - self.last_snapshot < steps_between(every, self.hazard):
+            return False
+        self.last_snapshot = step
+        return True
 
     @property
     def distributed(self) -> bool:
@@ -173,7 +188,9 @@ class Coordinator:
         if self.watcher is not None and self.watcher.deadline is not None:
             deadlines.append(self.watcher.deadline)
         local_deadline = min(d.timestamp() for d in deadlines) if deadlines else math.inf
+        local_hazard = hazard_of(self.watcher.notices, self.watcher.policy).factor if self.watcher else 1.0
         emergency, periodic, deadline_ts = local_emergency, local_periodic, local_deadline
+        self.hazard = local_hazard
         noticed: tuple[int, ...] = (0,) if local_leaving else ()
         if self.distributed:
             hold(self.group)  # its last reference dropped at exit, from Python (agent/client/group_exit.py)
@@ -181,14 +198,15 @@ class Coordinator:
             slots = [0.0] * world
             slots[rank] = float(local_leaving)
             flags = torch.tensor(
-                [float(local_emergency), float(local_periodic), -local_deadline, *slots],
+                [float(local_emergency), float(local_periodic), -local_deadline, local_hazard, *slots],
                 dtype=torch.float64,
                 device=self._reduce_device(),
             )
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             values = flags.tolist()
             emergency, periodic, deadline_ts = values[0] > 0, values[1] > 0, -values[2]
-            noticed = tuple(r for r, flag in enumerate(values[3:]) if flag > 0)
+            self.hazard = values[3]
+            noticed = tuple(r for r, flag in enumerate(values[4:]) if flag > 0)
         if not (emergency or periodic):
             return NOTHING
         deadline = datetime.fromtimestamp(deadline_ts, timezone.utc) if math.isfinite(deadline_ts) else None

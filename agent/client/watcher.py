@@ -144,6 +144,11 @@ class WatcherBase:
     # -- queries (any thread) ---------------------------------------------------------------------------
 
     @property
+    def policy(self) -> TriggerPolicy:
+        """Which notices call for a checkpoint (the others may still raise the hazard: agent.client.hazard)."""
+        return self._state.policy
+
+    @property
     def notices(self) -> tuple[Notice, ...]:
         """Every active notice."""
         with self._lock:
