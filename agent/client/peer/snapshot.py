@@ -97,8 +97,8 @@ def phases(holders: Sequence[int]) -> list[int]:
 
 
 class Snapshot(Evacuation):
-    """One snapshot of the store's group (a collective): :meth:`stage` on the training thread, :meth:`finish`
-    on a thread of its own with ``ranks.async_group``."""
+    """One snapshot of the store's group (a collective): :meth:`stage` on the training thread, then what it
+    returns on a thread of its own, whose collectives run on ``ranks.async_group``."""
 
     def __init__(self, ranks: Ranks, tier: RamTier, job: str, thread_count: int = 1) -> None:
         super().__init__(ranks, ranks.group, tier, job, thread_count)
