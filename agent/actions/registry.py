@@ -123,9 +123,17 @@ def build_reactors(host: Host, found: Iterable[Found] | None = None) -> list[Rea
 
 
 def unused_tables(config_tables: Iterable[str], found: Iterable[Found]) -> list[str]:
-    """Plug-in tables (``actions.<name>``) that no available reactor is named after."""
-    names = {item.name for item in found}
-    return [t for t in config_tables if t.split(".", 1)[-1].split(".")[0] not in names]
+    """The tables under ``[actions]`` that no available reactor reads: neither one it declares nor the
+    ``[actions.<name>]`` of a reactor found by that name. Tables outside ``[actions]`` (a component's,
+    ``[ram_tier]``; a cloud's) are not the reactors' business: the loader checked them against their
+    readers."""
+    family = REACTORS.family or "actions"
+    read = {table.name for table in REACTORS.tables()} | {f"{family}.{item.name}" for item in found}
+    return [
+        t
+        for t in config_tables
+        if t.split(".")[0] == family and not any(t == r or t.startswith(r + ".") for r in read)
+    ]
 
 
 class ReactorSet:

@@ -145,7 +145,23 @@ def _sources(sources: dict[str, Any], width: int) -> list[str]:
         if why:
             text += f": {why}"
         lines += wrap(text, _ITEM, " " * (len(_ITEM) + 11), width, max_lines=_DETAIL_LINES)
+        for also in _source_causes(health):
+            lines += wrap(
+                also, " " * (len(_ITEM) + 11), " " * (len(_ITEM) + 13), width, max_lines=_DETAIL_LINES
+            )
     return lines
+
+
+def _source_causes(health: dict[str, Any]) -> list[str]:
+    """The probable cause of what a source cannot see (the GPU monitor's NVML, its kernel log)."""
+    found: list[str] = []
+    cause = health.get("cause")
+    if isinstance(cause, dict) and cause.get("cause"):
+        found.append(f"probable cause: {cause['cause']} (see {cause.get('docs')})")
+    kmsg = health.get("kmsg")
+    if isinstance(kmsg, dict) and kmsg.get("cause"):
+        found.append(f"kernel log: {kmsg.get('why')}; {kmsg['cause']}")
+    return found
 
 
 def _connections_line(conn: dict[str, Any]) -> str:

@@ -55,6 +55,7 @@ from agent.config.types import (
     Seconds,
     SecondsOrOff,
     SecondsUpToADay,
+    SecondsUpToAMinute,
     SecondsUpToAYear,
     SeverityName,
 )
@@ -102,12 +103,15 @@ class ApiConfig:
 class MetricsConfig:
     """Prometheus metrics beyond the Unix socket's ``/metrics``."""
 
-    # "HOST:PORT" (the node's address, "10.0.0.5:9464"; "127.0.0.1:9464"; "[::1]:9464") to serve GET /metrics,
-    # and nothing else, over TCP for Prometheus to scrape; "" (the default): off. Idle connections are closed
+    # "HOST:PORT" (the node's address, "10.0.0.5:9464"; "127.0.0.1:9464"; "[::1]:9464") to serve GET /metrics
+    # and the probes /healthz and /readyz, nothing else, over TCP for Prometheus and the kubelet; "" (the default): off. Idle connections are closed
     # after api.idle_timeout_s, as on the socket.
     listen: str = ""
     # Connections served at once; past it a connection is answered 503.
     max_connections: AtLeastOne = 64
+    # GET /healthz on the listener answers 503 when the event loop's watchdog tick is older, or ran later,
+    # than this (a loop wedged outright cannot answer at all: the probe's own timeout is the signal).
+    stall_s: SecondsUpToAMinute = 10.0
 
 
 @dataclass(frozen=True)

@@ -286,6 +286,11 @@ class MetricsHost(MetricsView, Protocol):
 
     def on_event(self, fn: Callable[[Event], None]) -> None: ...
 
+    def readiness(self) -> Mapping[str, str | None]:
+        """Each readiness check (configuration, sources, socket, started): None when it passes, else why
+        not (``GET /readyz`` on the metrics listener)."""
+        ...
+
 
 class ApiSettings(Protocol):
     """The ``[api]`` settings the HTTP handlers read."""

@@ -87,6 +87,7 @@ class Agent:
         self._own_sources, self._own_components = sources is None, components is None
         self._reload_config = reload_config
         self._loaded = LoadedState()
+        self._started = False  # start_parts finished: every part runs (until stop_parts)
         # The wiring (docs/internals.md, "Data flow"). A board change: the fan-out (hub, then the event
         # listeners, then the history), the state writer, the expiry's clock, systemd's status line.
         self.board.on_change(self.fanout.changed)
@@ -200,6 +201,18 @@ class Agent:
             self.hooks.status_sections,
         )
 
+    def readiness(self) -> dict[str, str | None]:
+        """Each readiness check: None when it passes, else why not (``GET /readyz``)."""
+        stopping = self.server.stopping
+        socket = "the API socket is not served " + ("(stopping)" if stopping else "yet")
+        started = "the agent is stopping" if stopping else "the agent is starting"
+        return {
+            "config": None if self.opened else "the configuration and state are not loaded yet",
+            "sources": None if self.runner.started else "the sources are not running",
+            "socket": None if self.server.serving else socket,
+            "started": None if self._started and not stopping else started,
+        }
+
     def _notify_status(self, *_: object) -> None:
         self.notifier.notify(status=status.systemd_line(self.board.active(), len(self.hub), self.now()))
 
@@ -234,6 +247,7 @@ class Agent:
         await start_all(self.components)
         await self.keeper.flush()
         self._notify_status()
+        self._started = True
         self.log.info(
             "agent_started",
             version=__version__,
@@ -248,6 +262,7 @@ class Agent:
 
     async def stop_parts(self, timeout: float) -> None:
         """Sources, then components in reverse, then the event streams; each bounded by ``timeout``."""
+        self._started = False
         self.log.info("agent_stopping", active_notices=len(self.board), subscribers=len(self.hub))
         await self.runner.stop(timeout)
         await stop_all(self.components, timeout, self.log)

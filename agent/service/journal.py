@@ -99,6 +99,13 @@ SENTENCES: Mapping[str, Callable[[Mapping[str, Any]], str]] = {
         f"Source {e.get('source', '?')} works again after {e.get('after_errors')} error(s)"
     ),
     "source_disabled": lambda e: f"Source {e.get('source', '?')} is disabled: {e.get('why')}",
+    "nvml_unavailable": lambda e: (
+        f"NVML unavailable: {e.get('why')}; probable cause: {e.get('cause')} (see {e.get('docs')})"
+    ),
+    "kmsg_unavailable": lambda e: f"Kernel log unavailable: {e.get('why')}; {e.get('cause')}",
+    "event_loop_stalled": lambda e: (
+        f"The event loop stalled for {e.get('stalled_s')} s (bound {e.get('bound_s')} s): /healthz answers 503"
+    ),
     "cloud_identified": lambda e: f"Running on {e.get('cloud')}",
     "report_received": lambda e: (
         f"Checkpoint {e.get('phase')} reported"

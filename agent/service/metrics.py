@@ -1,6 +1,7 @@
-"""Metrics where Prometheus can reach them: an opt-in TCP listener that serves ``GET /metrics`` and nothing
-else (``[metrics] listen``), and the series an operator alerts on: the soonest deadline, and what became of
-each notice (told, flushed with what margin, lost).
+"""Metrics where Prometheus can reach them: an opt-in TCP listener that serves ``GET /metrics`` (and the
+probes ``/healthz`` and ``/readyz``, agent/service/health.py) and nothing else (``[metrics] listen``), and the
+series an operator alerts on: the soonest deadline, and what became of each notice (told, flushed with what
+margin, lost).
 
 The Unix socket keeps serving ``/metrics`` as before; the TCP listener reads the same collectors.
 """
@@ -23,6 +24,7 @@ from agent.core.notice import Event, EventType
 from agent.core.ports import MetricsHost, MetricsView
 from agent.service.clientlog import ClientMistakes
 from agent.service.connections import CappedTCPSite, ConnectionCap, open_connections
+from agent.service.health import LoopWatch, Probes
 
 log = structlog.get_logger("preemptd.metrics")
 
@@ -58,8 +60,8 @@ def parse_listen(text: str) -> tuple[str, int] | None:
 
 
 class MetricsListener:
-    """A TCP server for ``GET /metrics`` only: every other path is 404 and every other method 405, so
-    opening the port exposes no part of the API. It has the socket's limits (agent/service/connections.py): at
+    """A TCP server for ``GET /metrics`` (and ``/healthz``, ``/readyz`` when given ``probes``) only: every
+    other path is 404 and every other method 405, so opening the port exposes no part of the API. It has the socket's limits (agent/service/connections.py): at
     most ``max_connections`` at once (503 past it), and a connection idle for ``idle_timeout_s`` (before
     its request head, or after its answer) is closed."""
 
@@ -72,8 +74,10 @@ class MetricsListener:
         max_connections: int,
         idle_timeout_s: float,
         mistakes: ClientMistakes | None = None,
+        probes: Probes | None = None,
     ) -> None:
         self.host = host
+        self.probes = probes
         self.port = port
         self._registry = registry
         self._idle_timeout_s = idle_timeout_s
@@ -95,6 +99,8 @@ class MetricsListener:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        if self.probes is not None:
+            self.probes.add_routes(app)
         self._runner = web.AppRunner(
             app,
             handle_signals=False,
@@ -213,6 +219,7 @@ class MetricsComponent:
 
     def __init__(self, config: MetricsConfig, idle_timeout_s: float) -> None:
         self._address = parse_listen(config.listen)
+        self.watch = LoopWatch(config.stall_s)
         self._max_connections = config.max_connections
         self._idle_timeout_s = idle_timeout_s
         self.outcomes = NoticeOutcomes()
@@ -235,17 +242,24 @@ class MetricsComponent:
             return
         from agent.service.api import build_registry
 
+        self.watch.start()
         self.listener = MetricsListener(
             *self._address,
             build_registry(self._agent),
             max_connections=self._max_connections,
             idle_timeout_s=self._idle_timeout_s,
+            probes=Probes(self.watch, self._agent.readiness),
         )
-        await self.listener.start()
+        try:
+            await self.listener.start()
+        except BaseException:
+            await self.watch.stop()
+            raise
 
     async def stop(self) -> None:
         if self.listener is not None:
             await self.listener.stop()
+        await self.watch.stop()
 
     def status(self) -> dict[str, Any]:
         listener = self.listener
@@ -253,6 +267,7 @@ class MetricsComponent:
             return {"listen": []}
         return {
             "listen": [f"{h}:{p}" for h, p in listener.bound],
+            "loop": self.watch.to_json(),
             "connections": {
                 "open": listener.open_connections,
                 "max": listener.cap.limit,

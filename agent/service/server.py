@@ -90,6 +90,15 @@ class Server:
         self._created_socket = False
         self._stopping = False
 
+    @property
+    def serving(self) -> bool:
+        """The API socket is served: its site started, and no stop begun."""
+        return self._site is not None and not self._stopping
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
     # ----- start and stop -----
 
     async def startup(self) -> None:

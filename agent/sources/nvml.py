@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +31,8 @@ from agent.sources.base import Sink, Source
 from agent.sources.gpu_health import GpuIdentity
 from agent.sources.gpu_xid import KmsgXid, pci_key
 from agent.sources.kmsg import KmsgFollower
+from agent.sources.nvml_cause import NO_DEVICE, NO_DRIVER, NO_LIBRARY, Diagnosis, diagnose
+from agent.sources.nvml_cause import NO_PERMISSION as DENIED
 from agent.sources.nvml_driver import (
     DEFAULT_LIBRARY,
     DRIVER_NOT_LOADED,
@@ -67,6 +70,7 @@ class NvmlSource(Source):
         self._driver_version: str | None = None
         self._state = "starting"
         self._why: str | None = None
+        self._diagnosis: Diagnosis | None = None
         self._sink: Sink | None = None
         self._stop = threading.Event()
         self._events_watch = CallWatch()
@@ -74,6 +78,7 @@ class NvmlSource(Source):
         self._events_state = "off"
         self._kmsg_state: dict[str, Any] = {"enabled": config.kmsg, "path": str(config.kmsg_path)}
         self._kmsg_seen: set[tuple[str, int]] = set()
+        self._kmsg_warned: str | None = None
 
     # -- public --------------------------------------------------------------------------------------
 
@@ -110,6 +115,8 @@ class NvmlSource(Source):
             # Not "state": the agent merges these keys with the source's health (state, since, detail...).
             "monitor": self._state,
             "why": self._why,
+            # Why the GPUs are not seen (problem, cause, the library paths tried, the device nodes, docs).
+            "cause": self._diagnosis.to_json() if self._diagnosis is not None else None,
             "driver_version": self._driver_version,
             "library": str(self.config.library_path or DEFAULT_LIBRARY),
             "events": self._events_state,
@@ -123,6 +130,7 @@ class NvmlSource(Source):
         # A restart after a crash starts from a fresh enumeration; active findings are kept.
         self._gpus, self._by_pci, self._system, self._broken = {}, {}, {}, {}
         self._rounds = 0
+        self._diagnosis = None
         self._events_done = asyncio.Event()
         loop = asyncio.get_running_loop()
         startup_worker = Worker("preemptd-nvml-start")
@@ -136,7 +144,9 @@ class NvmlSource(Source):
             started = True
             self._driver_version = startup.driver_version
             if not startup.gpus and not startup.broken:
-                self._disable(sink, f"NVML (driver {startup.driver_version}) sees no GPU on this host")
+                self._disable(
+                    sink, f"NVML (driver {startup.driver_version}) sees no GPU on this host", NO_DEVICE
+                )
                 return
             for ident, code in startup.broken:
                 # Not polled: without a handle there is nothing to ask. It stays a fault until the agent
@@ -159,7 +169,7 @@ class NvmlSource(Source):
                 kmsg = KmsgFollower(
                     self.config.kmsg_path,
                     on_xid=lambda xid: deliver(loop, self._on_kmsg_xid, xid),
-                    on_state=lambda state, why: deliver(loop, self._on_kmsg_state, state, why),
+                    on_state=lambda *state: deliver(loop, self._on_kmsg_state, *state),
                 )
                 kmsg.start()
             while True:
@@ -179,35 +189,29 @@ class NvmlSource(Source):
         try:
             return await self._watched(worker, future, self._startup_hung)
         except ImportError as exc:
-            why = f"the nvidia-ml-py package (module pynvml) is not installed: {exc}"
+            why, problem = f"the nvidia-ml-py package (module pynvml) is not installed: {exc}", None
         except OSError as exc:
             why = (
                 f"cannot load the NVML library {self.config.library_path}: {exc}; "
                 "check gpu.library_path or install the NVIDIA driver"
             )
+            problem = NO_LIBRARY
         except Exception as exc:
-            code = error_code(exc)
-            if code == LIBRARY_NOT_FOUND:
-                why = (
-                    f"NVML library {DEFAULT_LIBRARY} not found: no NVIDIA driver on this host "
-                    "(set gpu.library_path if it lives elsewhere, or gpu.enabled = false)"
-                )
-            elif code == DRIVER_NOT_LOADED:
-                why = "the NVIDIA kernel driver is not loaded (nvmlInit: Driver Not Loaded)"
-            elif code == NO_PERMISSION:
-                why = "no permission to use NVML (nvmlInit: Insufficient Permissions)"
-            elif code is not None:
-                raise RuntimeError(f"NVML start-up failed: {error_text(code)}") from exc
-            else:
-                raise
+            why, problem = _startup_failure(exc)
         finally:
             worker.close()
             self._system.pop("driver/hung", None)
-        self._disable(sink, why)
+        self._disable(sink, why, problem)
         return None
 
-    def _disable(self, sink: Sink, why: str) -> None:
+    def _disable(self, sink: Sink, why: str, problem: str | None = None) -> None:
         self._state, self._why = "disabled", why
+        if problem is not None:
+            found = self._diagnosis = diagnose(problem, self.config.library_path, os.environ)
+            # A warning where a GPU was to be expected (a pod, the NVIDIA runtime's variables, a driver);
+            # on a host without any, the monitor being off is how it should be.
+            report = log.warning if found.expected else log.info
+            report("nvml_unavailable", why=why, **found.to_json())
         sink.replace([])
         sink.disable(why)
 
@@ -346,10 +350,20 @@ class NvmlSource(Source):
         self._findings.xid(gpu, found.xid, "kmsg", found.text)
         self._publish()
 
-    def _on_kmsg_state(self, state: str, why: str | None) -> None:
-        self._kmsg_state.update(state=state, why=why)
-        if why:
-            log.info("kmsg_state", state=state, why=why)
+    def _on_kmsg_state(self, state: str, why: str | None, cause: str | None) -> None:
+        self._kmsg_state.update(state=state, why=why, cause=cause)
+        if not why or why == self._kmsg_warned:
+            return
+        # Once per reason (a restarted monitor meets the same one): Xid lines that only the kernel log
+        # carries go unseen until it is fixed; NVML's own XID events still arrive.
+        self._kmsg_warned = why
+        log.warning(
+            "kmsg_unavailable",
+            state=state,
+            why=why,
+            cause=cause,
+            effect="Xid lines from the kernel log are not seen; NVML's XID events still are",
+        )
 
     def _check_event_thread(self) -> None:
         bound = self.config.event_wait_ms / 1000.0 + self.config.call_timeout_s
@@ -377,3 +391,22 @@ class NvmlSource(Source):
                 self._sink.observe(obs)
             return
         self._sink.replace(observations)
+
+
+def _startup_failure(exc: Exception) -> tuple[str, str]:
+    """What an NVML error from start-up says, and which problem it is (agent/sources/nvml_cause.py); an
+    error that is none of them is raised again (the source restarts with backoff)."""
+    code = error_code(exc)
+    if code == LIBRARY_NOT_FOUND:
+        why = (
+            f"NVML library {DEFAULT_LIBRARY} not found: no NVIDIA driver on this host "
+            "(set gpu.library_path if it lives elsewhere, or gpu.enabled = false)"
+        )
+        return why, NO_LIBRARY
+    if code == DRIVER_NOT_LOADED:
+        return "the NVIDIA kernel driver is not loaded (nvmlInit: Driver Not Loaded)", NO_DRIVER
+    if code == NO_PERMISSION:
+        return "no permission to use NVML (nvmlInit: Insufficient Permissions)", DENIED
+    if code is not None:
+        raise RuntimeError(f"NVML start-up failed: {error_text(code)}") from exc
+    raise exc

@@ -88,8 +88,10 @@ class SourceRunner:
         self.identify = identify
         self.sources: dict[str, Source] = {}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self.started = False  # start() ran and stop() did not since
 
     def start(self) -> None:
+        self.started = True
         for source in self.sources.values():
             self.health.mark(source.name, HealthState.STARTING)
             task = self.tasks.spawn(self._run(source), f"source:{source.name}")
@@ -97,6 +99,7 @@ class SourceRunner:
                 self._tasks[source.name] = task
 
     async def stop(self, timeout: float) -> None:
+        self.started = False
         for name, task in list(self._tasks.items()):
             await self.tasks.cancel(task, timeout=timeout)
             self._tasks.pop(name, None)
