@@ -31,7 +31,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--drain", action="store_true", help="with --tier peer: the agents copy it to the root"
+    )
+    parser.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=0.0,
+        help="the job's collectives fail after this long (0: torch's default, 30 min for gloo): a host lost "
+        "without a notice then stops the job in seconds rather than leaving the others blocked",
     )
     parser.add_argument(
         "--snapshot-every",
@@ -367,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     # A one-rank run has a process group too, so that the same FSDP2 code and DCP paths run at any size.
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    timeout = timedelta(seconds=args.collective_timeout_s) if args.collective_timeout_s > 0 else None
     if "RANK" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:  # plain `python examples/sharded_training.py`: a group of one, without a rendezvous
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
@@ -376,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     watcher = Watcher(args.socket, signals=signals).start()
     schedule = CheckpointSchedule(args.interval_s, args.socket)
     # Under torchrun --nnodes MIN:MAX the job shrinks at a notice instead of stopping (a no-op otherwise).
-    elastic = Elastic(socket_path=args.socket)
+    elastic = Elastic(socket_path=args.socket, timeout=timeout)
     job: Job | None = None
     reform: Reform | None = None
     try:

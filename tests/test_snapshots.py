@@ -77,7 +77,17 @@ async def test_snapshots_land_in_two_hosts_and_a_host_lost_mid_snapshot_costs_on
     ckpt = tmp_path / "ckpt"
     wrapper = tmp_path / "die_in_snapshot.py"
     wrapper.write_text(_DIE_IN_SNAPSHOT.format(torn=TORN))
-    args = ("--steps", "100000", "--step-time", "0.02", "--snapshot-every", str(EVERY))
+    # Host 1's death can leave a survivor blocked in a training collective (gloo's default: 30 min): 60 s here.
+    args = (
+        "--steps",
+        "100000",
+        "--step-time",
+        "0.02",
+        "--snapshot-every",
+        str(EVERY),
+        "--collective-timeout-s",
+        "60",
+    )
     async with hosts(3) as three:
         runs = await _train(three, ckpt, *args, wrappers={1: wrapper})
         codes = await finished(runs)
