@@ -280,6 +280,10 @@ async def test_a_drill_on_one_host_moves_its_shard_into_the_next_hosts_ram_and_e
     # The step carries the notified host's notice on the hosts that hold it, so a resume marks it handled.
     assert [True, True] == [str(doc["notice_id"]).startswith("drill-") for doc in e.tier_files]
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"} == set(e.tier_files[0]["step_files"])
+    # Where host 1's shards went, and why: the agents' status shows it (ram_tier.jobs.<job>.newest.placement).
+    [(notified, where)] = e.tier_files[0]["placement"].items()
+    assert ("ring", True) == (where["rule"], where["holder"].endswith(str(e.every[2].ram.resolve())))
+    assert {notified: {"holder": where["holder"], "rule": "ring"}} == dict(e.held[2][0].placement)
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -142,7 +142,8 @@ async def test_a_committed_step_is_listed_with_its_files_and_bytes(base: Path) -
         [s["step"] for s in job["steps"]],
         job["steps"][0]["files"]["__0_0.distcp"],
     )
-    assert ({JOB: {"steps": [7], "bytes": step_bytes}}, step_bytes, 0) == (
+    newest = {"step": 7, "kind": "step", "ranks_here": [0], "placement": {}}
+    assert ({JOB: {"steps": [7], "bytes": step_bytes, "newest": newest}}, step_bytes, 0) == (
         tier["jobs"],
         tier["used_bytes"],
         tier["reserved_bytes"],
@@ -307,7 +308,11 @@ async def test_deleting_a_step_frees_its_bytes_and_its_directory(base: Path) -> 
         _, tier = await http_json(sock, "GET", "/v1/ram-tier")
         again, _ = await http_json(sock, "DELETE", f"/v1/ram-tier/jobs/{JOB}/steps/1")
     assert (200, [1], committed["bytes"]) == (status, freed["steps"], freed["freed_bytes"])
-    assert ({JOB: {"steps": [2], "bytes": tier["used_bytes"]}}, 404) == (tier["jobs"], again)
+    newest = {"step": 2, "kind": "step", "ranks_here": [0], "placement": {}}
+    assert ({JOB: {"steps": [2], "bytes": tier["used_bytes"], "newest": newest}}, 404) == (
+        tier["jobs"],
+        again,
+    )
     assert not (base / "ram" / ME / JOB / "1").exists()
 
 

@@ -104,6 +104,12 @@ async def test_snapshots_land_in_two_hosts_and_a_host_lost_mid_snapshot_costs_on
         owners = [sorted({entry["rank"] for entry in doc["files"].values()}) for doc in docs]
         assert [[0, 2], [0, 1], [1, 2]] == owners, owners
         assert all(doc["snapshot"] is True for doc in docs)
+        # Each agent's status says where the copies are: the ranks held here, and every host's holder and why.
+        _, status = await http_json(three[0].socket, "GET", "/v1/status")
+        newest = status["ram_tier"]["jobs"][f"{os.getuid()}/{JOB}"]["newest"]
+        assert (held[0][0], "snapshot", [0, 2]) == (newest["step"], newest["kind"], newest["ranks_here"])
+        order = sorted(newest["placement"])  # hosts by name here; each one's holder is the next in the ring
+        assert 3 == len(order) and {e["rule"] for e in newest["placement"].values()} == {"ring"}, newest
         assert [] == list(ckpt.glob("step-*"))
 
         await three[1].stop()  # host 1 is gone, and its RAM with it

@@ -254,6 +254,13 @@ class Holdings:
             entry = out.setdefault(job if uid is not None else f"{owner}/{job}", {"steps": [], "bytes": 0})
             entry["steps"].append(step)
             entry["bytes"] += record.bytes
+            # Where the newest step's copies are: the ranks whose files this host holds, and the job's placement.
+            entry["newest"] = {
+                "step": step,
+                "kind": record.kind,
+                "ranks_here": sorted({f.rank for f in record.files.values()}),
+                "placement": {host: dict(where) for host, where in record.placement.items()},
+            }
         return out
 
     def steps_of(self, uid: int, job: str) -> list[StepRecord]:

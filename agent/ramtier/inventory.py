@@ -23,6 +23,7 @@ import psutil
 from agent.checkpoint.manifest import CheckpointError, crc_fd_range
 from agent.core.reports import brief
 from agent.ramtier import tierfs
+from agent.ramtier.copies import kind_of, placement_of
 from agent.ramtier.errors import TierError
 
 MANIFEST = "tier.json"
@@ -92,9 +93,13 @@ class StepRecord:
     time: str | None
     files: Mapping[str, FileEntry]
     bytes: int
+    kind: str = "step"  # "snapshot" for a peer snapshot (agent/ramtier/copies.py)
+    placement: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "kind": self.kind,
+            "placement": {host: dict(entry) for host, entry in self.placement.items()},
             "step": self.step,
             "run": self.run,
             "world_size": self.world_size,
@@ -157,6 +162,8 @@ def parse_manifest(doc: Any, job: str, step: int, uid: int = 0) -> StepRecord:
         time=moment if isinstance(moment, str) else None,
         files=entries,
         bytes=0,
+        kind=kind_of(doc),
+        placement=placement_of(doc),
     )
 
 

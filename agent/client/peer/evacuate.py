@@ -184,7 +184,11 @@ class Evacuation:
             kept = self._held(the_plan, directory, described, received, sums.sums)
             held = self._agree(kept, "confirming the copies")
             files, holders = self._confirm(the_plan, held, described)
-            extra = {"step_files": {n: int(e["size"]) for n, e in files.items()}, "notice_id": notice_id}
+            extra = {
+                "step_files": {n: int(e["size"]) for n, e in files.items()},
+                "notice_id": notice_id,
+                "placement": the_plan.placement_json(),  # where each notified host's shards went, and why
+            }
             self._commit(the_plan, step, run, host, directory, reservation, files, holders, extra)
         except Exception:  # nothing committed: the host's reservation goes
             if self.ranks.rank == the_plan.leader(host):

@@ -153,7 +153,11 @@ class Snapshot(Evacuation):
         held = self._agree(kept, "confirming the copies")
         files, holders = self._twice(the_plan, held, described)
         mine = {name: entry for name, entry in files.items() if host in holders[name]}
-        extra = {"step_files": {n: int(e["size"]) for n, e in files.items()}, "snapshot": True}
+        extra = {
+            "step_files": {n: int(e["size"]) for n, e in files.items()},
+            "snapshot": True,
+            "placement": the_plan.placement_json(),  # where each host's copy went, and why (status shows it)
+        }
         self._commit(
             the_plan, step, run, host, directory, reservation, mine, dict.fromkeys(mine, host), extra
         )
