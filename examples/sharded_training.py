@@ -44,7 +44,7 @@ from torch.distributed.fsdp import fully_shard
 from agent.client import EXIT_PREEMPTED, CheckpointError, CheckpointSchedule, Watcher
 from agent.client.dcp import Progress, ShardedStore, TrainState
 from agent.client.elastic import Elastic, Reform
-from agent.client.hazard import hazard_of, steps_between
+from agent.client.hazard import Hazard, hazard_of, rate_report, steps_between
 from agent.client.peer.ramtier import RamTier
 from agent.client.torch import Coordinator, Decision
 
@@ -270,9 +270,7 @@ def train(
         decision = coordinator.check(step + 1)
         if args.snapshot_every and coordinator.hazard != hazard:
             hazard = coordinator.hazard
-            why = hazard_of(watcher.notices, watcher.policy).reasons
-            every = steps_between(args.snapshot_every, hazard)
-            emit("snapshot_rate", rank=rank, step=step + 1, every=every, hazard=hazard, reasons=list(why))
+            rate_changed(job, watcher, step + 1, args.snapshot_every, hazard)
         if not decision.checkpoint:
             if args.snapshot_every and coordinator.snapshot_due(step + 1, args.snapshot_every):
                 snapshot(job, step + 1, coordinator.hazard)
@@ -336,6 +334,24 @@ def train(
     store.wait_async()  # the last background save is committed before "done"
     emit("done", rank=rank, step=args.steps, world_size=world_size, digest=digest(model, optimizer))
     return None
+
+
+def rate_changed(job: Job, watcher: Watcher, step: int, usual: int, factor: float) -> None:
+    """Say that snapshots now come every ``steps_between(usual, factor)`` steps: a line, and (from each node's
+    first local rank) a report to its agent, with this host's own reasons."""
+    local = hazard_of(watcher.notices, watcher.policy)
+    every = steps_between(usual, factor)
+    emit(
+        "snapshot_rate",
+        rank=dist.get_rank(),
+        step=step,
+        every=every,
+        hazard=factor,
+        reasons=list(local.reasons),
+    )
+    if os.environ.get("LOCAL_RANK", "0") == "0" and job.store.reporter is not None:
+        reporter = job.store.reporter
+        reporter.send(rate_report(step, every, usual, Hazard(factor, local.reasons), reporter.client))
 
 
 def snapshot(job: Job, step: int, hazard: float) -> None:

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from agent.cli.render import format_status
 from agent.client.events import Notice, TriggerPolicy
 from agent.client.hazard import Hazard, hazard_of, steps_between
 from tests.lazy import HAS_TORCH
-from tests.support import http_json
+from tests.support import http_json, running_agent
 from tests.test_evacuate_hosts import HostRun, _train, hosts
 
 
@@ -48,6 +50,46 @@ def test_steps_between_refuses_a_rule_below_one_step() -> None:
         steps_between(0, 1.0)
 
 
+async def job_entry(host: Any) -> dict[str, Any]:
+    """The job's entry in the ``jobs`` section of the host's agent's status (the one job there)."""
+    _, doc = await http_json(host.socket, "GET", "/v1/status")
+    [entry] = doc["jobs"].values()
+    return dict(entry)
+
+
+async def test_a_snapshot_rate_report_is_checked_and_shown_in_status(tmp_path: Path) -> None:
+    """The agent takes ``snapshot_rate`` reports (raised, relaxed) into the jobs section; one without a
+    usable ``rate.every`` is refused with 400 naming it."""
+    client = {"job": "llm", "rank": 0}
+    async with running_agent(tmp_path) as agent:
+        sock = agent.config.socket
+        for every in (None, 0, "10"):
+            rate = {} if every is None else {"every": every}
+            status, body = await http_json(
+                sock,
+                "POST",
+                "/v1/reports",
+                {"kind": "snapshot_rate", "phase": "raised", "rate": rate, "client": client},
+            )
+            assert (400, True) == (status, "rate.every" in str(body)), body
+        raised = {"every": 7, "usual": 20, "factor": 8.0, "reason": "host_degraded from host"}
+        status, _ = await http_json(
+            sock,
+            "POST",
+            "/v1/reports",
+            {"kind": "snapshot_rate", "phase": "raised", "step": 40, "rate": raised, "client": client},
+        )
+        assert status < 300
+        _, doc = await http_json(sock, "GET", "/v1/status")
+    entry = doc["jobs"]["llm"]
+    assert (None, 7, "raised") == (entry["world_size"], entry["snapshots_every"], entry["last"])
+    assert (
+        entry["history"][-1]["what"]
+        == "snapshots every 7 steps instead of 20 (hazard x8: host_degraded from host)"
+    )
+    assert "Job llm: snapshots every 7 steps instead of 20" in format_status(doc)
+
+
 @pytest.mark.slow
 @pytest.mark.torch_mp
 @pytest.mark.timeout(300)
@@ -80,6 +122,13 @@ async def test_a_degraded_gpu_on_one_host_halves_the_whole_jobs_snapshot_interva
             assert mine["reasons"] == ["gpu_degraded drill from drill: drill: gpu_degraded"], mine
             steps = [e["step"] for e in runs[0].of("snapshot") if e["hazard"] == 4.0]
             assert {b - a for a, b in itertools.pairwise(steps)} == {10}, steps
+            # Each host's agent heard it: status (and so preemptd watch) and the journal say why.
+            said = [await job_entry(host) for host in two]
+            assert [("raised", 10)] * 2 == [(e["last"], e["snapshots_every"]) for e in said], said
+            assert said[0]["history"][-1]["what"] == "snapshots every 10 steps instead of 20 (hazard x4)"
+            assert said[1]["history"][-1]["what"] == (
+                "snapshots every 10 steps instead of 20 (hazard x4: gpu_degraded drill from drill: drill: gpu_degraded)"
+            )
             status, _ = await http_json(two[1].socket, "DELETE", f"/v1/drills/{body['notice']['id']}")
             assert status == 200
             for run in runs:
@@ -89,6 +138,11 @@ async def test_a_degraded_gpu_on_one_host_halves_the_whole_jobs_snapshot_interva
                     await run.until_more(timeout=120)
             relaxed = [e["step"] for e in runs[0].of("snapshot") if e["hazard"] == 1.0][-2:]
             assert relaxed[1] - relaxed[0] == 20, relaxed
+            again = await job_entry(two[1])
+            assert ("relaxed", "snapshots every 20 steps again") == (
+                again["last"],
+                again["history"][-1]["what"],
+            )
         finally:
             for run in runs:
                 if run.proc.returncode is None:

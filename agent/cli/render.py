@@ -73,7 +73,8 @@ def format_status(doc: dict[str, Any], now: datetime | None = None, width: int =
 
 
 def _job_lines(jobs: Any) -> list[str]:
-    """Each job whose ranks reported a change of membership: its world size now and the latest change."""
+    """Each job whose ranks reported a change (of membership, of the snapshot rate): its world size now, if
+    known, and the latest change."""
     if not isinstance(jobs, dict):
         return []
     lines = []
@@ -82,7 +83,8 @@ def _job_lines(jobs: Any) -> list[str]:
             continue
         history = entry.get("history") or [{}]
         latest = history[-1] if isinstance(history[-1], dict) else {}
-        lines.append(f"Job {job}: world size {entry.get('world_size')}; {latest.get('what', '')}")
+        size = f"world size {entry['world_size']}; " if entry.get("world_size") is not None else ""
+        lines.append(f"Job {job}: {size}{latest.get('what', '')}")
     return lines
 
 

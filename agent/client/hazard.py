@@ -15,8 +15,9 @@ clears. Standard library only.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from agent.client.events import Notice, TriggerPolicy
 
@@ -56,3 +57,15 @@ def steps_between(every: int, factor: float) -> int:
     if not factor >= 1.0:
         factor = 1.0
     return max(1, round(every / math.sqrt(factor)))
+
+
+def rate_report(
+    step: int, every: int, usual: int, hazard: Hazard, client: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The ``snapshot_rate`` report of a change to snapshots every ``every`` steps (``usual`` without a hazard):
+    ``raised`` below it, ``relaxed`` back at it; the agent's journal, status and ``preemptd watch`` show it."""
+    rate: dict[str, Any] = {"every": every, "usual": usual, "factor": float(hazard.factor)}
+    if hazard.reasons:
+        rate["reason"] = "; ".join(hazard.reasons)[:500]
+    phase = "raised" if every < usual else "relaxed"
+    return {"kind": "snapshot_rate", "phase": phase, "step": step, "rate": rate, "client": dict(client)}

@@ -22,8 +22,16 @@ REGISTERED = "registered"
 # A ``membership`` report says the job's ranks re-formed at another size (``reformed``), that this node left it
 # (``left``), or that it stopped instead of shrinking (``stopped``): see agent/client/elastic.py.
 MEMBERSHIP_PHASES = ("reformed", "left", "stopped")
-KINDS = ("checkpoint", "participant", "membership")
-PHASES_OF_KIND = {"checkpoint": PHASES, "participant": (REGISTERED,), "membership": MEMBERSHIP_PHASES}
+# A ``snapshot_rate`` report says the job's peer snapshots come more often under a hazard (``raised``) or as
+# usual again (``relaxed``): see agent/client/hazard.py.
+RATE_PHASES = ("raised", "relaxed")
+KINDS = ("checkpoint", "participant", "membership", "snapshot_rate")
+PHASES_OF_KIND = {
+    "checkpoint": PHASES,
+    "participant": (REGISTERED,),
+    "membership": MEMBERSHIP_PHASES,
+    "snapshot_rate": RATE_PHASES,
+}
 _CLIENT_KEYS = {
     "pid": int,
     "host": str,
@@ -59,6 +67,7 @@ class Report:
     peer_uid: int | None = None
     flush: Mapping[str, Any] = field(default_factory=dict)
     membership: Mapping[str, Any] = field(default_factory=dict)
+    rate: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -76,6 +85,7 @@ class Report:
             "peer_uid": self.peer_uid,
             **({"flush": dict(self.flush)} if self.flush else {}),
             **({"membership": dict(self.membership)} if self.membership else {}),
+            **({"rate": dict(self.rate)} if self.rate else {}),
         }
 
 
@@ -93,6 +103,7 @@ _FIELDS = frozenset(
         "client",
         "flush",
         "membership",
+        "rate",
     }
 )
 
@@ -116,6 +127,9 @@ def parse_report(
     membership = _checked(doc.get("membership"), "membership", _MEMBERSHIP_KEYS)
     if kind == "membership" and "world_size" not in membership:
         raise ReportError("a 'membership' report needs 'membership.world_size' (the job's ranks now)")
+    rate = _checked(doc.get("rate"), "rate", _RATE_KEYS)
+    if kind == "snapshot_rate" and not 1 <= rate.get("every", 0) <= MAX_COUNT:
+        raise ReportError("a 'snapshot_rate' report needs 'rate.every', the steps between snapshots now (>= 1)")
     if kind == "participant" and client.get("participant") is not True:
         raise ReportError(
             "a 'participant' report registers the process as a participant: it needs 'client.participant': true"
@@ -135,6 +149,7 @@ def parse_report(
         peer_uid=peer_uid,
         flush=flush,
         membership=membership,
+        rate=rate,
     )
 
 
@@ -218,6 +233,8 @@ _MEMBERSHIP_KEYS: dict[str, type] = {
     "seconds": float,
     "reason": str,
 }
+# What a snapshot_rate report says (agent/client/hazard.py): name → type.
+_RATE_KEYS: dict[str, type] = {"every": int, "usual": int, "factor": float, "reason": str}
 # Keys of seconds that may be negative.
 _SIGNED = frozenset({"slack_s"})
 

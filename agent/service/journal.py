@@ -115,6 +115,7 @@ SENTENCES: Mapping[str, Callable[[Mapping[str, Any]], str]] = {
         f"{e.get('total')} client report(s) received in {e.get('interval_s')} s: {e.get('kinds')}"
     ),
     "job_membership": lambda e: f"Job {e.get('job')}: {e.get('what')}",
+    "job_snapshot_rate": lambda e: f"Job {e.get('job')}: {e.get('what')}",
     "agent_started": lambda e: f"preemptd {e.get('version')} started on {e.get('socket')}",
     "agent_stopping": lambda e: f"preemptd stopping with {e.get('active_notices')} active notice(s)",
     "agent_stopped": lambda e: "preemptd stopped",

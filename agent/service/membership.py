@@ -1,6 +1,8 @@
-"""The jobs' membership as their ranks report it (``membership`` reports, agent/client/elastic.py): the ``jobs``
-status section says each job's world size now and its latest re-forms ("shrank 3→2 in 0.5 s at step 1234"),
-and each report is one info line (rate-limited: a client in a loop cannot fill the journal).
+"""The jobs' changes as their ranks report them: their membership (``membership`` reports,
+agent/client/elastic.py) and their peer snapshots' rate (``snapshot_rate`` reports, agent/client/hazard.py).
+The ``jobs`` status section says each job's world size now and its latest changes ("shrank 3→2 in 0.5 s at
+step 1234", "snapshots every 10 steps instead of 20: gpu_degraded from nvml"), which ``preemptd watch`` shows
+as they come; each report is one info line (rate-limited: a client in a loop cannot fill the journal).
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ class MembershipHost(Protocol):
     def on_report(self, fn: Callable[[Report], None]) -> None: ...
 
     def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
+
+
+def describe_rate(phase: str, rate: dict[str, Any]) -> str:
+    """One line for a person: ``snapshots every 10 steps instead of 20 (hazard x4: gpu_degraded ...)``."""
+    usual = f" instead of {rate['usual']}" if rate.get("usual") not in (None, rate.get("every")) else ""
+    if phase == "relaxed":
+        return f"snapshots every {rate.get('every')} steps again"
+    factor = rate.get("factor")
+    why = f"hazard x{factor:g}" if isinstance(factor, float) else "hazard"
+    reason = f": {rate['reason']}" if rate.get("reason") else ""
+    return f"snapshots every {rate.get('every')} steps{usual} ({why}{reason})"
 
 
 def describe(phase: str, membership: dict[str, Any], step: int | None) -> str:
@@ -59,31 +72,41 @@ class MembershipComponent:
         return None
 
     def _on_report(self, report: Report) -> None:
-        if report.kind != "membership":
+        if report.kind not in ("membership", "snapshot_rate"):
             return
         job = str(report.client.get("job") or report.client.get("name") or "unknown")
-        membership = dict(report.membership)
-        what = describe(report.phase, membership, report.step)
-        entry = self.jobs.pop(job, None) or {"history": deque(maxlen=HISTORY)}
-        entry.update(world_size=membership.get("world_size"), last=report.phase)
+        entry = self.jobs.pop(job, None) or {"history": deque(maxlen=HISTORY), "world_size": None}
+        if report.kind == "membership":
+            said = dict(report.membership)
+            what = describe(report.phase, said, report.step)
+            entry.update(world_size=said.get("world_size"), last=report.phase)
+            event = "job_membership"
+        else:
+            said = dict(report.rate)
+            what = describe_rate(report.phase, said)
+            entry.update(snapshots_every=said.get("every"), last=report.phase)
+            event = "job_snapshot_rate"
         entry["history"].append(
             {
                 "time": format_time(report.received_at),
                 "phase": report.phase,
                 "step": report.step,
                 "what": what,
-                **membership,
+                **said,
             }
         )
         self.jobs[job] = entry
         while len(self.jobs) > MAX_JOBS:
             self.jobs.popitem(last=False)
-        self._lines.note(
-            "info", "job_membership", job=job, phase=report.phase, what=what, pid=report.peer_pid
-        )
+        self._lines.note("info", event, job=job, phase=report.phase, what=what, pid=report.peer_pid)
 
     def status(self) -> dict[str, Any]:
         return {
-            job: {"world_size": entry["world_size"], "last": entry["last"], "history": list(entry["history"])}
+            job: {
+                "world_size": entry["world_size"],
+                "last": entry["last"],
+                **({"snapshots_every": entry["snapshots_every"]} if "snapshots_every" in entry else {}),
+                "history": list(entry["history"]),
+            }
             for job, entry in self.jobs.items()
         }
