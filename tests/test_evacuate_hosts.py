@@ -121,9 +121,12 @@ class HostRun:
         args: Sequence[str],
         wrapper: Path | None = None,
         launcher: Sequence[str] | None = None,
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> HostRun:
         """``launcher``: torchrun's node and rendezvous flags (default: static, ``count`` nodes, this one ``node``,
-        the master on ``port``)."""
+        the master on ``port``); ``prefix``: what runs the command (``ip netns exec NS``); ``env``: more of the
+        environment (another interface for gloo)."""
         static = [
             "--nnodes",
             str(count),
@@ -141,7 +144,7 @@ class HostRun:
             *([str(wrapper)] if wrapper else []), str(EXAMPLE), "--checkpoint-dir", str(ckpt), "--socket", str(host.socket), "--tier", "peer", *args,
         ]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
-            *command, env=_env(), cwd=str(REPO),
+            *prefix, *command, env={**_env(), **(env or {})}, cwd=str(REPO),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         return cls(proc)
