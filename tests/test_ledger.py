@@ -240,6 +240,20 @@ def expected_total() -> dict[str, Any]:
             "saved_reforms": 0,
             "saved_gpu_hours": None,
         },
+        "snapshots": {  # no peer snapshot reported
+            "taken": 0,
+            "failed": 0,
+            "stall_gpu_hours": 0.0,
+            "complete_s_median": None,
+            "bytes": None,
+            "bytes_reported": 0,
+            "interval": {"steps": None, "seconds": None, "pairs": 0},
+            "durable_interval": {"steps": None, "seconds": None, "pairs": 0},
+            "interruptions": 0,
+            "resumed_from_snapshot": 0,
+            "saved_steps": 0,
+            "saved_gpu_hours": 0.0,
+        },
     }
 
 

@@ -278,7 +278,7 @@ def test_a_file_an_older_agent_wrote_reads_without_the_new_columns(tmp_path: Pat
 
 
 async def test_an_old_ledger_gains_the_columns_and_keeps_its_rows(base: Path) -> None:
-    """The agent opens a ledger of the old schema: the four columns are added (its old row NULL in them),
+    """The agent opens a ledger of the old schema: the five columns are added (its old row NULL in them),
     the old checkpoint is still counted and a re-form is recorded beside it."""
     path = base / "state" / "ledger.sqlite"
     old_ledger(path)
@@ -299,12 +299,12 @@ async def test_an_old_ledger_gains_the_columns_and_keeps_its_rows(base: Path) ->
         conn.close()
     job = doc["jobs"]["E"]
     assert (
-        ["world_size", "previous_world_size", "seconds", "reason"],
+        ["world_size", "previous_world_size", "seconds", "reason", "complete_s"],
         [("checkpoint", None, None), ("membership", 2, 0.5)],
         1,
         (1, 1, 1.0),
     ) == (
-        names[-4:],
+        names[-5:],
         rows,
         version,
         (job["checkpoints"], job["reforms"]["reformed"], job["reforms"]["halted_gpu_seconds"]),

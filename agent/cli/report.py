@@ -250,6 +250,7 @@ def _rows(fig: dict[str, Any]) -> list[tuple[str, str]]:
         ("goodput", _pct(fig["goodput"])),
     ]
     rows += _reform_rows(fig.get("reforms"))  # absent from a document of an older agent
+    rows += _snapshot_rows(fig.get("snapshots"))  # likewise
     benefit = fig["notice_benefit"]
     if benefit["interval_factor"] is not None:
         rows.append(
@@ -306,8 +307,40 @@ def _reform_rows(fig: dict[str, Any] | None) -> list[tuple[str, str]]:
     return rows
 
 
+def _interval(fig: dict[str, Any]) -> str:
+    """A measured mean interval: ``every 20 steps (1m10s)``, or that it was not measured."""
+    if not fig["pairs"]:
+        return "not measured"
+    steps = fig["steps"]
+    shown = f"{steps:.0f}" if float(steps).is_integer() else f"{steps:.1f}"
+    return f"every {shown} steps ({keep(duration(fig['seconds']))})"
+
+
+def _snapshot_rows(fig: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """A job's peer snapshots, their intervals and what they saved; nothing for a job that took none."""
+    if not fig or not (fig["taken"] or fig["failed"]):
+        return []
+    said = f"{fig['taken']} taken, {fig['failed']} failed; stall {_gpu_h(fig['stall_gpu_hours'])}"
+    if fig["complete_s_median"] is not None:
+        said += f"; committed in {keep(duration(fig['complete_s_median']))} (median)"
+    said += f"; {_bytes(fig['bytes'])}" if fig["bytes"] is not None else "; bytes not reported"
+    intervals = f"snapshots {_interval(fig['interval'])}, durable {_interval(fig['durable_interval'])}"
+    rows = [("snapshots", said), ("checkpoint intervals", intervals)]
+    if fig["interruptions"]:
+        saved = (
+            f"{plural(fig['saved_steps'], 'step')} ({_gpu_h(fig['saved_gpu_hours'])}) over "
+            f"{plural(fig['interruptions'], 'unannounced interruption')} against durable checkpoints alone"
+        )
+        rows.append(("snapshots saved", saved))
+    else:
+        rows.append(("snapshots saved", "nothing yet: no unannounced interruption here"))
+    return rows
+
+
 def _gpu_h(value: float) -> str:
-    """GPU-hours a re-form saved, small as they are: 0.009, 0.000278, 1.25."""
+    """GPU-hours a re-form or a snapshot saved, small as they are: 0.009, 0.000278, 1.25."""
+    if value == 0:
+        return "0 GPU-h"
     if abs(value) >= 1:
         return f"{value:.2f} GPU-h"
     return f"{value:.3f} GPU-h" if abs(value) >= 0.001 else f"{value:.6f} GPU-h"

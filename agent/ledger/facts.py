@@ -37,8 +37,9 @@ class NoticeFact:
 @dataclass(frozen=True)
 class ReportFact:
     """One client report (a checkpoint started/finished/failed, a participant's registration, or an elastic
-    job's membership: re-formed, left or stopped; agent/client/elastic.py). The membership fields come last,
-    with defaults: a ledger document or file from before them still loads."""
+    job's membership: re-formed, left or stopped; agent/client/elastic.py). The membership fields and a
+    snapshot's ``complete_s`` come last, with defaults: a ledger document or file from before them still
+    loads."""
 
     time: float
     job: str
@@ -60,6 +61,8 @@ class ReportFact:
     previous_world_size: int | None = None
     seconds: float | None = None
     reason: str | None = None
+    # a peer snapshot (``tier`` "snapshot"): seconds from its start until committed on the peers
+    complete_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -147,4 +150,5 @@ def report_fact(report: Report) -> ReportFact:
         previous_world_size=_int(membership.get("previous_world_size")),
         seconds=_float(membership.get("seconds")),
         reason=reason if isinstance(reason, str) else None,
+        complete_s=_float(report.flush.get("complete_s")),
     )

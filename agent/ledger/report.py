@@ -14,6 +14,7 @@ from typing import Any
 
 from agent.ledger.facts import Facts, ReportFact
 from agent.ledger.reforms import Reforms, reform_figures, reforms
+from agent.ledger.snapshots import Snapshots, snapshot_figures, snapshots
 from agent.ledger.tally import Rules, Tally, goodput, iso, rounded, tally, timeline
 
 REPORT_SCHEMA = 1
@@ -106,9 +107,11 @@ def notice_benefit(t: Tally) -> dict[str, Any]:
     }
 
 
-def figures(t: Tally, prices: Prices | None, shrunk: Reforms | None = None) -> dict[str, Any]:
+def figures(
+    t: Tally, prices: Prices | None, shrunk: Reforms | None = None, snaps: Snapshots | None = None
+) -> dict[str, Any]:
     """The ``--json`` figures of one job or of the total (each key in docs/ledger.md); ``shrunk``: its
-    re-forms (an elastic job's)."""
+    re-forms (an elastic job's); ``snaps``: its peer snapshots."""
     events = t.announced + t.unannounced
     return {
         "jobs": t.jobs,
@@ -130,6 +133,7 @@ def figures(t: Tally, prices: Prices | None, shrunk: Reforms | None = None) -> d
         "notice_benefit": notice_benefit(t),
         "cost": cost(t, prices) if prices is not None else {"missing": ["cost"]},
         "reforms": reform_figures(shrunk or Reforms()),
+        "snapshots": snapshot_figures(snaps or Snapshots()),
     }
 
 
@@ -153,13 +157,13 @@ def build_report(
     by_job: dict[str, list[ReportFact]] = {}
     for report in sorted(reports, key=lambda r: r.time):
         by_job.setdefault(report.job, []).append(report)
-    total, shrunk = Tally(), Reforms()
+    total, shrunk, snapped = Tally(), Reforms(), Snapshots()
     jobs: dict[str, Any] = {}
     for name, rows in sorted(by_job.items()):
         tl = timeline(name, rows, notices, at, rules)
-        one, its = tally(tl, rules), reforms(tl, rules)
-        jobs[name] = figures(one, prices, its)
-        total, shrunk = total + one, shrunk + its
+        one, its, snaps = tally(tl, rules), reforms(tl, rules), snapshots(tl, rules)
+        jobs[name] = figures(one, prices, its, snaps)
+        total, shrunk, snapped = total + one, shrunk + its, snapped + snaps
     leads = [n.lead_s for n in notices if n.lead_s is not None and (rules.drills or not n.drill)]
     kinds: dict[str, int] = {}
     sources: dict[str, int] = {}
@@ -184,7 +188,7 @@ def build_report(
                 "max": rounded(max(leads)) if leads else None,
             },
         },
-        "total": figures(total, prices, shrunk),
+        "total": figures(total, prices, shrunk, snapped),
         "jobs": jobs,
         "flushes": list(total.flushes),
         "resumes": sorted(total.resumes, key=lambda r: r["time"]),

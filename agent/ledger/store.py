@@ -30,19 +30,21 @@ CREATE TABLE IF NOT EXISTS reports (
     seq INTEGER PRIMARY KEY, time REAL NOT NULL, job TEXT NOT NULL, pid INTEGER, rank INTEGER,
     gpus INTEGER, kind TEXT NOT NULL, phase TEXT NOT NULL, step INTEGER, duration_s REAL, bytes INTEGER,
     emergency INTEGER NOT NULL, notice_id TEXT, tier TEXT, fallback_step INTEGER,
-    world_size INTEGER, previous_world_size INTEGER, seconds REAL, reason TEXT
+    world_size INTEGER, previous_world_size INTEGER, seconds REAL, reason TEXT, complete_s REAL
 );
 CREATE INDEX IF NOT EXISTS reports_time ON reports (time);
 CREATE INDEX IF NOT EXISTS notices_time ON notices (time);
 """
-# Columns added to ``reports`` since the first schema (membership reports), with their types: :func:`connect`
-# adds those a file lacks, and :func:`read` of a file not yet opened for writing reads them as NULL. The
-# schema version stays 1: an older agent names the columns it writes and reads, so it still uses the file.
+# Columns added to ``reports`` since the first schema (membership reports, a snapshot's ``complete_s``), with
+# their types: :func:`connect` adds those a file lacks, and :func:`read` of a file not yet opened for writing
+# reads them as NULL. The schema version stays 1: an older agent names the columns it writes and reads, so
+# it still uses the file.
 _ADDED_REPORT_COLUMNS = (
     ("world_size", "INTEGER"),
     ("previous_world_size", "INTEGER"),
     ("seconds", "REAL"),
     ("reason", "TEXT"),
+    ("complete_s", "REAL"),
 )
 # A notice keeps the time it was first seen; later events change its deadline, clearing and severity.
 _UPSERT_NOTICE = (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -26,6 +26,7 @@ DEADLINE_SLACK_S = 1.0
 LATE_LIMIT_S = 600.0
 HOUR = 3600.0
 IN_TIME, LATE, LOST = "in_time", "late", "lost"
+SNAPSHOT = "snapshot"  # the flush tier of a peer snapshot's report
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,10 @@ class Generation:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A finished checkpoint of one generation, one per step: ranks block for the slowest (its duration)
-    and each writes its share (the bytes add up)."""
+    """A finished checkpoint of one generation, one per step and kind (a peer snapshot and a durable save of
+    the same step are two): ranks block for the slowest (its duration) and each writes its share (the bytes
+    add up). A snapshot is finished when committed on the peers, ``complete_s`` (the slowest rank's) after
+    it started."""
 
     generation: int
     step: int | None
@@ -60,6 +63,16 @@ class Checkpoint:
     duration_s: float
     bytes: int
     saves: int  # ranks that reported it finished
+    snapshot: bool = False  # a peer snapshot (``flush.tier`` "snapshot"), docs/snapshots.md
+    complete_s: float | None = None
+
+    @property
+    def state_at(self) -> float:
+        """When the work it keeps was done: its end; a snapshot's state is the step it staged, so the end of
+        its stall (start + duration), the work done while it was copied to the peers is not in it."""
+        if self.snapshot and self.complete_s is not None:
+            return min(self.end, self.end - self.complete_s + self.duration_s)
+        return self.end
 
 
 @dataclass(frozen=True)
@@ -175,13 +188,19 @@ def _generations(reports: Sequence[ReportFact]) -> tuple[Generation, ...]:
     )
 
 
+def is_snapshot(report: ReportFact) -> bool:
+    """A peer snapshot's report (agent/client/peer/snapshot.py): ``flush.tier`` "snapshot"."""
+    return report.tier == SNAPSHOT and not report.emergency
+
+
 def _checkpoints(generations: Sequence[Generation]) -> tuple[Checkpoint, ...]:
     found: list[Checkpoint] = []
     for gen in generations:
         groups: dict[Any, list[ReportFact]] = {}
         for index, r in enumerate(gen.reports):
             if r.kind == "checkpoint" and r.phase == "finished":
-                groups.setdefault((r.step, r.emergency) if r.step is not None else index, []).append(r)
+                key = (r.step, r.emergency, is_snapshot(r)) if r.step is not None else index
+                groups.setdefault(key, []).append(r)
         found += [
             Checkpoint(
                 gen.index,
@@ -191,6 +210,8 @@ def _checkpoints(generations: Sequence[Generation]) -> tuple[Checkpoint, ...]:
                 max(r.duration_s or 0.0 for r in rows),
                 sum(r.bytes or 0 for r in rows),
                 len(rows),
+                is_snapshot(rows[0]),
+                max((r.complete_s for r in rows if r.complete_s is not None), default=None),
             )
             for rows in groups.values()
         ]
@@ -325,7 +346,7 @@ def unannounced(tl: Timeline, explained: Collection[int]) -> tuple[Interruption,
 # ----- what they cost -------------------------------------------------------------------------------------
 
 
-def _stop(tl: Timeline, event: Interruption) -> float:
+def stop_of(tl: Timeline, event: Interruption) -> float:
     """When the interruption stopped the job's work: the end of its flush; for a lost flush the deadline or
     the resume, whichever came first; for an unannounced one the resume (so its redone time includes the
     restart: an upper bound)."""
@@ -336,32 +357,44 @@ def _stop(tl: Timeline, event: Interruption) -> float:
     return min(ends, default=tl.generations[event.generation].last)
 
 
-def _base(tl: Timeline, event: Interruption, stop: float) -> Checkpoint | None:
-    """The checkpoint the job came back from: the newest its generation (or an earlier one) finished."""
+def base(tl: Timeline, event: Interruption, stop: float, snapshots: bool = True) -> Checkpoint | None:
+    """The checkpoint the job came back from: of those its generation (or an earlier one) finished by the
+    stop, of any kind, the one whose state is newest (of two as new, the later finished); ``snapshots``
+    False: of those but peer snapshots (what it had without them)."""
     done = [
-        c for c in tl.checkpoints if c.generation <= event.generation and c.end <= stop + DEADLINE_SLACK_S
+        c
+        for c in tl.checkpoints
+        if c.generation <= event.generation
+        and c.end <= stop + DEADLINE_SLACK_S
+        and (snapshots or not c.snapshot)
     ]
-    return done[-1] if done else None
+    return max(reversed(done), key=lambda c: c.state_at, default=None)
+
+
+def redone(tl: Timeline, event: Interruption, stop: float, since: Checkpoint | None) -> Cost:
+    """The work of ``event``'s generation done again when the job came back from ``since``: the time from
+    the state it keeps (no further back than the generation's start) to the stop, and the steps from its
+    step (a failed flush's ``fallback_step`` instead) to the highest the generation reported by the stop."""
+    gen = tl.generations[event.generation]
+    # Work before this generation started was counted with the interruption that ended the one before.
+    start = max(since.state_at if since is not None else tl.first, gen.start if gen.index else tl.first)
+    from_step = since.step if since is not None else None
+    if event.flush is not None and event.flush.fallback_step is not None:
+        from_step = event.flush.fallback_step
+    steps = [r.step for r in gen.reports if r.step is not None and r.time <= stop + DEADLINE_SLACK_S]
+    redone_steps = max(0, max(steps) - from_step) if steps and from_step is not None else None
+    return Cost(stop, max(0.0, stop - start), 0.0, from_step, redone_steps)
 
 
 def cost(tl: Timeline, event: Interruption) -> Cost:
     """Redone work and restart of one interruption (docs/ledger.md, "How the report counts")."""
-    gen = tl.generations[event.generation]
-    stop = _stop(tl, event)
+    stop = stop_of(tl, event)
     restart = max(0.0, event.resume - stop) if event.resume is not None and event.notice else 0.0
     if event.outlived:
         return Cost(stop, 0.0, 0.0, None, 0)
     if event.flush is not None and event.flush.end is not None:
         return Cost(stop, 0.0, restart, event.flush.step, 0)
-    base = _base(tl, event, stop)
-    # Work before this generation started was counted with the interruption that ended the one before.
-    since = max(base.end if base is not None else tl.first, gen.start if gen.index else tl.first)
-    from_step = base.step if base is not None else None
-    if event.flush is not None and event.flush.fallback_step is not None:
-        from_step = event.flush.fallback_step
-    steps = [r.step for r in gen.reports if r.step is not None and r.time <= stop + DEADLINE_SLACK_S]
-    redone_steps = max(0, max(steps) - from_step) if steps and from_step is not None else None
-    return Cost(stop, max(0.0, stop - since), restart, from_step, redone_steps)
+    return replace(redone(tl, event, stop, base(tl, event, stop)), restart_s=restart)
 
 
 # ----- the figures ----------------------------------------------------------------------------------------
