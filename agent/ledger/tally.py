@@ -489,11 +489,13 @@ def _uncounted_flushes(events: Sequence[Interruption]) -> set[tuple[int, int | N
 def _checkpoint_figures(tl: Timeline, skip: Collection[tuple[int, int | None]]) -> Tally:
     periodic = [c for c in tl.checkpoints if not c.emergency]
     flushes = [c for c in tl.checkpoints if c.emergency and (c.generation, c.step) not in skip]
+    # A peer snapshot stalls training like a checkpoint, but it lives in the hosts' RAM: no storage, no requests.
+    stored = [c for c in tl.checkpoints if not c.snapshot]
     return Tally(
         checkpoints=len(periodic),
-        saves=sum(c.saves for c in tl.checkpoints),
-        checkpoint_bytes=sum(c.bytes for c in tl.checkpoints),
-        periodic_bytes=sum(c.bytes for c in periodic),
+        saves=sum(c.saves for c in stored),
+        checkpoint_bytes=sum(c.bytes for c in stored),
+        periodic_bytes=sum(c.bytes for c in periodic if not c.snapshot),
         checkpoint_gpu_hours=sum(c.duration_s for c in periodic) * tl.gpus / HOUR,
         flush_gpu_hours=sum(c.duration_s for c in flushes) * tl.gpus / HOUR,
     )

@@ -102,6 +102,7 @@ class Snapshot(Evacuation):
 
     def __init__(self, ranks: Ranks, tier: RamTier, job: str, thread_count: int = 1) -> None:
         super().__init__(ranks, ranks.group, tier, job, thread_count)
+        self.sent_bytes = 0
 
     def stage(self, step: int, state: Mapping[str, Any]) -> Callable[[int], Mapping[str, tuple[str, ...]]]:
         """Reserve and stage; returns the rest of the snapshot, to run in the background with the run
@@ -147,6 +148,7 @@ class Snapshot(Evacuation):
     ) -> Mapping[str, tuple[str, ...]]:
         listed = self._agree(self._own_files(directory, {}), "listing the shard files")
         described = [files for files, _ in listed]
+        self.sent_bytes = sum(described[self.ranks.rank].values())  # this rank's shard, sent to its buddy
         received = self._exchange(the_plan, directory, described, sums)
         # What this rank holds, as a survivor of an evacuation would: its own files and those it received.
         kept = self._held(replace(the_plan, buddy={}), directory, described, received, sums)
@@ -262,7 +264,7 @@ class PeerSnapshots:
         handle.blocked_s = time.monotonic() - handle.started
         handle.thread = threading.Thread(
             target=self._complete,
-            args=(handle, rest, run, flush),
+            args=(handle, rest, run, flush, snapshot),
             name=f"preemptd-snapshot {step}",
             daemon=True,
         )
@@ -277,6 +279,7 @@ class PeerSnapshots:
         rest: Callable[[int], Mapping[str, tuple[str, ...]]],
         run: int,
         flush: dict[str, Any],
+        snapshot: Snapshot,
     ) -> None:
         try:
             handle.holders = rest(run)
@@ -289,6 +292,7 @@ class PeerSnapshots:
             "finished",
             handle.step,
             duration_s=handle.blocked_s,
+            size=snapshot.sent_bytes,
             flush={**flush, "complete_s": round(handle.complete_s, 3)},
         )
         self._evict(handle.step)
