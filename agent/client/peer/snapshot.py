@@ -298,8 +298,8 @@ class PeerSnapshots:
         self._evict(handle.step)
 
     def _evict(self, step: int) -> None:
-        """Keep the newest ``keep`` snapshots; the host's leader frees the older ones (a rank of every host
-        does it for its own host: the lowest rank on it, which the tier's reservation names)."""
+        """Keep the newest ``keep`` snapshots: every rank asks its own host's agent to free the older ones (the
+        first rank of a host frees the step; the others find it gone, which is no error here)."""
         self.committed.append(step)
         old, self.committed = self.committed[: -self.keep], self.committed[-self.keep :]
         for gone in old:
