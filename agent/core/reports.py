@@ -129,7 +129,9 @@ def parse_report(
         raise ReportError("a 'membership' report needs 'membership.world_size' (the job's ranks now)")
     rate = _checked(doc.get("rate"), "rate", _RATE_KEYS)
     if kind == "snapshot_rate" and not 1 <= rate.get("every", 0) <= MAX_COUNT:
-        raise ReportError("a 'snapshot_rate' report needs 'rate.every', the steps between snapshots now (>= 1)")
+        raise ReportError(
+            "a 'snapshot_rate' report needs 'rate.every', the steps between snapshots now (>= 1)"
+        )
     if kind == "participant" and client.get("participant") is not True:
         raise ReportError(
             "a 'participant' report registers the process as a participant: it needs 'client.participant': true"
