@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # external service (Slurm, Ray, the Kubernetes API fake or kubectl, systemd, docker), multi-process torch.
 NOT_FAST = frozenset({"slow", "service", "torch_mp"})
 # Fixtures that start an external service: a test that takes one is marked ``service`` here, in one place.
-SERVICE_FIXTURES = frozenset({"slurm", "ray_cluster", "kube", "pair"})
+SERVICE_FIXTURES = frozenset({"slurm", "ray_cluster", "kube", "kube_jobs", "pair"})
 # Fixtures that are slow to build (the session's Slurm, a Ray cluster, two ranks' checkpoints, an evacuation
 # and a full-state peer save on three hosts): the tests that share one run on the same parallel worker
 # (``--dist loadgroup``), which builds it once.

@@ -25,6 +25,10 @@ from tests.k8s_fake import FakeKube
 from tests.k8s_fake_jobs import COMPLETION_INDEX, JOB_NAME, JobController, match_pod_failure_policy
 from tests.support import REPO
 
+# The Kubernetes API fake and kubectl are services: the fast lane leaves this module out (tests/conftest.py;
+# its fixture kube_jobs is one of the SERVICE_FIXTURES).
+pytestmark = pytest.mark.service
+
 EXAMPLES = REPO / "packaging" / "kubernetes" / "examples"
 KUBECTL = shutil.which(
     "kubectl", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
@@ -172,7 +176,7 @@ async def run_kubectl(home: Path, *args: str, kube: FakeKube | None = None) -> s
 
 
 @pytest.fixture
-async def cluster() -> AsyncIterator[tuple[FakeKube, JobController]]:
+async def kube_jobs() -> AsyncIterator[tuple[FakeKube, JobController]]:
     async with FakeKube() as kube:
         for node in NODES:
             kube.add_node(node)
@@ -227,9 +231,9 @@ def replacement(jobs: JobController, old: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_a_pod_that_exits_75_is_replaced_and_not_counted(
-    cluster: tuple[FakeKube, JobController],
+    kube_jobs: tuple[FakeKube, JobController],
 ) -> None:
-    kube, jobs = cluster
+    kube, jobs = kube_jobs
     status, _ = await create_job(kube)
     assert 201 == status
     assert {"Running"} == {p["status"]["phase"] for p in jobs.pods_of("train")}
@@ -252,9 +256,9 @@ async def test_a_pod_that_exits_75_is_replaced_and_not_counted(
 
 
 async def test_an_evicted_pod_is_replaced_once_it_failed_and_not_counted(
-    cluster: tuple[FakeKube, JobController],
+    kube_jobs: tuple[FakeKube, JobController],
 ) -> None:
-    kube, jobs = cluster
+    kube, jobs = kube_jobs
     await create_job(kube)
     kube.add_node("gpu-node-4")
     notified = on_node(jobs, "gpu-node-1")
@@ -282,9 +286,9 @@ async def test_an_evicted_pod_is_replaced_once_it_failed_and_not_counted(
 
 
 async def test_a_real_failure_counts_toward_the_backoff_limit(
-    cluster: tuple[FakeKube, JobController],
+    kube_jobs: tuple[FakeKube, JobController],
 ) -> None:
-    kube, jobs = cluster
+    kube, jobs = kube_jobs
     await create_job(kube)
     limit = jobs.jobs[(NS, "train")]["spec"]["backoffLimit"]
     crashed = on_node(jobs, "gpu-node-2")
@@ -306,9 +310,9 @@ async def test_a_real_failure_counts_toward_the_backoff_limit(
 
 
 async def test_the_first_index_to_succeed_completes_the_job_and_ends_a_waiting_replacement(
-    cluster: tuple[FakeKube, JobController],
+    kube_jobs: tuple[FakeKube, JobController],
 ) -> None:
-    kube, jobs = cluster
+    kube, jobs = kube_jobs
     await create_job(kube)
     kube.nodes["gpu-node-1"]["spec"]["unschedulable"] = True
     notified = on_node(jobs, "gpu-node-1")
@@ -329,9 +333,9 @@ async def test_the_first_index_to_succeed_completes_the_job_and_ends_a_waiting_r
 
 
 async def test_without_a_success_policy_every_index_must_succeed(
-    cluster: tuple[FakeKube, JobController],
+    kube_jobs: tuple[FakeKube, JobController],
 ) -> None:
-    kube, jobs = cluster
+    kube, jobs = kube_jobs
     job = one("elastic-job.yaml", "Job")
     del job["spec"]["successPolicy"]
     await create_job(kube, job)
@@ -426,9 +430,9 @@ def test_the_fake_matches_rules_as_the_job_controller_does(
     ],
 )
 async def test_the_fake_refuses_a_policy_the_api_server_refuses(
-    cluster: tuple[FakeKube, JobController], change: Any, complaint: str
+    kube_jobs: tuple[FakeKube, JobController], change: Any, complaint: str
 ) -> None:
-    kube, jobs = cluster
+    kube, jobs = kube_jobs
     job = one("elastic-job.yaml", "Job")
     change(job)
     status, body = await create_job(kube, job)
@@ -439,9 +443,9 @@ async def test_the_fake_refuses_a_policy_the_api_server_refuses(
 
 @needs_kubectl
 async def test_kubectl_creates_the_job_and_its_service_on_the_fake(
-    cluster: tuple[FakeKube, JobController], tmp_path: Path
+    kube_jobs: tuple[FakeKube, JobController], tmp_path: Path
 ) -> None:
-    kube, jobs = cluster
+    kube, jobs = kube_jobs
     await run_kubectl(
         tmp_path, "create", "--validate=false", "-f", str(EXAMPLES / "elastic-job.yaml"), kube=kube
     )
@@ -459,7 +463,7 @@ async def test_kubectl_creates_the_job_and_its_service_on_the_fake(
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_a_drill_on_one_node_evicts_its_pod_only_and_the_job_survives(
-    cluster: tuple[FakeKube, JobController], base: Path
+    kube_jobs: tuple[FakeKube, JobController], base: Path
 ) -> None:
     """A real agent on gpu-node-1 with [actions.kubernetes], the test as the training process of that node's
     pod (through the client library, its host name the pod's name): the drill cordons the node, the pod is
@@ -472,7 +476,7 @@ async def test_a_drill_on_one_node_evicts_its_pod_only_and_the_job_survives(
     from tests.test_bridge_kubernetes_agent import settings, write_state
     from tests.test_e2e_training import drill
 
-    kube, jobs = cluster
+    kube, jobs = kube_jobs
     await create_job(kube)
     pod = on_node(jobs, "gpu-node-1")
     name = pod["metadata"]["name"]
