@@ -305,8 +305,9 @@ async def test_a_notice_during_a_grow_back_leaves_the_job_at_the_same_size_with_
             await _drill(four[leaving])
             assert EXIT_PREEMPTED == await runs[leaving].finish(timeout=180), runs[leaving].stderr[-4000:]
             staying = [run for i, run in enumerate(runs) if i != leaving]
+            # The three started fresh (no "resumed"): a start at world size 3 comes only after the change.
             for run in staying:
-                while not [e for e in run.of("step") if e["world_size"] == 3]:
+                while not [e for e in run.of("resumed") if e["world_size"] == 3]:
                     await run.until_more(timeout=180)
             last = [[e for e in run.of("resumed") if e["world_size"] == 3][-1] for run in staying]
             assert 1 == len({(e["next_step"], e["digest"]) for e in last}), last
