@@ -1,6 +1,7 @@
-"""The snapshot planner, pure (agent/client/peer/snapshot.py): every host's copy goes to one other host,
-chosen by the evacuation's placement rule (another capacity pool first; without domains the next host in the
-ring), and the phases in which hosts send never make a host send and receive at once."""
+"""The snapshot planner (agent/client/peer/_plan.py, pure and without torch, for agent/client/peer/snapshot.py):
+every host's copy goes to one other host, chosen by the evacuation's placement rule (another capacity pool
+first; without domains the next host in the ring), and the phases in which hosts send never make a host send
+and receive at once."""
 
 from __future__ import annotations
 
@@ -8,12 +9,8 @@ import random
 
 import pytest
 
-from agent.client.peer._plan import OTHER_POOL, RING, PeerTierUnusable, Place
-from agent.client.peer.snapshot import phases, ring
+from agent.client.peer._plan import OTHER_POOL, RING, PeerTierUnusable, Place, phases, ring
 from agent.core.domain import Domain
-from tests.lazy import HAS_TORCH
-
-pytestmark = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 
 
 def places(hosts: list[str], per_host: int = 2, domains: dict[str, Domain] | None = None) -> list[Place]:

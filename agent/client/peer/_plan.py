@@ -190,3 +190,38 @@ def plan(places: Sequence[Place]) -> Plan:
         for k, rank in enumerate(ranks):
             buddy[rank] = survivors[k % len(survivors)]
     return Plan(hosts, notified, buddy, placement)
+
+
+# -- peer snapshots (agent/client/peer/snapshot.py): every host sends, pure like the evacuation's plan --------
+
+
+def ring(places: Sequence[Place]) -> Plan:
+    """Every rank's buddy: the (k mod n)-th rank of the host that holds its host's copy, chosen as an
+    evacuation chooses a notified host's holder (:func:`choose_holder`: another capacity pool first, the host's
+    own pool last; without domains, the next host in the ring), with every host sending; PeerTierUnusable when
+    a rank's tier cannot be used or the job has one host (no peer to hold a copy)."""
+    hosts = usable_hosts(places)
+    if len(hosts) < 2:
+        raise PeerTierUnusable("the job runs on one host: no peer to keep a copy", "one_host")
+    domains = host_domains(places)
+    buddy: dict[int, int] = {}
+    placement: dict[str, Placement] = {}
+    for index, (host, ranks) in enumerate(hosts):
+        at, rule = choose_holder(hosts, index, frozenset(), domains)
+        holder, after = hosts[at]
+        placement[host] = Placement(holder, rule, domains[host], domains[holder])
+        buddy.update({rank: after[k % len(after)] for k, rank in enumerate(ranks)})
+    return Plan(hosts, frozenset(), buddy, placement)
+
+
+def phases(holders: Sequence[int]) -> list[int]:
+    """The phase in which each host sends its copy to its holder (``holders[i]``: the index of host i's
+    holder), so that no host sends and receives in one phase (a blocking send waits for its receiver): the
+    smallest phase that its holder does not send in and none of the hosts it holds for sends in. A ring of
+    even length takes two phases, an odd one three."""
+    found: list[int] = []
+    for index, holder in enumerate(holders):
+        taken = {found[holder]} if holder < index else set()
+        taken |= {found[other] for other in range(index) if holders[other] == index}
+        found.append(next(phase for phase in range(len(holders)) if phase not in taken))
+    return found

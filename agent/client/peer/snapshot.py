@@ -22,7 +22,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,15 +31,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 from agent.client.dcp._commit import Ranks
-from agent.client.peer._plan import (
-    PeerTierUnusable,
-    Place,
-    Placement,
-    Plan,
-    choose_holder,
-    host_domains,
-    usable_hosts,
-)
+from agent.client.peer._plan import PeerTierUnusable, Plan, phases, ring
 from agent.client.peer._transfer import SummingFileSystem, receive_file, send_file
 from agent.client.peer.evacuate import Evacuation, estimate, resolve
 from agent.client.peer.ramtier import RamTier
@@ -62,38 +54,6 @@ class SnapshotRun:
     holders: Mapping[str, tuple[str, ...]] | None = None  # each file's hosts, once committed
     error: BaseException | None = None
     thread: threading.Thread | None = None
-
-
-def ring(places: Sequence[Place]) -> Plan:
-    """Every rank's buddy: the (k mod n)-th rank of the host that holds its host's copy, chosen as an
-    evacuation chooses a notified host's holder (:func:`choose_holder`: another capacity pool first, the host's
-    own pool last; without domains, the next host in the ring), with every host sending; PeerTierUnusable when
-    a rank's tier cannot be used or the job has one host (no peer to hold a copy)."""
-    hosts = usable_hosts(places)
-    if len(hosts) < 2:
-        raise PeerTierUnusable("the job runs on one host: no peer to keep a copy", "one_host")
-    domains = host_domains(places)
-    buddy: dict[int, int] = {}
-    placement: dict[str, Placement] = {}
-    for index, (host, ranks) in enumerate(hosts):
-        at, rule = choose_holder(hosts, index, frozenset(), domains)
-        holder, after = hosts[at]
-        placement[host] = Placement(holder, rule, domains[host], domains[holder])
-        buddy.update({rank: after[k % len(after)] for k, rank in enumerate(ranks)})
-    return Plan(hosts, frozenset(), buddy, placement)
-
-
-def phases(holders: Sequence[int]) -> list[int]:
-    """The phase in which each host sends its copy to its holder (``holders[i]``: the index of host i's
-    holder), so that no host sends and receives in one phase (a blocking send waits for its receiver): the
-    smallest phase that its holder does not send in and none of the hosts it holds for sends in. A ring of
-    even length takes two phases, an odd one three."""
-    found: list[int] = []
-    for index, holder in enumerate(holders):
-        taken = {found[holder]} if holder < index else set()
-        taken |= {found[other] for other in range(index) if holders[other] == index}
-        found.append(next(phase for phase in range(len(holders)) if phase not in taken))
-    return found
 
 
 class Snapshot(Evacuation):
