@@ -292,25 +292,49 @@ class Evacuation:
         received (name → CRC32), or a problem."""
         rank = self.ranks.rank
         if rank in the_plan.buddy:
-            for name, size in sorted(described[rank].items()):
-                if name in streamed[rank]:
-                    continue
-                crc, written = sums.get(name, (None, -1))
-                known = crc if written == size else None
-                send_file(self.group, the_plan.buddy[rank], directory / name, size, crc=known)
+            self._send_files(the_plan.buddy[rank], directory, described[rank], sums, streamed[rank])
             return {}
         received: dict[str, int] = {}
         problems: list[str] = []
         for sender in the_plan.senders_to(rank):
-            for name, size in sorted(described[sender].items()):
-                if name in streamed[sender]:
-                    continue
-                crc, problem = receive_file(self.group, sender, directory / name, size)
-                if problem:
-                    problems.append(f"rank {rank}: {problem}")
-                else:
-                    received[name] = crc
+            self._receive_files(sender, directory, described[sender], streamed[sender], received, problems)
         return "; ".join(problems) if problems else received
+
+    def _send_files(
+        self,
+        to: int,
+        directory: Path,
+        files: Mapping[str, int],
+        sums: Mapping[str, tuple[int, int]],
+        skip: Collection[str] = (),
+    ) -> None:
+        """Send ``files`` (name → size; but ``skip``) from ``directory`` to rank ``to``, each with its CRC32 as
+        it was written when ``sums`` has it whole."""
+        for name, size in sorted(files.items()):
+            if name in skip:
+                continue
+            crc, written = sums.get(name, (None, -1))
+            send_file(self.group, to, directory / name, size, crc=crc if written == size else None)
+
+    def _receive_files(
+        self,
+        sender: int,
+        directory: Path,
+        files: Mapping[str, int],
+        skip: Collection[str],
+        received: dict[str, int],
+        problems: list[str],
+    ) -> None:
+        """Receive what :meth:`_send_files` sends from ``sender`` into ``directory``: each file's CRC32 into
+        ``received``, or its problem into ``problems``."""
+        for name, size in sorted(files.items()):
+            if name in skip:
+                continue
+            crc, problem = receive_file(self.group, sender, directory / name, size)
+            if problem:
+                problems.append(f"rank {self.ranks.rank}: {problem}")
+            else:
+                received[name] = crc
 
     def _streamed(
         self,

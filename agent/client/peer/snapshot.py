@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 
 from agent.client.dcp._commit import Ranks
 from agent.client.peer._plan import PeerTierUnusable, Plan, phases, ring
-from agent.client.peer._transfer import SummingFileSystem, receive_file, send_file
+from agent.client.peer._transfer import SummingFileSystem
 from agent.client.peer.evacuate import Evacuation, estimate, resolve
 from agent.client.peer.ramtier import RamTier
 from agent.client.store_failure import summary
@@ -144,22 +144,9 @@ class Snapshot(Evacuation):
         problems: list[str] = []
         for current in range(max(phase) + 1):
             if current == mine:
-                for name, size in sorted(described[rank].items()):
-                    crc, written = sums.get(name, (None, -1))
-                    send_file(
-                        self.group,
-                        the_plan.buddy[rank],
-                        directory / name,
-                        size,
-                        crc=crc if written == size else None,
-                    )
+                self._send_files(the_plan.buddy[rank], directory, described[rank], sums)
             for sender in (s for s in senders if sender_phase[s] == current):
-                for name, size in sorted(described[sender].items()):
-                    crc, problem = receive_file(self.group, sender, directory / name, size)
-                    if problem:
-                        problems.append(f"rank {rank}: {problem}")
-                    else:
-                        received[name] = crc
+                self._receive_files(sender, directory, described[sender], (), received, problems)
         return "; ".join(problems) if problems else received
 
     def _twice(
