@@ -1,7 +1,8 @@
 """One rank of tests/test_elastic.py: a gloo group of WORLD_SIZE processes on a TCPStore at MASTER_PORT, then
 ``Elastic.after_emergency`` with a launch whose torchrun is a stand-in process (``--agent-pid``), a notice on
 the ranks ``--noticed`` names; prints one JSON line with the answer and, after a re-form, an all_reduce over
-the new group. ``--die`` names a rank that exits at once instead of joining the new group, ``--hang`` one that stays alive
+the new group (``--restart``: ``Elastic.restart_workers`` instead, with torchrun's restart count from the
+environment). ``--die`` names a rank that exits at once instead of joining the new group, ``--hang`` one that stays alive
 and silent instead (its sockets open, as a frozen process's)."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from agent.client.elastic import Elastic, Launch, Member
+from agent.client.elastic import Elastic, Member
+from agent.client.launch import Launch
 from agent.client.torch import Decision
 
 
@@ -29,6 +31,7 @@ def main() -> int:
     parser.add_argument("--max-nodes", type=int, default=3)
     parser.add_argument("--die", type=int, default=None)
     parser.add_argument("--hang", type=int, default=None)
+    parser.add_argument("--restart", action="store_true", help="Elastic.restart_workers (Lightning's way)")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
@@ -48,7 +51,10 @@ def main() -> int:
             time.sleep(600)  # the test kills it once the others have answered
         os._exit(9)
     decision = Decision(checkpoint=True, emergency=True, notice_id="n-1" if rank in args.noticed else None)
-    reform = elastic.after_emergency(decision)
+    if args.restart:
+        reform = elastic.restart_workers(decision.notice_id is not None)
+    else:
+        reform = elastic.after_emergency(decision)
     out = {"old_rank": rank, **reform.as_dict(), "rank": reform.rank}
     if reform.action == "continue":
         total = torch.tensor([float(rank)])

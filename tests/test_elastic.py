@@ -53,10 +53,14 @@ def _stand_ins(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def _ranks(
-    agents: Sequence[subprocess.Popen[bytes]], *args: str, hung: int | None = None
+    agents: Sequence[subprocess.Popen[bytes]],
+    *args: str,
+    hung: int | None = None,
+    restarts_used: Sequence[int] = (),
 ) -> list[tuple[int, dict[str, Any]]]:
     """Run the three ranks; each one's exit status and answer (empty for a rank that printed none). Rank
-    ``hung`` is killed once the others have answered."""
+    ``hung`` is killed once the others have answered; rank i's torchrun has restarted ``restarts_used[i]``
+    times of its 3."""
     port = _free_port()
     procs = []
     for rank, agent in enumerate(agents):
@@ -69,6 +73,8 @@ def _ranks(
             "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
+            "TORCHELASTIC_MAX_RESTARTS": "3",
+            "TORCHELASTIC_RESTART_COUNT": str(restarts_used[rank] if rank < len(restarts_used) else 0),
         }
         env.pop("PREEMPTD_EXEC_DIR", None)
         command = [sys.executable, str(RANKS), "--agent-pid", str(agent.pid), *args]
@@ -107,6 +113,26 @@ def test_the_noticed_node_leaves_and_the_others_form_a_group_of_two_that_works()
             (d["rank"], d["world_size"], d["sum"], d["env"]) for d in kept
         ]  # the old ranks 0 and 2 summed over the new group, renumbered 0 and 1
         assert [False, True, False] == _signalled(agents)  # only the leaving node's torchrun is told to stop
+
+
+def test_restart_workers_lets_the_noticed_node_leave_and_the_others_exit_to_be_restarted() -> None:
+    """Lightning's way (``restart_workers``): the same agreement, no group is built; the staying ranks answer
+    ``restart`` at world size 2 and only the leaving node's torchrun is told to stop."""
+    with _stand_ins(3) as agents:
+        found = _ranks(agents, "--noticed", "1", "--restart")
+        assert [75] * 3 == [code for code, _ in found], found
+        assert [("restart", 2), ("leave", 2), ("restart", 2)] == [
+            (doc["action"], doc["world_size"]) for _, doc in found
+        ]
+        assert [False, True, False] == _signalled(agents)
+
+
+def test_restarting_the_workers_stops_the_job_when_a_staying_torchrun_has_no_restart_left() -> None:
+    with _stand_ins(3) as agents:
+        found = _ranks(agents, "--noticed", "1", "--restart", restarts_used=(0, 0, 3))
+        assert {"stop"} == {doc["action"] for _, doc in found}, found
+        assert "no restart left" in found[0][1]["reason"]
+        assert [True] * 3 == _signalled(agents)  # the job stops for the notice: no restart in its window
 
 
 def test_two_notices_at_once_leave_two_nodes_and_the_other_two_go_on() -> None:
@@ -164,7 +190,7 @@ def test_a_staying_rank_that_hangs_during_the_re_form_is_waited_for_only_reform_
 def test_the_launch_is_read_from_torchruns_own_command_line(tmp_path: Path) -> None:
     """``python …/torchrun --nnodes 2:4 --rdzv-backend c10d …`` as the parent: its flags, parsed by torchrun's
     own parser, the training script's own flags left alone."""
-    from agent.client.elastic import Launch, listens_on, torchrun_args
+    from agent.client.launch import Launch, listens_on, torchrun_args
 
     script = tmp_path / "torchrun"
     script.write_text("import time\ntime.sleep(600)\n")

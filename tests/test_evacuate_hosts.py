@@ -123,10 +123,11 @@ class HostRun:
         launcher: Sequence[str] | None = None,
         prefix: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        script: Path = EXAMPLE,
     ) -> HostRun:
         """``launcher``: torchrun's node and rendezvous flags (default: static, ``count`` nodes, this one ``node``,
         the master on ``port``); ``prefix``: what runs the command (``ip netns exec NS``); ``env``: more of the
-        environment (another interface for gloo)."""
+        environment (another interface for gloo); ``script``: the training script (the example's flags)."""
         static = [
             "--nnodes",
             str(count),
@@ -141,7 +142,7 @@ class HostRun:
             sys.executable, "-m", "agent", "exec", "--",
             sys.executable, "-m", "torch.distributed.run", *(static if launcher is None else launcher),
             "--nproc-per-node", "1",
-            *([str(wrapper)] if wrapper else []), str(EXAMPLE), "--checkpoint-dir", str(ckpt), "--socket", str(host.socket), "--tier", "peer", *args,
+            *([str(wrapper)] if wrapper else []), str(script), "--checkpoint-dir", str(ckpt), "--socket", str(host.socket), "--tier", "peer", *args,
         ]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
             *prefix, *command, env={**_env(), **(env or {})}, cwd=str(REPO),

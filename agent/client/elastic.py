@@ -13,6 +13,8 @@ collective on the default process group and answers, the same way on every rank 
   renumbered in their old order); rebuild what was bound to the old group (the FSDP model, the optimizer, the
   :class:`~agent.client.dcp.ShardedStore`), load the newest step (the evacuated one, resharded to the new
   world size) and go on from it.
+- ``restart`` (:meth:`Elastic.restart_workers` only): this node stays, and its workers exit (75) so that
+  torchrun restarts them at the smaller world size; for frameworks that own the process group (Lightning).
 - ``stop``: the job cannot shrink (not elastic, fewer than MIN nodes would stay, the c10d rendezvous store is
   on a leaving node, or the re-form failed): every rank exits 75, as without this module, and torchrun is told
   to stop so that the scheduler requeues the job.
@@ -43,113 +45,15 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from agent.client.events import Trigger
+from agent.client.launch import Launch, listens_on, restarts_left
 from agent.client.preempted import stopped_from_outside, withdraw
 from agent.client.reporting import client_info
 from agent.client.torch import Decision
 from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
 from agent.client.watcher import WatcherBase
 
-Action = Literal["continue", "leave", "stop"]
+Action = Literal["continue", "leave", "stop", "restart"]
 ENV_SWITCH = "PREEMPTD_ELASTIC"
-_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-_DEFAULT_RDZV_PORT = 29400  # torchrun's default when --rdzv-endpoint names no port
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What torchrun (this worker's parent) was told: node bounds and rendezvous."""
-
-    agent_pid: int
-    min_nodes: int
-    max_nodes: int
-    rdzv_backend: str
-    rdzv_endpoint: str
-    max_restarts: int
-
-    @property
-    def elastic(self) -> bool:
-        return self.rdzv_backend != "static" and self.min_nodes < self.max_nodes
-
-    @property
-    def store_port(self) -> int | None:
-        """The port of the rendezvous store torchrun serves itself (c10d), None for an external one."""
-        if self.rdzv_backend != "c10d":
-            return None
-        _, _, port = self.rdzv_endpoint.rpartition(":")
-        return int(port) if port.isdigit() else _DEFAULT_RDZV_PORT
-
-    @classmethod
-    def of_parent(cls, pid: int | None = None) -> Launch | None:
-        """The launch of the torchrun process ``pid`` (this process' parent by default); None when the parent
-        is not torchrun or its command line cannot be read."""
-        pid = os.getppid() if pid is None else pid
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            return None
-        args = torchrun_args([a for a in argv if a != ""])
-        if args is None:
-            return None
-        from torch.distributed.run import get_args_parser, parse_min_max_nnodes
-
-        try:
-            parsed, _ = get_args_parser().parse_known_args(args)
-            low, high = parse_min_max_nnodes(parsed.nnodes) if ":" in parsed.nnodes else (0, 0)
-            if ":" not in parsed.nnodes:
-                low = high = int(parsed.nnodes)
-        except (SystemExit, ValueError, RuntimeError):
-            return None
-        return cls(
-            agent_pid=pid,
-            min_nodes=int(low),
-            max_nodes=int(high),
-            rdzv_backend=str(parsed.rdzv_backend),
-            rdzv_endpoint=str(parsed.rdzv_endpoint or ""),
-            max_restarts=int(parsed.max_restarts),
-        )
-
-
-def torchrun_args(argv: list[str]) -> list[str] | None:
-    """torchrun's own arguments in a command line (``torchrun …`` or ``python -m torch.distributed.run …``),
-    None when the command is not torchrun."""
-    if not argv:
-        return None
-    if os.path.basename(argv[0]) == "torchrun":
-        return argv[1:]
-    for index, arg in enumerate(argv[:-1]):
-        if arg == "-m" and argv[index + 1] in _TORCHRUN_MODULES:
-            return argv[index + 2 :]
-    if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":  # python /usr/bin/torchrun …
-        return argv[2:]
-    return None
-
-
-def listens_on(pid: int, port: int) -> bool:
-    """Whether process ``pid`` holds a TCP socket listening on ``port`` (any address), from /proc."""
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(fields[9])
-    if not inodes:
-        return False
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target[8:-1] in inodes:
-            return True
-    return False
 
 
 @dataclass(frozen=True)
@@ -160,6 +64,7 @@ class Member:
     node: str  # host name and torchrun's pid: one torchrun agent is one node
     noticed: bool
     store_host: bool
+    restarts_left: int = 0  # torchrun's restarts this node has left (--max-restarts less those used)
 
 
 @dataclass(frozen=True)
@@ -282,18 +187,31 @@ class Elastic:
         was behind it, each node's first local rank tells its agent (``preemptd status`` shows it), naming
         ``step``, the step the job goes on from."""
         noticed = decision.notice_id is not None or (watcher is not None and watcher.notice is not None)
-        reform, view = self._answer(noticed)
+        return self._decide(noticed, step, in_place=True)
+
+    def restart_workers(self, noticed: bool, step: int | None = None) -> Reform:
+        """:meth:`after_emergency` for a framework that owns the process group (Lightning's strategies): the
+        same collective and answers, except that a staying node answers ``restart``: its workers exit (75)
+        and torchrun, which still has a restart left on every staying node, restarts them at the smaller
+        world size; they resume the evacuated step. The notified nodes ``leave`` and their torchrun stops.
+        ``noticed``: this rank's host has a notice (not only a signal)."""
+        return self._decide(noticed, step, in_place=False)
+
+    def _decide(self, noticed: bool, step: int | None, in_place: bool) -> Reform:
+        reform, view = self._answer(noticed, in_place)
         if view.leaving and os.environ.get("LOCAL_RANK", "0") == "0":
             self._tell_agent(reform, step)
         return reform
 
-    def _answer(self, noticed: bool) -> tuple[Reform, View]:
+    def _answer(self, noticed: bool, in_place: bool = True) -> tuple[Reform, View]:
         view = self._gather(noticed)
-        reason = self._why_not(view)
+        reason = self._why_not(view, in_place)
         if reason is not None:
             if view.leaving:  # the job stops for a notice: torchrun must not restart it in the window
                 self._stop_launcher_at_exit()
             return view.answer("stop", reason), view
+        if not in_place:
+            return self._restart(view), view
         # The lowest staying rank serves the new group's store and publishes its address through the old group.
         master = view.staying[0].rank
         box: list[Any] = [None]
@@ -323,11 +241,26 @@ class Elastic:
             "continue", f"{len(view.leaving)} node(s) left with the notice", size, nodes, new_rank
         ), view
 
+    def _restart(self, view: View) -> Reform:
+        """The answer without a re-form in this process: the notified nodes leave, the others' workers exit
+        for torchrun to restart them at the staying size (see :meth:`restart_workers`)."""
+        size, nodes = len(view.staying), view.staying_nodes
+        if view.members[view.rank].node in view.leaving:
+            self._stop_launcher_at_exit()
+            return view.answer("leave", f"this node has the notice; {nodes} node(s) go on", size, nodes)
+        withdraw()  # this node goes on: the worker's exit is a restart, not a stop for a notice
+        reason = f"{len(view.leaving)} node(s) left with the notice; torchrun restarts the workers at {size} rank(s)"
+        return view.answer("restart", reason, size, nodes)
+
     def _tell_agent(self, reform: Reform, step: int | None) -> None:
         """One ``membership`` report to this node's agent; a failure is a warning, never the job's."""
-        phase = {"continue": "reformed", "leave": "left", "stop": "stopped"}[reform.action]
+        phase = {"continue": "reformed", "restart": "reformed", "leave": "left", "stop": "stopped"}[
+            reform.action
+        ]
         membership = {k: v for k, v in reform.as_dict().items() if k != "action"}
         membership["seconds"] = float(membership["seconds"])
+        if reform.action == "restart":  # the restart's halt is torchrun's, after this process: not known here
+            del membership["seconds"]
         membership["reason"] = str(membership["reason"])[:500]
         body = {
             "kind": "membership",
@@ -351,12 +284,13 @@ class Elastic:
             node=f"{socket.gethostname()}:{launch.agent_pid if launch else os.getpid()}",
             noticed=noticed,
             store_host=bool(launch and launch.store_port and listens_on(launch.agent_pid, launch.store_port)),
+            restarts_left=restarts_left(launch),
         )
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, member)
         return View(rank, list(gathered), started)
 
-    def _why_not(self, view: View) -> str | None:
+    def _why_not(self, view: View, in_place: bool = True) -> str | None:
         launch = self.launch
         if not view.leaving:
             return "no rank has the notice"
@@ -371,6 +305,8 @@ class Elastic:
                 "the c10d rendezvous store is served by a leaving node's torchrun; "
                 "a rendezvous that outlives any host needs --rdzv-backend etcd-v2"
             )
+        if not in_place and any(m.restarts_left < 1 for m in view.staying):
+            return "a staying node's torchrun has no restart left (--max-restarts) to restart its workers"
         return None
 
     def _reachable_address(self, members: list[Member]) -> str:

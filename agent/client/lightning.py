@@ -14,6 +14,13 @@ at any world size. ``tier="peer"``: a full-state emergency save goes into the RA
 notice (:class:`~agent.client.peer.store.PeerCheckpointStore`, docs/client.md); under a sharded strategy it
 does not apply (a warning says so): Lightning writes its sharded checkpoint into the one directory rank 0
 names for every rank (``strategy.save_checkpoint`` broadcasts the path), not into each host's own RAM.
+
+Under torchrun's elastic mode (``--nnodes MIN:MAX``), after the emergency save of a notice the job shrinks
+instead of stopping (:meth:`~agent.client.elastic.Elastic.restart_workers`; ``elastic=False`` turns it off):
+the notified nodes leave (exit 75, their torchrun stops), and the other nodes' workers stop with
+``preempted`` set, so that the script's exit 75 makes their torchrun restart them at the smaller world size,
+where ``resume_path()`` finds the step in the staying hosts' RAM (``tier="peer"``) or the durable root.
+Lightning owns its process group, so the workers restart rather than re-form in place (docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, St
 from agent.checkpoint.manifest import CheckpointError
 from agent.client.callbacks import FollowsNotices, WatchOptions
 from agent.client.dcp import ShardedStore, latest_committed
+from agent.client.elastic import Elastic, Reform
+from agent.client.events import Trigger
 from agent.client.peer.ramtier import RamTier, RamTierError, resolve_job_id
 from agent.client.peer.store import PeerCheckpointStore, newest_held
 from agent.client.store import Checkpoint, CheckpointStore
@@ -47,7 +56,8 @@ class PreemptdCallback(FollowsNotices, Callback):
     (otherwise one is started in ``setup`` and stopped in ``teardown``), ``policy``. ``tier`` (``"durable"``
     or ``"peer"``) and ``job`` are passed to the store made in ``setup`` (see the module's docstring);
     ``drain=True`` (full-state, ``tier="peer"``): the agents then drain each peer step into ``dirpath`` as an
-    ordinary step, which ``resume_path()`` finds on any host.
+    ordinary step, which ``resume_path()`` finds on any host. ``elastic``: shrink an elastic torchrun job at
+    a notice (see the module's docstring); ``reform`` is then the answer.
     """
 
     def __init__(
@@ -59,6 +69,7 @@ class PreemptdCallback(FollowsNotices, Callback):
         tier: str = "durable",
         job: str | None = None,
         drain: bool = False,
+        elastic: bool = True,
         **options: Unpack[WatchOptions],
     ) -> None:
         Callback.__init__(self)
@@ -75,6 +86,9 @@ class PreemptdCallback(FollowsNotices, Callback):
         # No job id: an error before training, not at the emergency.
         self.tier, self.job = tier, resolve_job_id(job, self.socket_path) if tier == "peer" else job
         self.drain = drain
+        self.elastic: Elastic | None = None  # made in setup() when torchrun runs the job elastically
+        self._want_elastic = elastic
+        self.reform: Reform | None = None
         self._resumed: tuple[int, int] | None = None  # (run, step) resume_path() chose
         self.filename = filename
         self.saved: list[Checkpoint] = []
@@ -106,6 +120,9 @@ class PreemptdCallback(FollowsNotices, Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.start_watching().mark_handled(self._handled)
+        if self._want_elastic and self.elastic is None:
+            elastic = Elastic(socket_path=self.socket_path)
+            self.elastic = elastic if elastic.elastic else None
         if self.sharded_store is None and writes_on_every_rank(trainer.strategy):
             if self.tier == "peer" and trainer.is_global_zero:
                 warnings.warn(
@@ -162,11 +179,26 @@ class PreemptdCallback(FollowsNotices, Callback):
         self._save(trainer, step, emergency, notice_id, self.watcher.deadline if emergency else None)
         if emergency:
             self.watcher.acknowledge()
+            if self.elastic is not None and self._shrinks(trainer, step, trigger):
+                return
             if self.stop_on_notice:
                 self.preempted = True
                 trainer.should_stop = True
         if self.schedule is not None:
             self.schedule.mark()
+
+    def _shrinks(self, trainer: Trainer, step: int, trigger: Trigger | None) -> bool:
+        """After an emergency save under elastic torchrun (a collective): whether the job shrinks. Then every
+        rank stops with ``preempted`` set: a notified node's to leave, a staying node's for its torchrun to
+        restart it at the smaller world size."""
+        assert self.elastic is not None and self.watcher is not None
+        noticed = (trigger is not None and trigger.reason == "notice") or self.watcher.notice is not None
+        self.reform = self.elastic.restart_workers(noticed, step)
+        if self.reform.action not in ("leave", "restart"):
+            return False
+        self.preempted = True
+        trainer.should_stop = True
+        return True
 
     def _save(
         self, trainer: Trainer, step: int, emergency: bool, notice_id: str | None, deadline: Any = None
