@@ -54,10 +54,21 @@ pytestmark = [
 ]
 
 
+# torchrun's rendezvous waits, shortened for tests (docs/elastic.md): a round with MIN nodes but fewer than MAX
+# completes after 3 s of last call (default 30 s), and a departed node's heartbeat expires after 5 s (c10d only;
+# default 15 s). Long enough for a loaded machine's torchruns to join one round and keep their heartbeats.
+FAST_RENDEZVOUS = {
+    "c10d": "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5",
+    "etcd-v2": "last_call_timeout=3",
+}
+
+
 def _elastic(port: int, nodes: str = "2:3", backend: str = "c10d") -> list[str]:
     """torchrun's elastic flags; the rendezvous at 127.0.0.1:``port`` (c10d: served by the first torchrun to
-    bind it; etcd-v2: an etcd server), its id unique to the run (etcd keeps a closed one)."""
+    bind it; etcd-v2: an etcd server), its id unique to the run (etcd keeps a closed one), its waits short."""
     return [
+        "--rdzv-conf",
+        FAST_RENDEZVOUS[backend],
         "--nnodes",
         nodes,
         "--rdzv-backend",
