@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -22,6 +21,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
+from agent.client.background import InFlight, OneInFlight
 from agent.client.dcp._commit import Commit, Ranks, ShardedCheckpoint
 from agent.client.dcp._state import layout
 from agent.client.preempted import record_emergency
@@ -52,16 +52,10 @@ class Budget:
 
 
 @dataclass
-class AsyncSave:
-    """A background save: ``blocked_s`` is how long it blocked training (staging); ``result`` is set once
-    committed, ``error`` if it failed."""
+class AsyncSave(InFlight):
+    """A background save (see :class:`InFlight`): ``result`` is set once committed."""
 
-    step: int
-    started: float
-    blocked_s: float
-    thread: threading.Thread | None = None
     result: ShardedCheckpoint | None = None
-    error: BaseException | None = None
 
 
 class DeadlineBudget:
@@ -118,8 +112,10 @@ class DeadlineBudget:
         }
 
 
-class BackgroundSaves:
+class BackgroundSaves(OneInFlight[AsyncSave]):
     """At most one ``dcp.async_save`` in flight for a store, committed through the store's hooks."""
+
+    what = "the background save"
 
     def __init__(
         self,
@@ -145,7 +141,7 @@ class BackgroundSaves:
         self._commit = commit
         self._finish = finish
         self._fail = fail
-        self.inflight: AsyncSave | None = None
+        super().__init__()
         self._writer: FileSystemWriter | None = None
 
     def start(self, step: int, state: Mapping[str, Any], metadata: Mapping[str, Any] | None) -> AsyncSave:
@@ -181,15 +177,8 @@ class BackgroundSaves:
             self._report("failed", step, flush=flush)
             raise
         handle = AsyncSave(step=step, started=started, blocked_s=time.monotonic() - started)
-        handle.thread = threading.Thread(
-            target=self._complete,
-            args=(handle, future, group, tmp, what, flush, free_before),
-            name=f"preemptd-async-save step {step}",
-            daemon=True,
-        )
-        self.inflight = handle
-        self.ranks.worker = handle.thread
-        handle.thread.start()
+        args = (future, group, tmp, what, flush, free_before)
+        self._launch(self.ranks, handle, self._complete, args, f"preemptd-async-save step {step}")
         return handle
 
     def _complete(
@@ -228,13 +217,9 @@ class BackgroundSaves:
     def wait(self, timeout: float | None = None) -> ShardedCheckpoint | None:
         """Wait for the save in flight (if any) to be committed; its checkpoint, or None when none was in
         flight. Its failure is raised here. TimeoutError when it is still running."""
-        handle = self.inflight
-        if handle is None or handle.thread is None:
+        handle = self._join(timeout)
+        if handle is None:
             return None
-        handle.thread.join(timeout)
-        if handle.thread.is_alive():
-            raise TimeoutError(f"the background save of step {handle.step} is still running")
-        self.inflight = None
         if handle.error is not None:
             raise handle.error
         return handle.result

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -30,6 +29,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
+from agent.client.background import InFlight, OneInFlight
 from agent.client.dcp._commit import Ranks
 from agent.client.peer._plan import PeerTierUnusable, Plan, phases, ring
 from agent.client.peer._transfer import SummingFileSystem
@@ -43,17 +43,12 @@ __all__ = ["PeerSnapshots", "Snapshot", "SnapshotRun", "phases", "ring"]
 
 
 @dataclass
-class SnapshotRun:
-    """One snapshot: ``blocked_s`` is how long it blocked training (staging); ``complete_s`` how long until
-    it was committed on every host (or failed: ``error``)."""
+class SnapshotRun(InFlight):
+    """One snapshot (see :class:`InFlight`): ``complete_s``, how long until it was committed on every host
+    (or failed: ``error``)."""
 
-    step: int
-    started: float
-    blocked_s: float = 0.0
     complete_s: float | None = None
     holders: Mapping[str, tuple[str, ...]] | None = None  # each file's hosts, once committed
-    error: BaseException | None = None
-    thread: threading.Thread | None = None
 
 
 class Snapshot(Evacuation):
@@ -172,8 +167,10 @@ class Snapshot(Evacuation):
         return files, {name: tuple(sorted(found)) for name, found in hosts.items()}
 
 
-class PeerSnapshots:
+class PeerSnapshots(OneInFlight[SnapshotRun]):
     """A store's snapshots: at most one in flight, ``keep`` newest committed ones kept in the RAM tiers."""
+
+    what = "the snapshot"
 
     def __init__(
         self,
@@ -192,7 +189,7 @@ class PeerSnapshots:
         self.thread_count = thread_count
         self.keep = keep
         self._report = report
-        self.inflight: SnapshotRun | None = None
+        super().__init__()
         self.committed: list[int] = []  # the snapshot steps this store committed and keeps, oldest first
 
     def start(self, step: int, run: int, state: Mapping[str, Any]) -> SnapshotRun | None:
@@ -209,15 +206,9 @@ class PeerSnapshots:
             self._failed(handle, exc, flush)
             return None
         handle.blocked_s = time.monotonic() - handle.started
-        handle.thread = threading.Thread(
-            target=self._complete,
-            args=(handle, rest, run, flush, snapshot),
-            name=f"preemptd-snapshot {step}",
-            daemon=True,
+        self._launch(
+            self.ranks, handle, self._complete, (rest, run, flush, snapshot), f"preemptd-snapshot {step}"
         )
-        self.inflight = handle
-        self.ranks.worker = handle.thread
-        handle.thread.start()
         return handle
 
     def _complete(
@@ -256,14 +247,8 @@ class PeerSnapshots:
     def settle(self, timeout: float | None = None) -> SnapshotRun | None:
         """Wait for the snapshot in flight (an emergency save does, before it evacuates); it, or None. A
         failure is a warning here, not an error: the snapshot was never committed."""
-        handle = self.inflight
-        if handle is None or handle.thread is None:
-            return None
-        handle.thread.join(timeout)
-        if handle.thread.is_alive():
-            raise TimeoutError(f"the snapshot of step {handle.step} is still running")
-        self.inflight = None
-        if handle.error is not None:
+        handle = self._join(timeout)
+        if handle is not None and handle.error is not None:
             _log.warning("the snapshot of step %s was not committed: %s", handle.step, summary(handle.error))
         return handle
 
