@@ -44,7 +44,7 @@ from torch.distributed.fsdp import fully_shard
 from agent.client import EXIT_PREEMPTED, CheckpointError, CheckpointSchedule, Watcher
 from agent.client.dcp import Progress, ShardedStore, TrainState
 from agent.client.elastic import Elastic, Reform
-from agent.client.hazard import Hazard, hazard_of, rate_report, steps_between
+from agent.client.hazard import Hazard, combined, hazard_of, rate_report, steps_between
 from agent.client.peer.ramtier import RamTier
 from agent.client.torch import Coordinator, Decision
 
@@ -220,7 +220,9 @@ def open_job(
         model,
         optimizer,
         store,
-        Coordinator(watcher, schedule, every=args.every, leaves=elastic.host_leaves),
+        Coordinator(
+            watcher, schedule, every=args.every, leaves=elastic.host_leaves, siblings=elastic.siblings
+        ),
         progress,
         {"train": TrainState(model, optimizer), "progress": progress},
     )
@@ -339,7 +341,7 @@ def train(
 def rate_changed(job: Job, watcher: Watcher, step: int, usual: int, factor: float) -> None:
     """Say that snapshots now come every ``steps_between(usual, factor)`` steps: a line, and (from each node's
     first local rank) a report to its agent, with this host's own reasons."""
-    local = hazard_of(watcher.notices, watcher.policy)
+    local = combined(hazard_of(watcher.notices, watcher.policy), job.coordinator.siblings.hazard())
     every = steps_between(usual, factor)
     emit(
         "snapshot_rate",

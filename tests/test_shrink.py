@@ -136,14 +136,17 @@ ARGS = ["--steps", "100000", "--step-time", "0.02", "--log-every", "5"]
 
 
 async def _start(
-    group: Sequence[Host], ckpt: Path, nodes: str = "2:3", etcd: int | None = None
+    group: Sequence[Host],
+    ckpt: Path,
+    nodes: str = "2:3",
+    etcd: int | None = None,
+    args: Sequence[str] = ARGS,
 ) -> tuple[list[HostRun], int, list[str]]:
     """The example on every host of ``group`` under elastic torchrun (a c10d rendezvous, or etcd-v2 on the etcd
     server at port ``etcd``); the runs once every rank has its agent, the index of the host whose torchrun
     serves the c10d rendezvous store (-1 with etcd), and the launcher flags (for a host joining later)."""
     port = _free_port() if etcd is None else etcd
     backend = "c10d" if etcd is None else "etcd-v2"
-    args = ARGS
     runs: list[HostRun] = []
     launcher = _elastic(port, nodes, backend)
     try:
@@ -191,11 +194,13 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_a
     2 from the evacuated step (its next step, the checkpoint's full-state digest) and train past it; nothing
     is written under the durable root. Then a fourth host joins the rendezvous: every torchrun restarts its
     workers at world size 3, which resume from the step saved (into the hosts' RAM) when they were stopped, with
-    its digest, and the staying hosts' execs are still the same processes."""
+    its digest, and the staying hosts' execs are still the same processes. With peer snapshots on (so rare that
+    only the departure asks for one), the staying hosts take one at once and raise their rate: a notice on
+    another host of the job is a hazard (agent.client.hazard.Siblings)."""
     ckpt = tmp_path / "ckpt"
     async with hosts(4) as four:
         three = four[:3]
-        runs, store, launcher = await _start(three, ckpt)
+        runs, store, launcher = await _start(three, ckpt, args=[*ARGS, "--snapshot-every", "100000"])
         try:
             leaving = next(i for i in range(3) if i != store)
             await _drill(three[leaving])
@@ -224,13 +229,19 @@ async def test_a_drill_on_one_host_of_three_makes_it_leave_the_others_train_on_a
                 while not [e for e in run.of("step") if e["world_size"] == 2 and e["step"] >= saved[0] + 10]:
                     await run.until_more(timeout=120)
                 assert run.proc.returncode is None
+                [rate] = run.of("snapshot_rate")
+                assert (4.0, 50000) == (rate["hazard"], rate["every"]), rate
+                assert any("left with a notice" in reason for reason in rate["reasons"]), rate
+                assert saved[0] + 1 == run.of("snapshot")[0]["step"]  # at once, on the group of two
             [left] = runs[leaving].of("reform")
             assert ("leave", 2) == (left["action"], left["world_size"]), left
-            # Each host's agent heard it from its ranks: preemptd status shows the job's size and the change.
+            # Each host's agent heard it from its ranks: preemptd status shows the job's size, the change and, on
+            # the staying hosts, the snapshot rate it raised.
             for index, host in enumerate(three):
                 _, doc = await http_json(host.socket, "GET", "/v1/status")
                 [entry] = doc["jobs"].values()
-                assert (2, "left" if index == leaving else "reformed") == (entry["world_size"], entry["last"])
+                phases = ["left"] if index == leaving else ["reformed", "raised"]
+                assert (2, phases) == (entry["world_size"], [h["phase"] for h in entry["history"]]), entry
             assert [] == list(ckpt.glob("step-*"))
 
             newcomer = await HostRun.start(four[3], 3, 3, 0, ckpt, ARGS, launcher=launcher)

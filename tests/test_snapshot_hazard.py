@@ -13,7 +13,7 @@ import pytest
 
 from agent.cli.render import format_status
 from agent.client.events import Notice, TriggerPolicy
-from agent.client.hazard import Hazard, hazard_of, steps_between
+from agent.client.hazard import SIBLING_FACTOR, Hazard, Siblings, combined, hazard_of, steps_between
 from tests.lazy import HAS_TORCH
 from tests.support import http_json, running_agent
 from tests.test_evacuate_hosts import HostRun, _train, hosts
@@ -43,6 +43,21 @@ def test_the_steps_between_snapshots_go_as_one_over_the_square_root_of_the_facto
     every: int, factor: float, expected: int
 ) -> None:
     assert steps_between(every, factor) == expected
+
+
+def test_a_sibling_notice_raises_the_hazard_for_its_hold_asks_one_snapshot_and_combines_with_the_hosts() -> (
+    None
+):
+    siblings = Siblings(hold_s=600)
+    assert (Hazard(), False) == (siblings.hazard(now=0.0), siblings.take_snapshot())
+    siblings.note("1 host(s) of the job left with a notice", now=100.0)
+    assert [True, False] == [siblings.take_snapshot(), siblings.take_snapshot()]  # once per note
+    raised = siblings.hazard(now=699.0)
+    assert (SIBLING_FACTOR, ("1 host(s) of the job left with a notice",)) == (raised.factor, raised.reasons)
+    host = Hazard(2.0, ("host_degraded from host: swap",))
+    assert Hazard(SIBLING_FACTOR, (*host.reasons, *raised.reasons)) == combined(host, raised)
+    assert Hazard() == siblings.hazard(now=700.0)  # held ten minutes, then relaxed
+    assert Hazard() == combined()
 
 
 def test_steps_between_refuses_a_rule_below_one_step() -> None:

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from agent.client.events import Trigger
+from agent.client.hazard import Siblings
 from agent.client.launch import Launch, listens_on, restarts_left
 from agent.client.preempted import stopped_from_outside, withdraw
 from agent.client.reporting import client_info
@@ -144,6 +145,8 @@ class Elastic:
     ``reform_timeout``: how long the staying ranks wait for each other at the new store before giving up (every
     rank that arrived then answers ``stop``). ``timeout``: the new process group's collective timeout (torch's
     default when None). ``launch``: the launcher's settings (read from the parent process when None).
+    ``siblings``: the notices of the hosts that left, which raise the staying hosts' snapshot rate; give it to
+    each :class:`~agent.client.torch.Coordinator` (:class:`~agent.client.hazard.Siblings`).
     """
 
     def __init__(
@@ -162,6 +165,8 @@ class Elastic:
             launch = Launch.of_parent()
         self.launch = launch if enabled else None
         self.generation = 0
+        # Notices on hosts that left: they raise the staying hosts' snapshot rate (give it to the Coordinator).
+        self.siblings = Siblings()
         self._store: Any = None  # the store the current group was built on (kept alive with the group)
 
     @property
@@ -236,6 +241,7 @@ class Elastic:
             return view.answer("stop", f"re-form at {size} rank(s) failed: {exc}"), view
         withdraw()  # this process goes on: its emergency record no longer means "stopped for a notice"
         self.generation += 1
+        self.siblings.note(f"{len(view.leaving)} host(s) of the job left with a notice")
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(new_rank), str(size)
         return view.answer(
             "continue", f"{len(view.leaving)} node(s) left with the notice", size, nodes, new_rank

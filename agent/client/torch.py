@@ -22,7 +22,7 @@ from agent.checkpoint.durable import DurableFile
 from agent.checkpoint.manifest import reason_of
 from agent.client.events import Trigger
 from agent.client.group_exit import hold
-from agent.client.hazard import hazard_of, steps_between
+from agent.client.hazard import Siblings, hazard_of, steps_between
 from agent.client.reporting import CheckpointSchedule
 from agent.client.store import (
     Checkpoint,
@@ -128,8 +128,8 @@ class Coordinator:
     factor of this rank's host (:mod:`agent.client.hazard`) and each rank's own notice flag (one slot per rank),
     on the job's own process group (``group``; the default group when None). Without an initialised process
     group the decision is the local one. Keep ``every`` times the step time well inside a notice window.
-    After each check, :attr:`hazard` is the job's agreed factor (the largest of any rank's); :meth:`snapshot_due`
-    says when the next peer snapshot is due under it.
+    After each check, :attr:`hazard` is the job's agreed factor (the largest of any rank's, ``siblings``'
+    included); :meth:`snapshot_due` says when the next peer snapshot is due under it.
     """
 
     def __init__(
@@ -141,6 +141,7 @@ class Coordinator:
         group: Any = None,
         device: torch.device | None = None,
         leaves: Callable[[Trigger], bool] | None = None,
+        siblings: Siblings | None = None,
     ) -> None:
         if every < 1:
             raise ValueError(f"every must be at least 1, got {every}")
@@ -152,12 +153,16 @@ class Coordinator:
         self.leaves = leaves
         self.hazard = 1.0  # the job's hazard factor, as agreed at the last check
         self.last_snapshot = 0  # the step of the last snapshot snapshot_due said was due
+        self.siblings = siblings if siblings is not None else Siblings()
 
     def snapshot_due(self, step: int, every: int) -> bool:
         """Whether a peer snapshot is due after ``step`` for a job that takes one every ``every`` steps as a
         rule: ``steps_between(every, hazard)`` steps after the last one (the same on every rank). A job resumed
-        at step N sets :attr:`last_snapshot` to N."""
-        if step - self.last_snapshot < steps_between(every, self.hazard):
+        at step N sets :attr:`last_snapshot` to N. A notice on another host of the job makes one due at once
+        (:class:`~agent.client.hazard.Siblings`)."""
+        if not self.siblings.take_snapshot() and step - self.last_snapshot < steps_between(
+            every, self.hazard
+        ):
             return False
         self.last_snapshot = step
         return True
@@ -189,6 +194,7 @@ class Coordinator:
             deadlines.append(self.watcher.deadline)
         local_deadline = min(d.timestamp() for d in deadlines) if deadlines else math.inf
         local_hazard = hazard_of(self.watcher.notices, self.watcher.policy).factor if self.watcher else 1.0
+        local_hazard = max(local_hazard, self.siblings.hazard().factor)
         emergency, periodic, deadline_ts = local_emergency, local_periodic, local_deadline
         self.hazard = local_hazard
         noticed: tuple[int, ...] = (0,) if local_leaving else ()
