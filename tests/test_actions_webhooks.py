@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from structlog.testing import capture_logs
 
 from agent.actions.common import Recent
 from agent.actions.webhooks import WebhookEngine, redact
-from agent.config import WebhookConfig
+from agent.config import WebhookConfig, config_to_json, load_config
 from agent.core.errors import ConfigError
 from agent.core.notice import EventType
 from agent.core.tasks import TaskSet
@@ -162,3 +163,53 @@ def test_redact_keeps_only_scheme_host_and_port() -> None:
 def test_a_url_that_is_not_http_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"actions.webhooks \(ftp://x\): url must be an http"):
         WebhookConfig(url="ftp://x/secret")
+
+
+def _secret_files(tmp_path: Path, url: str) -> tuple[Path, Path]:
+    (tmp_path / "url").write_text(url + "\n")  # as a Secret's key or a systemd credential holds it
+    (tmp_path / "token").write_text(f"Bearer {SECRET}\n")
+    return tmp_path / "url", tmp_path / "token"
+
+
+async def test_the_url_and_headers_read_from_secret_files_are_used_and_never_printed(
+    harness: Harness, receiver: Receiver, tmp_path: Path
+) -> None:
+    """``url_file`` and ``header_files`` (a Kubernetes Secret mounted as files): the hook posts to that url with
+    that header; ``preemptd run --print-config`` shows where they came from, not what they are."""
+    url, token = _secret_files(tmp_path, receiver.url())
+    text = f'[[actions.webhooks]]\nname = "ops"\nurl_file = "{url}"\nheader_files = {{Authorization = "{token}"}}\n'
+    (tmp_path / "config.toml").write_text(text)
+    config = load_config(tmp_path / "config.toml", env={})
+    [hook] = config.actions.webhooks
+    receiver.script = []
+    harness.fire(await harness.engine(hook))
+    await harness.tasks.drain()
+    [(path, headers, _)] = receiver.requests
+    assert (f"/services/{SECRET}", f"Bearer {SECRET}") == (path, headers["Authorization"])
+    [shown] = config_to_json(config)["actions"]["webhooks"]
+    assert "s3cr3t" not in json.dumps(shown)
+    assert (f"(read from {url})", f"(read from {token})") == (shown["url"], shown["headers"]["Authorization"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ('url = "http://x"\nurl_file = "{url}"', "give url or url_file, not both"),
+        ('url_file = "{missing}"', r"url_file: cannot read .*missing.*No such file"),
+        ('url_file = "{empty}"', r"empty must hold one non-empty line"),
+        (
+            'url = "http://x"\nheaders = {{Authorization = "a"}}\nheader_files = {{Authorization = "{token}"}}',
+            "header 'Authorization' is in both headers and header_files",
+        ),
+    ],
+)
+def test_secret_files_that_cannot_be_used_are_configuration_errors_naming_the_file(
+    tmp_path: Path, fields: str, message: str
+) -> None:
+    url, token = _secret_files(tmp_path, "http://127.0.0.1:9/hook")
+    (tmp_path / "empty").write_text("\n")
+    names = {"url": url, "token": token, "missing": tmp_path / "missing", "empty": tmp_path / "empty"}
+    (tmp_path / "config.toml").write_text("[[actions.webhooks]]\n" + fields.format(**names) + "\n")
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(tmp_path / "config.toml", env={})
+    assert "s3cr3t" not in str(info.value)

@@ -177,3 +177,15 @@ def test_the_gpu_operator_component_runs_the_agent_under_the_nvidia_runtime_clas
 
 def test_the_bottlerocket_component_runs_the_agent_privileged(tmp_path: Path) -> None:
     assert container(render(tmp_path, ["bottlerocket"]))["securityContext"]["privileged"] is True
+
+
+def test_webhook_secrets_come_from_an_optional_secret_mounted_read_only(tmp_path: Path) -> None:
+    """The pods start without the Secret (optional), and config.toml's example names a file in its mount."""
+    docs = render(tmp_path)
+    spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    [volume] = [v for v in spec["volumes"] if "secret" in v]
+    assert {"secretName": "preemptd-secrets", "optional": True} == volume["secret"]
+    [mount] = [m for m in container(docs)["volumeMounts"] if m["name"] == volume["name"]]
+    assert (
+        mount["readOnly"] and f'url_file = "{mount["mountPath"]}/' in (KUBERNETES / "config.toml").read_text()
+    )

@@ -370,6 +370,11 @@ def config_to_json(config: Config) -> dict[str, Any]:
             continue
         shown = config.built.get(dotted, config.tables.get(dotted))
         (result.setdefault(section, {}) if section else result)[name] = convert(shown)
+    for hook in result.get("actions", {}).get("webhooks", ()):  # what came from secret files is not shown
+        if hook.get("url_file"):
+            hook["url"] = f"(read from {hook['url_file']})"
+        for header, path in hook.get("header_files", {}).items():
+            hook["headers"][header] = f"(read from {path})"
     return result
 
 

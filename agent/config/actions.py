@@ -15,7 +15,7 @@ from agent.config.types import (
     SecondsUpToAYear,
     SeverityName,
 )
-from agent.config.validate import check_hook, check_signal_rule, check_webhook
+from agent.config.validate import check_hook, check_signal_rule, check_webhook, webhook_secrets
 
 ActionTrigger = Literal["notice", "update", "cleared", "ready"]
 
@@ -78,12 +78,22 @@ class WebhookConfig:
         "preemptd on $host: $event $kind ($severity) from $source: $reason; $seconds_left s left$drill"
     )
     headers: dict[str, str] = field(default_factory=dict)
+    # Secrets kept out of the configuration file (a Kubernetes Secret's keys mounted as files, systemd
+    # credentials): the url, and header values, each read from a file of one line at load and reload.
+    url_file: Path | None = None
+    header_files: dict[str, Path] = field(default_factory=dict)
     timeout_s: Seconds = 10.0
     retries: int = 3
     backoff_s: Seconds = 1.0
     backoff_max_s: Seconds = 30.0
 
     def __post_init__(self) -> None:
+        if self.url_file is not None or self.header_files:
+            url, headers = webhook_secrets(
+                self.url, self.url_file, self.headers, self.header_files, self.name
+            )
+            object.__setattr__(self, "url", url)
+            object.__setattr__(self, "headers", headers)
         check_webhook(self)
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -107,6 +108,36 @@ def redact(url: str) -> str:
     except ValueError:
         return "(unparsable URL)"
     return f"{parts.scheme}://{parts.hostname or '?'}{port}"
+
+
+def read_secret(path: Path, where: str) -> str:
+    """The value in a secret file (a Kubernetes Secret's key, a systemd credential): its text without the
+    trailing newline. ConfigError naming the file (never its content) when it cannot be read or is empty."""
+    try:
+        value = path.read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {exc}") from None
+    if not value.strip() or "\n" in value or "\r" in value:
+        raise ConfigError(f"{where}: {path} must hold one non-empty line")
+    return value
+
+
+def webhook_secrets(
+    url: str, url_file: Path | None, headers: Mapping[str, str], header_files: Mapping[str, Path], name: str
+) -> tuple[str, dict[str, str]]:
+    """The webhook's url and headers with the values of ``url_file`` and ``header_files`` read in."""
+    where = f"actions.webhooks ({name or (redact(url) if url else url_file)})"
+    if url_file is not None:
+        if url:
+            raise ConfigError(f"{where}: give url or url_file, not both")
+        url = read_secret(url_file, f"{where}: url_file")
+    both = sorted(set(headers) & set(header_files))
+    if both:
+        raise ConfigError(f"{where}: header {both[0]!r} is in both headers and header_files")
+    read = {
+        header: read_secret(path, f"{where}: header_files.{header}") for header, path in header_files.items()
+    }
+    return url, {**headers, **read}
 
 
 def check_webhook(hook: WebhookConfig, where: str | None = None) -> None:
