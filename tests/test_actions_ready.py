@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from agent.actions.azure_ack import AzureAcknowledger
 from agent.actions.common import Recent
@@ -75,6 +76,24 @@ async def test_ready_comes_when_every_participant_has_saved(harness: Harness) ->
     )
     assert 100 < data["margin_s"] <= 120
     assert 0 <= data["notice_to_ready_s"] < 20
+
+
+async def test_a_participant_repeating_its_report_is_logged_once_per_outcome(harness: Harness) -> None:
+    """A client that sends its emergency report over and over (a bug, or on purpose) cannot grow the log:
+    one ``ready_participant_done`` line per participant and outcome."""
+    engine = harness.engine()
+    for rank in (0, 1):
+        engine.on_report(report(rank))
+    notice = make_notice(deadline_in=120)
+    engine.on_event(event(EventType.NOTICE, notice))
+    with capture_logs() as logs:
+        for _ in range(200):
+            engine.on_report(report(0, "failed", emergency=True, notice_id=notice.id))
+        engine.on_report(report(0, "finished", emergency=True, notice_id=notice.id))
+    assert [("llm#0", "failed"), ("llm#0", "finished")] == [
+        (e["participant"], e["phase"]) for e in logs if e["event"] == "ready_participant_done"
+    ]
+    assert [] == harness.published  # rank 1 has not saved yet
 
 
 def registration(rank: int) -> Report:

@@ -86,14 +86,16 @@ class ReadyEngine(OwnedTasks):
             if key not in pending.expected and key not in self._participants.registered:
                 continue  # a client that never declared itself is not waited for, nor counted
             pending.expected.add(key)
+            said = pending.done.get(key)
             pending.done[key] = report.phase
-            log.info(
-                "ready_participant_done",
-                notice_id=pending.notice.id,
-                participant=key[1],
-                uid=key[0],
-                phase=report.phase,
-            )
+            if said != report.phase:  # one line per participant and outcome, however often it reports
+                log.info(
+                    "ready_participant_done",
+                    notice_id=pending.notice.id,
+                    participant=key[1],
+                    uid=key[0],
+                    phase=report.phase,
+                )
             if pending.expected <= set(pending.done):
                 self._declare(pending, "all_participants")
 
