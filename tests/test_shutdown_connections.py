@@ -66,6 +66,7 @@ async def stop_while_connecting(base: Path, yields: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(180)  # eight agents started and stopped: about 20 s on a busy 2-core machine, 60 s seen
 async def test_connections_accepted_while_the_agent_stops_are_all_closed(base: Path) -> None:
     """An agent stopped while clients connect (a burst queued as the stop begins, one client connecting
     throughout) closes every connection it accepted: no unclosed transport or socket is collected later."""
