@@ -24,6 +24,13 @@ def test_the_placement_keeps_each_hosts_holder_and_rule() -> None:
     assert {"a:/ram": {"holder": "b:/ram", "rule": "other_pool"}} == placement_of({"placement": GOOD})
 
 
+def test_a_second_remote_holder_is_kept_and_must_be_a_host_key() -> None:
+    second = {"a:/ram": {**GOOD["a:/ram"], "rule": "same_pool", "second": "c:/ram"}}
+    expected = {"a:/ram": {"holder": "b:/ram", "rule": "same_pool", "second": "c:/ram"}}
+    assert expected == placement_of({"placement": second})
+    assert {} == placement_of({"placement": {"a:/ram": {**second["a:/ram"], "second": 3}}})
+
+
 @pytest.mark.parametrize(
     "placement",
     [

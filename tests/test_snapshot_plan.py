@@ -9,7 +9,17 @@ import random
 
 import pytest
 
-from agent.client.peer._plan import OTHER_POOL, RING, PeerTierUnusable, Place, phases, ring
+from agent.client.peer._plan import (
+    OTHER_POOL,
+    RING,
+    SAME_POOL,
+    PeerTierUnusable,
+    Place,
+    phases,
+    placement_json,
+    ring,
+    second_ring,
+)
 from agent.core.domain import Domain
 
 
@@ -61,3 +71,50 @@ def test_no_host_sends_and_receives_in_one_phase_whoever_holds_for_whom() -> Non
         found = phases(holders)
         for host, holder in enumerate(holders):
             assert found[host] != found[holder], (holders, found)
+
+
+SPOT = Domain("aws", "p5.48xlarge", "us-east-1a", "spot")
+OTHER = Domain("aws", "p5.48xlarge", "us-east-1b", "spot")
+
+
+def test_when_every_host_is_in_one_pool_each_copy_has_a_second_remote_holder() -> None:
+    """One pool: a burst of reclaims there may take a host and its holder together, so a third host keeps a
+    second copy: never the host itself, never its first holder; every rank of the host has a second buddy."""
+    gathered = places(["a", "b", "c", "d"], 2, dict.fromkeys("abcd", SPOT))
+    first = ring(gathered)
+    assert {SAME_POOL} == {p.rule for p in first.placement.values()}
+    second = second_ring(gathered, first)
+    assert second is not None
+    for host, extra in second.placement.items():
+        assert extra.holder not in (host, first.placement[host].holder), (host, extra)
+    assert sorted(second.buddy) == list(range(8))
+    assert all(first.host_of(second.buddy[r]) != first.host_of(first.buddy[r]) for r in range(8))
+    shown = placement_json(first, second)
+    assert {h: second.placement[h].holder for h in "abcd"} == {h: e["second"] for h, e in shown.items()}
+
+
+def test_no_second_copy_where_a_holder_is_in_another_pool_without_domains_or_on_two_hosts() -> None:
+    mixed = places(["a", "b", "c"], 1, {"a": SPOT, "b": SPOT, "c": OTHER})
+    assert {OTHER_POOL} == {p.rule for p in ring(mixed).placement.values()}
+    assert second_ring(mixed, ring(mixed)) is None
+    unknown = places(["a", "b", "c"])
+    assert second_ring(unknown, ring(unknown)) is None
+    two = places(["a", "b"], 1, dict.fromkeys("ab", SPOT))
+    assert second_ring(two, ring(two)) is None
+    assert "second" not in placement_json(ring(two), None)["a"]
+
+
+def test_a_host_that_sends_nothing_has_no_phase_and_the_others_still_never_send_and_receive_at_once() -> None:
+    generator = random.Random(36)
+    for _ in range(500):
+        count = generator.randint(2, 9)
+        holders: list[int | None] = [
+            None if generator.random() < 0.3 else generator.choice([j for j in range(count) if j != i])
+            for i in range(count)
+        ]
+        found = phases(holders)
+        for host, holder in enumerate(holders):
+            if holder is None:
+                assert -1 == found[host]
+            else:
+                assert found[host] >= 0 and found[host] != found[holder], (holders, found)

@@ -149,3 +149,30 @@ async def test_a_notice_while_snapshots_run_every_step_evacuates_cleanly_and_the
     assert [0, 0] == restarted, [run.stderr[-3000:] for run in again]
     starts = [(e["next_step"], e["digest"]) for run in again for e in run.of("resumed")]
     assert [saved] * 2 == starts
+
+
+async def test_when_every_host_is_in_one_capacity_pool_each_snapshot_keeps_a_second_remote_copy(
+    tmp_path: Path,
+) -> None:
+    """Three hosts whose agents read one AWS simulator (one instance type, zone and capacity: one pool). Each
+    host's holder is in its own pool, so each snapshot also goes to the third host: every host holds every
+    rank's files, and each agent's status names each host's holder and its second holder."""
+    from agent.simulate import AwsSimulator
+
+    async with AwsSimulator() as sim:
+        cloud = {"cloud": "aws", "aws.endpoint": sim.url, "gpu.enabled": False, "host.enabled": False}
+        async with hosts(3, dict.fromkeys(range(3), cloud)) as three:
+            args = ("--steps", str(2 * EVERY + 2), "--step-time", "0.02", "--snapshot-every", str(EVERY))
+            runs = await _train(three, tmp_path / "ckpt", *args)
+            codes = await finished(runs)
+            assert [0, 0, 0] == codes, [run.stderr[-3000:] for run in runs]
+            held = [committed(host) for host in three]
+            assert held[0] == held[1] == held[2] and held[0], held
+            docs = [tier_doc(host, held[0][0]) for host in three]
+            owners = [sorted({entry["rank"] for entry in doc["files"].values()}) for doc in docs]
+            assert [[0, 1, 2]] * 3 == owners, owners
+            _, status = await http_json(three[0].socket, "GET", "/v1/status")
+    placement = status["ram_tier"]["jobs"][f"{os.getuid()}/{JOB}"]["newest"]["placement"]
+    assert 3 == len(placement) and {e["rule"] for e in placement.values()} == {"same_pool"}, placement
+    for host, entry in placement.items():
+        assert len({host, entry["holder"], entry["second"]}) == 3, placement

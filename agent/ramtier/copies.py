@@ -20,7 +20,8 @@ def kind_of(doc: Mapping[str, Any]) -> str:
 
 
 def placement_of(doc: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-    """``{host: {"holder": host, "rule": rule}}`` from ``doc["placement"]``; empty when absent or malformed."""
+    """``{host: {"holder": host, "rule": rule}}`` (and ``"second"``, a snapshot's second remote holder, where
+    there is one) from ``doc["placement"]``; empty when absent or malformed."""
     found = doc.get("placement")
     if not isinstance(found, Mapping) or len(found) > MAX_HOSTS:
         return {}
@@ -32,6 +33,10 @@ def placement_of(doc: Mapping[str, Any]) -> dict[str, dict[str, str]]:
         if not (_text(holder) and _text(rule)):
             return {}
         placement[host] = {"holder": str(holder), "rule": str(rule)}
+        if "second" in entry:
+            if not _text(entry["second"]):
+                return {}
+            placement[host]["second"] = str(entry["second"])
     return placement
 
 

@@ -25,6 +25,9 @@ OTHER_GROUP = "other_group"  # the notified host's own pool, another placement g
 SAME_POOL = "same_pool"  # the notified host's own pool: the last choice
 RING = "ring"  # no rank told a domain (older agents): the next host in the ring without a notice
 RULES = (OTHER_POOL, UNKNOWN_DOMAIN, NOTICED_POOL, OTHER_GROUP, SAME_POOL)
+# A snapshot's holder chosen by these shares its host's capacity pool (no host of another pool could hold the
+# copy): a burst of reclaims in that pool may take both, so a third host keeps a second remote copy.
+SHARED_POOL_RULES = (OTHER_GROUP, SAME_POOL)
 
 
 class PeerTierUnusable(Exception):
@@ -214,13 +217,46 @@ def ring(places: Sequence[Place]) -> Plan:
     return Plan(hosts, frozenset(), buddy, placement)
 
 
-def phases(holders: Sequence[int]) -> list[int]:
+def second_ring(places: Sequence[Place], first: Plan) -> Plan | None:
+    """A second remote copy of each host's snapshot whose holder in ``first`` shares its capacity pool (rules
+    :data:`SHARED_POOL_RULES`), on the host :func:`choose_holder` picks among the others (not the first
+    holder); None when no host needs one, domains are not known, or the job has fewer than three hosts."""
+    hosts = first.hosts
+    if len(hosts) < 3:
+        return None
+    domains = host_domains(places)
+    buddy: dict[int, int] = {}
+    placement: dict[str, Placement] = {}
+    for index, (host, ranks) in enumerate(hosts):
+        chosen = first.placement[host]
+        if chosen.rule not in SHARED_POOL_RULES:
+            continue
+        at, rule = choose_holder(hosts, index, frozenset({chosen.holder}), domains)
+        holder, after = hosts[at]
+        placement[host] = Placement(holder, rule, domains[host], domains[holder])
+        buddy.update({rank: after[k % len(after)] for k, rank in enumerate(ranks)})
+    return Plan(hosts, frozenset(), buddy, placement) if buddy else None
+
+
+def placement_json(first: Plan, second: Plan | None) -> dict[str, dict[str, str | None]]:
+    """A snapshot's placement for its tier.json and status: each host's holder and why, and its second
+    holder where it has one."""
+    found = first.placement_json()
+    for host, extra in (second.placement if second is not None else {}).items():
+        found[host]["second"] = extra.holder
+    return found
+
+
+def phases(holders: Sequence[int | None]) -> list[int]:
     """The phase in which each host sends its copy to its holder (``holders[i]``: the index of host i's
-    holder), so that no host sends and receives in one phase (a blocking send waits for its receiver): the
-    smallest phase that its holder does not send in and none of the hosts it holds for sends in. A ring of
-    even length takes two phases, an odd one three."""
+    holder; None: host i sends nothing, phase -1), so that no host sends and receives in one phase (a
+    blocking send waits for its receiver): the smallest phase that its holder does not send in and none of
+    the hosts it holds for sends in. A ring of even length takes two phases, an odd one three."""
     found: list[int] = []
     for index, holder in enumerate(holders):
+        if holder is None:
+            found.append(-1)
+            continue
         taken = {found[holder]} if holder < index else set()
         taken |= {found[other] for other in range(index) if holders[other] == index}
         found.append(next(phase for phase in range(len(holders)) if phase not in taken))

@@ -230,15 +230,25 @@ class Evacuation:
             return Place(rank, where, rank in noticed, nbytes, str(exc), fallback_reason(exc))
         return Place(rank, host_key(info), rank in noticed, nbytes, domain=RamTier.domain_of(info))
 
-    def _reserve(self, the_plan: Plan, step: int, places: Sequence[Place], host: str) -> tuple[Path, str]:
-        """The host's leader reserves room for its ranks' shards and for those its ranks receive; every
-        rank learns its host's step directory."""
+    def _reserve(
+        self,
+        the_plan: Plan,
+        step: int,
+        places: Sequence[Place],
+        host: str,
+        also: Mapping[int, int] | None = None,
+    ) -> tuple[Path, str]:
+        """The host's leader reserves room for its ranks' shards and for those its ranks receive (from their
+        buddies in ``the_plan``, and in ``also``: a snapshot's second copies); every rank learns its host's
+        step directory."""
         answer: tuple[str, str] | PeerTierUnusable = ("", "")  # (path, reservation), or the refusal
         if self.ranks.rank == the_plan.leader(host):
-            ranks = set(dict(the_plan.hosts)[host])
+            own = set(dict(the_plan.hosts)[host])
+            ranks = set(own)
             if host in the_plan.notified and self.stream is not None:  # its shards are streamed to buddies:
                 ranks = set()  # at most a .metadata lands here
-            ranks |= {s for s, r in the_plan.buddy.items() if r in ranks}
+            senders = [*the_plan.buddy.items(), *(also or {}).items()]
+            ranks |= {s for s, r in senders if r in own}
             need = sum(int(places[r].estimate * _SLACK) for r in ranks) + _SLACK_BYTES
             try:
                 reservation = self.tier.reserve(self.job, step, need)

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 
 from agent.client.background import InFlight, OneInFlight
 from agent.client.dcp._commit import Ranks
-from agent.client.peer._plan import PeerTierUnusable, Plan, phases, ring
+from agent.client.peer._plan import PeerTierUnusable, Plan, phases, placement_json, ring, second_ring
 from agent.client.peer._transfer import SummingFileSystem
 from agent.client.peer.evacuate import Evacuation, estimate, resolve
 from agent.client.peer.ramtier import RamTier
@@ -65,8 +65,10 @@ class Snapshot(Evacuation):
         resolved = resolve(state)
         places = self.ranks.gather(self._place((), estimate(resolved)), self.group)
         the_plan = ring(places)
+        second = second_ring(places, the_plan)  # a third copy where the holder shares the host's pool
         host = the_plan.host_of(self.ranks.rank)
-        directory, reservation = self._reserve(the_plan, step, places, host)
+        also = second.buddy if second is not None else None
+        directory, reservation = self._reserve(the_plan, step, places, host, also)
         sums = SummingFileSystem()
         writer = FileSystemWriter(directory, sync_files=False, thread_count=self.thread_count)
         writer.fs = sums
@@ -83,7 +85,8 @@ class Snapshot(Evacuation):
             self.group = self.ranks.async_group  # from here on, the background's collectives
             try:
                 future.result()
-                return self._replicate(the_plan, step, run, host, directory, reservation, sums.sums)
+                copies = (the_plan, second)
+                return self._replicate(copies, step, run, host, directory, reservation, sums.sums)
             except Exception:
                 if self.ranks.rank == the_plan.leader(host):
                     self._free(step)
@@ -93,7 +96,7 @@ class Snapshot(Evacuation):
 
     def _replicate(
         self,
-        the_plan: Plan,
+        copies: tuple[Plan, Plan | None],
         step: int,
         run: int,
         host: str,
@@ -101,10 +104,16 @@ class Snapshot(Evacuation):
         reservation: str,
         sums: Mapping[str, tuple[int, int]],
     ) -> Mapping[str, tuple[str, ...]]:
+        the_plan, second = copies
         listed = self._agree(self._own_files(directory, {}), "listing the shard files")
         described = [files for files, _ in listed]
-        self.sent_bytes = sum(described[self.ranks.rank].values())  # this rank's shard, sent to its buddy
+        sends = 1 + int(second is not None and self.ranks.rank in second.buddy)
+        self.sent_bytes = sends * sum(
+            described[self.ranks.rank].values()
+        )  # this rank's shard, to its buddies
         received = self._exchange(the_plan, directory, described, sums)
+        if second is not None:  # the second copies, after the first are all in
+            received = _merged(received, self._exchange(second, directory, described, sums))
         # What this rank holds, as a survivor of an evacuation would: its own files and those it received.
         kept = self._held(replace(the_plan, buddy={}), directory, described, received, sums)
         held = self._agree(kept, "confirming the copies")
@@ -113,7 +122,7 @@ class Snapshot(Evacuation):
         extra = {
             "step_files": {n: int(e["size"]) for n, e in files.items()},
             "snapshot": True,
-            "placement": the_plan.placement_json(),  # where each host's copy went, and why (status shows it)
+            "placement": placement_json(the_plan, second),  # where each host's copies went, and why (status)
         }
         self._commit(
             the_plan, step, run, host, directory, reservation, mine, dict.fromkeys(mine, host), extra
@@ -127,12 +136,13 @@ class Snapshot(Evacuation):
         described: list[dict[str, int]],
         sums: Mapping[str, tuple[int, int]],
     ) -> dict[str, int] | str:
-        """Each rank sends its files to its buddy and receives those of the ranks it is the buddy of, host by
-        host in :func:`phases`; the files received (name → CRC32), or a problem."""
+        """Each rank sends its files to its buddy (if it has one in ``the_plan``) and receives those of the ranks
+        it is the buddy of, host by host in :func:`phases`; the files received (name → CRC32), or a problem."""
         rank = self.ranks.rank
         order = [host for host, _ in the_plan.hosts]
-        phase = phases([order.index(the_plan.placement[host].holder) for host in order])
-        mine = phase[order.index(the_plan.host_of(rank))]
+        placed = [the_plan.placement.get(host) for host in order]
+        phase = phases([None if p is None else order.index(p.holder) for p in placed])
+        mine = phase[order.index(the_plan.host_of(rank))] if rank in the_plan.buddy else -1
         senders = the_plan.senders_to(rank)
         sender_phase = {s: phase[order.index(the_plan.host_of(s))] for s in senders}
         received: dict[str, int] = {}
@@ -165,6 +175,15 @@ class Snapshot(Evacuation):
         if short:
             raise PeerTierUnusable(f"not in the RAM of two hosts with one CRC32: {', '.join(short)}")
         return files, {name: tuple(sorted(found)) for name, found in hosts.items()}
+
+
+def _merged(first: dict[str, int] | str, second: dict[str, int] | str) -> dict[str, int] | str:
+    """The files received in two exchanges, or their problems."""
+    problems = [found for found in (first, second) if isinstance(found, str)]
+    if problems:
+        return "; ".join(problems)
+    assert isinstance(first, dict) and isinstance(second, dict)
+    return {**first, **second}
 
 
 class PeerSnapshots(OneInFlight[SnapshotRun]):
