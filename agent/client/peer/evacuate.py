@@ -231,12 +231,7 @@ class Evacuation:
         return Place(rank, host_key(info), rank in noticed, nbytes, domain=RamTier.domain_of(info))
 
     def _reserve(
-        self,
-        the_plan: Plan,
-        step: int,
-        places: Sequence[Place],
-        host: str,
-        also: Mapping[int, int] | None = None,
+        self, the_plan: Plan, step: int, places: Sequence[Place], host: str, also: Mapping[int, int] = {}
     ) -> tuple[Path, str]:
         """The host's leader reserves room for its ranks' shards and for those its ranks receive (from their
         buddies in ``the_plan``, and in ``also``: a snapshot's second copies); every rank learns its host's
@@ -247,7 +242,7 @@ class Evacuation:
             ranks = set(own)
             if host in the_plan.notified and self.stream is not None:  # its shards are streamed to buddies:
                 ranks = set()  # at most a .metadata lands here
-            senders = [*the_plan.buddy.items(), *(also or {}).items()]
+            senders = [*the_plan.buddy.items(), *also.items()]
             ranks |= {s for s, r in senders if r in own}
             need = sum(int(places[r].estimate * _SLACK) for r in ranks) + _SLACK_BYTES
             try:

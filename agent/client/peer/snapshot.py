@@ -67,7 +67,7 @@ class Snapshot(Evacuation):
         the_plan = ring(places)
         second = second_ring(places, the_plan)  # a third copy where the holder shares the host's pool
         host = the_plan.host_of(self.ranks.rank)
-        also = second.buddy if second is not None else None
+        also = second.buddy if second is not None else {}
         directory, reservation = self._reserve(the_plan, step, places, host, also)
         sums = SummingFileSystem()
         writer = FileSystemWriter(directory, sync_files=False, thread_count=self.thread_count)
