@@ -166,3 +166,36 @@ async def test_a_degraded_gpu_on_one_host_halves_the_whole_jobs_snapshot_interva
 
 
 __all__ = ["HostRun"]
+
+
+def test_the_advised_steps_between_snapshots_are_read_only_from_two_level_advice() -> None:
+    from agent.client.reporting import advised_snapshot_steps
+
+    advice = {"two_level": {"levels": 2, "peer": {"steps": 40, "interval_s": 12.0}}}
+    assert 40 == advised_snapshot_steps(advice)
+    assert None is advised_snapshot_steps({"two_level": {"levels": 1, "peer": None}})
+    for steps in (None, 0, True, 2.5, "40"):
+        assert None is advised_snapshot_steps({"two_level": {"levels": 2, "peer": {"steps": steps}}})
+    assert None is advised_snapshot_steps(None)
+    assert None is advised_snapshot_steps({"interval_s": 600})
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+def test_the_coordinator_takes_the_advised_steps_between_snapshots_over_its_rule(tmp_path: Path) -> None:
+    """Until the agent advises K, snapshots come every ``every`` steps; then every K (÷ √hazard as always)."""
+    from agent.client.reporting import CheckpointSchedule
+    from agent.client.torch import Coordinator
+
+    schedule = CheckpointSchedule(600.0, tmp_path / "none.sock", use_advice=False)
+    coordinator = Coordinator(None, schedule)
+    coordinator.check(1)
+    assert (None, [4, 8]) == (
+        coordinator.advised_every,
+        [s for s in range(1, 10) if coordinator.snapshot_due(s, 4)],
+    )
+    schedule.advice = {"two_level": {"levels": 2, "peer": {"steps": 3}}}
+    coordinator.check(10)
+    assert (3, [11, 14, 17]) == (
+        coordinator.advised_every,
+        [s for s in range(10, 19) if coordinator.snapshot_due(s, 4)],
+    )

@@ -202,6 +202,15 @@ def advised_interval(advice: Mapping[str, Any] | None) -> float | None:
     return float(value) if value != float("inf") else None
 
 
+def advised_snapshot_steps(advice: Mapping[str, Any] | None) -> int | None:
+    """The steps between peer snapshots the agent advises (``two_level.peer.steps`` when two levels pay), or
+    None: no advice, one level, or no step time measured yet."""
+    two = advice.get("two_level") if advice is not None else None
+    peer = two.get("peer") if isinstance(two, Mapping) and two.get("levels") == 2 else None
+    steps = peer.get("steps") if isinstance(peer, Mapping) else None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1 else None
+
+
 class CheckpointSchedule:
     """When the next periodic checkpoint is due: the agent's advised interval when it has one, the fixed
     interval otherwise. Advice is refreshed every ``refresh_s`` on a short-lived thread, never in the caller.

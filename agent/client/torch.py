@@ -23,7 +23,7 @@ from agent.checkpoint.manifest import reason_of
 from agent.client.events import Trigger
 from agent.client.group_exit import hold
 from agent.client.hazard import Siblings, hazard_of, steps_between
-from agent.client.reporting import CheckpointSchedule
+from agent.client.reporting import CheckpointSchedule, advised_snapshot_steps
 from agent.client.store import (
     Checkpoint,
     CheckpointError,
@@ -152,17 +152,18 @@ class Coordinator:
         self._device = device
         self.leaves = leaves
         self.hazard = 1.0  # the job's hazard factor, as agreed at the last check
+        self.advised_every: int | None = None  # the steps between snapshots the agents advise, as agreed
         self.last_snapshot = 0  # the step of the last snapshot snapshot_due said was due
         self.siblings = siblings if siblings is not None else Siblings()
 
     def snapshot_due(self, step: int, every: int) -> bool:
-        """Whether a peer snapshot is due after ``step`` for a job that takes one every ``every`` steps as a
-        rule: ``steps_between(every, hazard)`` steps after the last one (the same on every rank). A job resumed
+        """Whether a peer snapshot is due after ``step`` for a job that takes one every ``every`` steps until
+        its agents advise a number (:attr:`advised_every`, agreed at each check: the smallest any rank's agent
+        advises): ``steps_between(K, hazard)`` steps after the last one (the same on every rank). A job resumed
         at step N sets :attr:`last_snapshot` to N. A notice on another host of the job makes one due at once
         (:class:`~agent.client.hazard.Siblings`)."""
-        if not self.siblings.take_snapshot() and step - self.last_snapshot < steps_between(
-            every, self.hazard
-        ):
+        rule = steps_between(self.advised_every or every, self.hazard)
+        if not self.siblings.take_snapshot() and step - self.last_snapshot < rule:
             return False
         self.last_snapshot = step
         return True
@@ -184,35 +185,14 @@ class Coordinator:
         if step % self.every:
             return NOTHING
         trigger = self.watcher.trigger if self.watcher is not None else None
-        local_emergency = trigger is not None
         # Whether this rank's host goes away with its trigger (Decision.noticed): any trigger, unless ``leaves``
         # says otherwise (agent.client.elastic: torchrun stopping its workers to grow leaves the host in place).
-        local_leaving = trigger is not None and (self.leaves is None or self.leaves(trigger))
-        local_periodic = self.schedule.due() if self.schedule is not None else False
-        deadlines = [d for d in (trigger.deadline if trigger else None,) if d is not None]
-        if self.watcher is not None and self.watcher.deadline is not None:
-            deadlines.append(self.watcher.deadline)
-        local_deadline = min(d.timestamp() for d in deadlines) if deadlines else math.inf
-        local_hazard = hazard_of(self.watcher.notices, self.watcher.policy).factor if self.watcher else 1.0
-        local_hazard = max(local_hazard, self.siblings.hazard().factor)
-        emergency, periodic, deadline_ts = local_emergency, local_periodic, local_deadline
-        self.hazard = local_hazard
-        noticed: tuple[int, ...] = (0,) if local_leaving else ()
-        if self.distributed:
-            hold(self.group)  # its last reference dropped at exit, from Python (agent/client/group_exit.py)
-            rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-            slots = [0.0] * world
-            slots[rank] = float(local_leaving)
-            flags = torch.tensor(
-                [float(local_emergency), float(local_periodic), -local_deadline, local_hazard, *slots],
-                dtype=torch.float64,
-                device=self._reduce_device(),
-            )
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-            values = flags.tolist()
-            emergency, periodic, deadline_ts = values[0] > 0, values[1] > 0, -values[2]
-            self.hazard = values[3]
-            noticed = tuple(r for r, flag in enumerate(values[4:]) if flag > 0)
+        leaving = trigger is not None and (self.leaves is None or self.leaves(trigger))
+        values, noticed = self._agree(self._local(trigger), leaving)
+        emergency, periodic, deadline_ts = values[0] > 0, values[1] > 0, -values[2]
+        self.hazard = values[3]
+        # MAX of -K: the smallest K any rank's agent advises; -inf where none does.
+        self.advised_every = int(-values[4]) if math.isfinite(values[4]) else None
         if not (emergency or periodic):
             return NOTHING
         deadline = datetime.fromtimestamp(deadline_ts, timezone.utc) if math.isfinite(deadline_ts) else None
@@ -224,6 +204,34 @@ class Coordinator:
             notice_id=trigger.notice_id if trigger is not None else None,
             noticed=noticed,
         )
+
+    def _local(self, trigger: Trigger | None) -> list[float]:
+        """This rank's flags, each agreed by MAX: emergency, periodic, -deadline, hazard, -advised K."""
+        periodic = self.schedule.due() if self.schedule is not None else False
+        deadlines = [d for d in (trigger.deadline if trigger else None,) if d is not None]
+        if self.watcher is not None and self.watcher.deadline is not None:
+            deadlines.append(self.watcher.deadline)
+        deadline = min(d.timestamp() for d in deadlines) if deadlines else math.inf
+        hazard = hazard_of(self.watcher.notices, self.watcher.policy).factor if self.watcher else 1.0
+        hazard = max(hazard, self.siblings.hazard().factor)
+        advised = advised_snapshot_steps(self.schedule.advice) if self.schedule is not None else None
+        minus_k = -float(advised) if advised is not None else -math.inf
+        return [float(trigger is not None), float(periodic), -deadline, hazard, minus_k]
+
+    def _agree(self, local: list[float], leaving: bool) -> tuple[list[float], tuple[int, ...]]:
+        """``local`` reduced by MAX over the group (one all_reduce, with one slot per rank for its own notice
+        flag), and the ranks whose host leaves; the local values alone without a process group."""
+        if not self.distributed:
+            return local, (0,) if leaving else ()
+        hold(self.group)  # its last reference dropped at exit, from Python (agent/client/group_exit.py)
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        slots = [0.0] * world
+        slots[rank] = float(leaving)
+        flags = torch.tensor([*local, *slots], dtype=torch.float64, device=self._reduce_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        values = flags.tolist()
+        count = len(local)
+        return values[:count], tuple(r for r, flag in enumerate(values[count:]) if flag > 0)
 
     def done(self, decision: Decision) -> None:
         """The checkpoint ``decision`` asked for is durable: acknowledge triggers, restart the interval."""
