@@ -45,9 +45,7 @@ def test_the_steps_between_snapshots_go_as_one_over_the_square_root_of_the_facto
     assert steps_between(every, factor) == expected
 
 
-def test_a_sibling_notice_raises_the_hazard_for_its_hold_asks_one_snapshot_and_combines_with_the_hosts() -> (
-    None
-):
+def test_a_sibling_notice_raises_the_hazard_for_a_while_and_asks_for_one_snapshot() -> None:
     siblings = Siblings(hold_s=600)
     assert (Hazard(), False) == (siblings.hazard(now=0.0), siblings.take_snapshot())
     siblings.note("1 host(s) of the job left with a notice", now=100.0)
