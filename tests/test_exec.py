@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import io
 import os
+import shlex
 import signal
 import sys
 import textwrap
@@ -121,6 +122,22 @@ async def test_failure_after_a_recorded_emergency_checkpoint_exits_75() -> None:
     proc = await _exec(sys.executable, "-c", script)
     code, _, err = await _finish(proc)
     assert (EXIT_PREEMPTED, True) == (code, "step 12, notice drill-1" in err)
+
+
+async def test_a_worker_started_after_the_recorded_stop_makes_a_later_failure_a_failure(
+    tmp_path: Path,
+) -> None:
+    """torchrun restarted its workers after one recorded a stop for a notice (a host joined an elastic job): the
+    new worker's Watcher withdraws the gone process's record, so the job failing later exits 1, not 75."""
+    stopped = "from agent.client.preempted import record_emergency; record_emergency(7, notice_id='drill-2')"
+    restarted = (
+        "import sys; from agent.client.watcher import Watcher; "
+        f"w = Watcher({str(tmp_path / 'no-agent.sock')!r}).start(); w.stop(); sys.exit(1)"
+    )
+    script = f"{sys.executable} -c {shlex.quote(stopped)} && {sys.executable} -c {shlex.quote(restarted)}"
+    proc = await _exec("/bin/sh", "-c", script)
+    code, _, err = await _finish(proc)
+    assert (1, False) == (code, "drill-2" in err), err
 
 
 async def test_success_after_a_recorded_emergency_checkpoint_stays_0() -> None:

@@ -106,6 +106,41 @@ def withdraw() -> list[Path]:
     return removed
 
 
+def withdraw_gone() -> list[Path]:
+    """Remove the records of processes of this ``preemptd exec`` that are gone: a process of the job starting
+    now means the job went on after them (torchrun restarted its workers: a restart, a host joining an elastic
+    job), so their "stopped for a notice" is stale and must not turn a later failure into 75. The paths
+    removed; nothing outside exec. Records of live processes (another rank still saving) stay."""
+    directory = channel()
+    removed: list[Path] = []
+    if directory is None:
+        return removed
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        name = entry.name
+        if not (name.startswith(RECORD_PREFIX) and name.endswith(RECORD_SUFFIX)):
+            continue
+        pid = name[len(RECORD_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                entry.unlink()
+                removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True
+
+
 def read_records(directory: str | Path) -> list[dict[str, Any]]:
     """The records in ``directory``, oldest first; unreadable or malformed ones are left out."""
     found: list[dict[str, Any]] = []

@@ -32,6 +32,7 @@ from agent.client.events import (
     TriggerPolicy,
     parse_event,
 )
+from agent.client.preempted import withdraw_gone
 from agent.client.reporting import Reporter, client_info
 from agent.client.transport import AgentHTTPError, AgentUnavailable, EventStream
 from agent.core.paths import client_socket_path
@@ -310,8 +311,12 @@ class Watcher(WatcherBase):
         return self._connected.wait(timeout)
 
     def start(self) -> Watcher:
+        """Start following the agent (a thread). Under ``preemptd exec``, a process of the job starting means
+        the job went on: records that earlier processes stopped for a notice are withdrawn first
+        (:func:`agent.client.preempted.withdraw_gone`)."""
         if self._thread is not None:
             return self
+        withdraw_gone()
         if self._signals:
             self.install_signal_handlers(self._signals)
         self._thread = threading.Thread(target=self._run, name="preemptd-watcher", daemon=True)
