@@ -34,6 +34,8 @@ OWN_EVENTS = {
     "advisor_loaded",
     "ledger_open",
     "source_disabled",
+    "nvml_unavailable",  # the GPU source's start line, which may land after the agent said it started
+    "kmsg_unavailable",
     "agent_started",
     "agent_stopping",
     "agent_stopped",
