@@ -142,10 +142,16 @@ local)
     if [ "$pipconf" != none ] && [ -f "$pipconf" ]; then
         volumes+=(--volume "$(readlink -f "$pipconf"):/etc/pip.conf:ro")
     fi
+    previous=$(podman image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
     buildah bud --pull=never --isolation chroot --layers "${volumes[@]}" "${build_args[@]}" \
         --build-arg "BUILDER_BASE=$builder_base" --build-arg "RUNTIME_BASE=$runtime_base" \
         --label "org.opencontainers.image.base.name=$runtime_base" -f "$context/Dockerfile" -t "$tag" "$context" \
         || die "buildah could not build $tag (its output is above)"
+    # The image this tag named before, when nothing else names it now (its labels differ: a new commit).
+    if [ -n "$previous" ] && [ "$previous" != "$(podman image inspect --format '{{.Id}}' "$tag")" ] \
+        && [ -z "$(podman image inspect --format '{{join .RepoTags " "}}' "$previous" 2>/dev/null)" ]; then
+        podman rmi "$previous" >/dev/null 2>&1 || true
+    fi
     echo "build-image.sh: built $tag (podman image inspect $tag)" >&2
     ;;
 *)
