@@ -4,11 +4,11 @@ environment and arguments read from daemonset.yaml, the ConfigMap's config.toml,
 (the service account's token and CA, KUBERNETES_SERVICE_HOST and _PORT) pointed at the Kubernetes API fake.
 
 Where the test departs from a node, and why: the volumes are temporary directories (the RAM tier's on
-/dev/shm, a tmpfs as on a node), the metrics listener is on 127.0.0.1 and a free port instead of the
-node's address and 9464, DMI says "Amazon EC2" and the AWS endpoint is the simulator on loopback (nothing
-reaches 169.254.169.254; its requests may take 5 s, for a busy test machine), and the limits on
-descriptors and processes are set (podman's defaults exceed this host's hard limits, and runc then refuses
-to start the container).
+/dev/shm, a tmpfs as on a node), the metrics listener is on 127.0.0.1 and any free port (port 0; the agent
+logs the one it got) instead of the node's address and 9464, DMI says "Amazon EC2" and the AWS endpoint is
+the simulator on loopback (nothing reaches 169.254.169.254; its requests may take 5 s, for a busy test
+machine), and the limits on descriptors and processes are set (podman's defaults exceed this host's hard
+limits, and runc then refuses to start the container).
 
 It needs root (rootful podman with host namespaces) and installs what it lacks with apt-get (mmdebstrap,
 buildah, podman, runc); otherwise it skips, saying why. The first build makes the Debian bases (mmdebstrap,
@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -299,12 +298,6 @@ def make_certificate(directory: Path) -> tuple[Path, Path]:
     return cert_file, key_file
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def daemonset() -> tuple[dict[str, Any], dict[str, Any]]:
     """The DaemonSet's pod spec and its one container."""
     [ds] = [doc for doc in yaml.safe_load_all((KUBE / "daemonset.yaml").read_text()) if doc]
@@ -468,7 +461,6 @@ async def test_the_image_runs_as_the_daemonset_starts_it(image: str, host_dirs: 
     pod, container = daemonset()
     (host_dirs["config"] / "config.toml").write_text(shipped_config())
     (host_dirs["dmi"] / "sys_vendor").write_text("Amazon EC2\n")
-    port = free_port()
     name = f"preemptd-image-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     async with loopback_services(host_dirs["account"]) as (kube, sim, token):
         args = podman_run_args(
@@ -485,7 +477,7 @@ async def test_the_image_runs_as_the_daemonset_starts_it(image: str, host_dirs: 
         )
         listen = [a for a in args if a.startswith("PREEMPTD_METRICS__LISTEN=")]
         assert listen == ["PREEMPTD_METRICS__LISTEN=127.0.0.1:9464"]  # the pod's IP: the node's own address
-        args += ["--env", f"PREEMPTD_METRICS__LISTEN=127.0.0.1:{port}"]
+        args += ["--env", "PREEMPTD_METRICS__LISTEN=127.0.0.1:0"]  # any free port: the agent logs it
         # What the kubelet adds: the service account (automountServiceAccountToken) and the API's address.
         assert pod["automountServiceAccountToken"] is True
         args += [
@@ -513,7 +505,7 @@ async def test_the_image_runs_as_the_daemonset_starts_it(image: str, host_dirs: 
         code, _, err = await podman(*run_args, image, *container["args"])
         assert code == 0, err
         try:
-            await check_the_running_agent(name, port, kube, token)
+            await check_the_running_agent(name, kube, token)
             assert sim.requests > 0  # the agent's cloud is the simulator
             # A spot interruption: the agent taints and cordons its node through the API, as the DaemonSet's
             # service account.
@@ -547,11 +539,30 @@ async def wait_until(predicate: Callable[[], bool], what: str, limit_s: float = 
         await asyncio.sleep(0.1)
 
 
-async def check_the_running_agent(name: str, port: int, kube: Any, token: str) -> None:
+async def metrics_address(name: str, limit_s: float) -> str:
+    """Where the agent's metrics listener is, as its log says (``metrics_listening``)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    while loop.time() < end:
+        for entry in await container_log(name):
+            if entry.get("event") == "metrics_listening":
+                [address] = entry["address"]
+                return str(address)
+        _, out, _ = await podman("inspect", "--format", "{{.State.Running}}", name)
+        if out.strip() != "true":
+            _, logs, errors = await podman("logs", name)
+            raise AssertionError(f"the container stopped:\n{tail(logs + errors)}")
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"no metrics_listening in the log within {limit_s:g} s")
+
+
+async def check_the_running_agent(name: str, kube: Any, token: str) -> None:
     """The probes, the CLI in the container, the metrics, the API calls and the log of a started agent."""
+    address = await metrics_address(name, 120)  # the startup probe's two minutes
+    assert address.startswith("127.0.0.1:")
     async with aiohttp.ClientSession() as session:
-        base = f"http://127.0.0.1:{port}"
-        await wait_for(session, base + "/healthz", name, 120)  # the startup probe's two minutes
+        base = f"http://{address}"
+        await wait_for(session, base + "/healthz", name, 120)
         await wait_for(session, base + "/readyz", name, 60)
         status, metrics = await get(session, base + "/metrics")
         assert status == 200
