@@ -182,6 +182,9 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
     if os.geteuid() != 0:
         pytest.skip("needs root: rootful podman, with the DaemonSet's host namespaces and capabilities")
     install_tools()
+    refusal = buildah_refusal()
+    if refusal:
+        pytest.skip(f"buildah cannot work here: {refusal}")
     log = tmp_path_factory.mktemp("image") / "build.log"
     env = {**os.environ, "PREEMPTD_BUILDER": "local"}
     with log.open("w") as out:
@@ -203,6 +206,19 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> str:
         pytest.skip(f"podman cannot start containers here: {tail(started.stderr, 3)}")
     assert (started.returncode, started.stdout.split()[:1]) == (0, ["preemptd"]), started.stderr
     return TAG
+
+
+def buildah_refusal() -> str:
+    """Why buildah cannot make and mount a container here (its storage, mounts), or ""."""
+    made = run(["buildah", "from", "scratch"])
+    if made.returncode != 0:
+        return tail(made.stderr, 3)
+    container = made.stdout.strip().splitlines()[-1]
+    try:
+        mounted = run(["buildah", "mount", container])
+        return "" if mounted.returncode == 0 else tail(mounted.stderr, 3)
+    finally:
+        run(["buildah", "rm", container])
 
 
 def ulimits() -> list[str]:
