@@ -25,7 +25,11 @@ def peer_credentials(request: Any) -> tuple[int, int, int] | None:
 
 
 def peer_doc(request: Any) -> dict[str, Any]:
-    creds = peer_credentials(request)
+    return creds_doc(peer_credentials(request))
+
+
+def creds_doc(creds: tuple[int, int, int] | None) -> dict[str, Any]:
+    """The peer as logs and notices show it, from credentials already read."""
     if creds is None:
         return {}
     return {"pid": creds[0], "uid": creds[1], "gid": creds[2]}

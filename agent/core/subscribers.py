@@ -32,9 +32,13 @@ class HubFull(Exception):
     """The subscriber limit is reached."""
 
 
+# json.dumps with these options builds an encoder on every call; one is kept (the same output).
+_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+
+
 def encode_event(event: Event, now: datetime | None = None) -> bytes:
     """The SSE frame of one event: ``id`` is the sequence number, ``event`` the type, ``data`` the JSON."""
-    payload = json.dumps(event.to_json(now), separators=(",", ":"), sort_keys=True)
+    payload = _JSON.encode(event.to_json(now))
     return sse.encode(event.type.value, payload, event_id=event.seq)
 
 

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from agent import __version__
 from agent.core.errors import NoticeError, ReportError
 from agent.core.notice import Kind, Severity
-from agent.core.peers import is_admin, peer_credentials, peer_doc
+from agent.core.peers import creds_doc, is_admin, peer_credentials, peer_doc
 from agent.core.ports import ApiHost, MetricsView
 from agent.core.reports import brief, parse_report, seconds
 from agent.core.subscribers import CLOSE, HubFull, Subscriber
@@ -97,8 +97,11 @@ async def _read_json(request: web.Request) -> Any:
     # and in time (a body sent a byte at a time must not hold the connection).
     timeout = agent.config.api.idle_timeout_s
     peer = peer_doc(request)  # while the connection is there to ask
+    body = _read_body(request, limit)
     try:
-        raw = await asyncio.wait_for(_read_body(request, limit), timeout)
+        # A body that came whole with its request (a drill's, a report's) is read at once, without the
+        # timeout's own task and the loop turns it takes: on a drill, those come before the fan-out.
+        raw = await (body if request.content.is_eof() else asyncio.wait_for(body, timeout))
     except asyncio.TimeoutError as exc:
         raise web.HTTPRequestTimeout(reason=f"the body did not arrive within {timeout:g}s") from exc
     except ConnectionError:
@@ -309,7 +312,7 @@ async def drills(request: web.Request) -> web.Response:
     agent = request.app[AGENT_KEY]
     creds = peer_credentials(request)
     allowed, why = is_admin(creds, agent.config.admin_group)
-    peer = peer_doc(request)
+    peer = creds_doc(creds)
     if not allowed:
         request.app[MISTAKES_KEY].warning("drill_refused", why=why, peer=peer)
         return _error(403, f"drills need an administrator: {why}")
