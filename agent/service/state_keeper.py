@@ -50,6 +50,10 @@ class StateKeeper:
         self.loaded = False
         self._pending: list[str] = []
         self._wanted = asyncio.Event()
+        # Counts what the next write is to carry (a record, a change, a new lease); ``_saved`` is the count
+        # the last write took its snapshot at, so a change that a write already holds is not written twice.
+        self._version = 0
+        self._saved = -1
         self._inflight: asyncio.Task[None] | None = None
         self._lease = 0  # every number up to it may have been handed out
         self._durable = 0  # the lease the state file holds
@@ -118,17 +122,21 @@ class StateKeeper:
         """Queue a history record (``time`` is added); written by the background writer. Never blocks."""
         stamped = {"time": self.now().isoformat(timespec="milliseconds").replace("+00:00", "Z"), **record}
         self._pending.append(json.dumps(stamped, separators=(",", ":"), default=str))
-        self._wanted.set()
+        self._want()
 
     def changed(self) -> None:
         """The state document changed: the background writer saves it soon."""
+        self._want()
+
+    def _want(self) -> None:
+        self._version += 1
         self._wanted.set()
 
     def lease_sequence(self, event: Event) -> None:
         """The first listener of every event: keep the leased sequence numbers ahead of the hub's."""
         if event.seq > self._lease - SEQ_LEASE // 2:
             self._lease = event.seq + SEQ_LEASE
-            self._wanted.set()
+            self._want()
         if event.seq > self._durable and self.ok and not self._overrun:
             # Only a burst of tens of thousands of events within one state write gets here.
             self._overrun = True
@@ -144,6 +152,7 @@ class StateKeeper:
             self._pending.clear()
             return
         lines, self._pending = self._pending, []
+        self._saved = self._version
         seq, notices, extra = self._snapshot()
         document = state_document(
             seq if clean else max(self._lease, seq), notices, self.boot_id, clean, self.now(), extra
@@ -168,8 +177,12 @@ class StateKeeper:
         save_state(self.state_dir, document)
 
     async def writer(self) -> None:
-        """The background writer: saves whenever something changed, until cancelled."""
+        """The background writer: saves whenever something changed, until cancelled. A change that a write
+        on demand already took (a drill's, answered once on disk) is not saved again."""
         while True:
             await self._wanted.wait()
             self._wanted.clear()
-            await self.flush()
+            if self._inflight is not None:
+                await asyncio.shield(self._inflight)
+            if self._version != self._saved:
+                await self.flush()
