@@ -1,12 +1,13 @@
-"""Shared fixtures (short temporary directories for Unix sockets) and the fast lane: ``pytest --fast``
-(``scripts/test --fast``) leaves out the tests marked ``slow``, ``service`` or ``torch_mp`` and does not even
-import a module whose ``pytestmark`` carries one of those markers."""
+"""The fixtures every room shares (short temporary directories for Unix sockets, the session's Slurm, the
+Kubernetes API fake, an etcd server; each room's own are in its conftest.py) and the fast lane: ``pytest
+--fast`` (``scripts/test --fast``) leaves out the tests marked ``slow``, ``service`` or ``torch_mp`` and does
+not even import a module whose ``pytestmark`` carries one of those markers."""
 
 from __future__ import annotations
 
 import ast
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from tests.lazy import HAS_TORCH, Lazy
 from tests.support import short_tmp
 
 if TYPE_CHECKING:
+    from tests.k8s_fake import FakeKube
     from tests.slurm_cluster import SlurmCluster
 
 # What the fast lane leaves out (pyproject.toml declares them): tests of 2 s or more, tests that need an
@@ -125,3 +127,64 @@ def slurm() -> Iterator[SlurmCluster]:
         pytest.skip(f"no Slurm on this machine: {exc}")
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKube]:
+    """The fake Kubernetes API server (tests/k8s_fake.py) with one node, NODE."""
+    from tests.k8s_fake import NODE, FakeKube
+
+    async with FakeKube() as fake:
+        fake.add_node(NODE)
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A real etcd server (Debian's etcd-server) with its v2 API, on loopback, for this module; its client port."""
+    import subprocess
+    import time
+    import urllib.request
+
+    from tests.hosts import free_port
+
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    pytest.importorskip("etcd", reason="python-etcd (torch's etcd-v2 rendezvous client) is not installed")
+    client, peer = free_port(), free_port()
+    data = tmp_path_factory.mktemp("etcd")
+    command = [
+        binary,
+        "--name",
+        "shrink",
+        "--data-dir",
+        str(data / "data"),
+        "--enable-v2",
+        "--listen-client-urls",
+        f"http://127.0.0.1:{client}",
+        "--advertise-client-urls",
+        f"http://127.0.0.1:{client}",
+        "--listen-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-cluster",
+        f"shrink=http://127.0.0.1:{peer}",
+    ]
+    with (data / "etcd.log").open("wb") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{client}/v2/keys", timeout=1):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((data / "etcd.log").read_text()[-3000:]) from None
+                time.sleep(0.1)
+        yield client
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,4 +1,4 @@
-"""One rank of tests/test_elastic.py: a gloo group of WORLD_SIZE processes on a TCPStore at MASTER_PORT, then
+"""One rank of tests/client/test_elastic.py: a gloo group of WORLD_SIZE processes on a TCPStore at MASTER_PORT, then
 ``Elastic.after_emergency`` with a launch whose torchrun is a stand-in process (``--agent-pid``), a notice on
 the ranks ``--noticed`` names; prints one JSON line with the answer and, after a re-form, an all_reduce over
 the new group (``--restart``: ``Elastic.restart_workers`` instead, with torchrun's restart count from the

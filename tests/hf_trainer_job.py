@@ -1,4 +1,4 @@
-"""A small Hugging Face Trainer job on CPU with PreemptdTrainerCallback, for tests/test_hf_callback.py to run
+"""A small Hugging Face Trainer job on CPU with PreemptdTrainerCallback, for tests/client/test_hf_callback.py to run
 under ``preemptd exec -- torchrun`` (the tests build their Trainers with :func:`trainer` too). The model is
 built from a config: nothing is downloaded. Prints JSON lines (``training`` once the first step is done,
 ``stopped`` with the step); exits 75 when it stopped for a notice after its emergency checkpoint.
@@ -55,7 +55,7 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 
 
 def trainer(output: Path, max_steps: int, callbacks: list[TrainerCallback]) -> Trainer:
-    """The small Trainer of tests/test_hf_callback.py, and of this job."""
+    """The small Trainer of tests/client/test_hf_callback.py, and of this job."""
     args = TrainingArguments(
         output_dir=str(output), max_steps=max_steps, per_device_train_batch_size=4, save_strategy="no",
         report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0,

@@ -15,23 +15,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import json
 import re
 import ssl
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 STRATEGIC = "application/strategic-merge-patch+json"
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
+NODE = "gpu-node-1"  # the node the tests' fake cluster has (the conftest's ``kube``)
 
 # Strategic-merge metadata of the Node and Pod fields a node handler touches, as in the Kubernetes API's
 # Go struct tags: lists with a merge key merge element-wise by it; every other list is replaced whole.
@@ -852,3 +855,32 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@contextlib.contextmanager
+def pod_cgroup(pod_uid: str) -> Iterator[Callable[[int], None]]:
+    """A cgroup named as the kubelet's systemd driver names a pod's, for a process that the agent must find
+    in that pod (as it does on a node, through /proc/<pid>/cgroup); yields ``join(pid)``, which moves a
+    process into it. Skips where no cgroup can be made or joined here (not root, no writable hierarchy)."""
+    name = f"kubepods-besteffort-pod{pod_uid.replace('-', '_')}.slice"
+    for root in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+        if not (root / "cgroup.procs").exists():
+            continue
+        try:
+            (root / name).mkdir()
+        except OSError:
+            continue
+
+        def join(pid: int, procs: Path = root / name / "cgroup.procs") -> None:
+            try:
+                procs.write_text(str(pid))
+            except OSError as exc:
+                pytest.skip(f"cannot move a process into a cgroup here: {exc}")
+
+        try:
+            yield join
+        finally:
+            with contextlib.suppress(OSError):
+                (root / name).rmdir()
+        return
+    pytest.skip("no cgroup can be created here to stand for a pod (needs root and a writable cgroup mount)")

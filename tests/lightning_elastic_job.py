@@ -1,4 +1,4 @@
-"""A Lightning DDP job (gloo on CPU) with PreemptdCallback(tier="peer") for tests/test_shrink_lightning.py, run as
+"""A Lightning DDP job (gloo on CPU) with PreemptdCallback(tier="peer") for tests/e2e/test_shrink_lightning.py, run as
 ``preemptd exec -- torchrun --nnodes MIN:MAX … tests/lightning_elastic_job.py`` on each simulated host. Takes the
 flags of examples/sharded_training.py that the hosts' runner passes (``--checkpoint-dir``, ``--socket``,
 ``--tier``, ``--steps``, ``--step-time``, ``--log-every``) and prints JSON lines: ``resumed`` (world size, step,

@@ -1,5 +1,5 @@
 """A Lightning job whose strategy writes a sharded checkpoint on every rank, on CPU/gloo with PreemptdCallback,
-for tests/test_lightning_callback.py: Lightning starts the other rank by running this file again. Prints JSON
+for tests/client/test_lightning_callback.py: Lightning starts the other rank by running this file again. Prints JSON
 lines (``start`` with the global step, ``stopped``); exits 75 after an emergency save.
 
 ``model_parallel``: ModelParallelStrategy, FSDP2 inside ``configure_model``. ``fsdp``: FSDPStrategy (FSDP1)

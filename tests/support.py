@@ -19,12 +19,14 @@ from typing import Any
 
 import aiohttp
 
+from agent.client import EXIT_PREEMPTED
 from agent.config import load_config
 from agent.core.sse import SSEDecoder
 from agent.service.daemon import Agent, Component
 from agent.sources.base import Source
 
 REPO = Path(__file__).resolve().parent.parent
+FAULT_TOLERANT_EXAMPLE = REPO / "examples" / "fault_tolerant_training.py"
 
 
 def short_tmp(prefix: str = "pd-") -> Path:
@@ -309,3 +311,96 @@ class AgentProcess:
             self._notify = None
         assert self.proc.returncode is not None
         return self.proc.returncode
+
+
+async def cli(*args: str, socket: Path | None = None, timeout: float = 30.0) -> tuple[int, str, str]:
+    """``preemptd ARGS`` as a child process (this repository, no PREEMPTD_ settings but ``socket``): its exit
+    status, standard output and standard error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+    env["PYTHONPATH"] = str(REPO)
+    if socket is not None:
+        env["PREEMPTD_SOCKET"] = str(socket)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "agent",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+class ExampleRun:
+    """The example as a child process; its JSON-lines progress is read as it comes."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.events: list[dict[str, Any]] = []
+        self._seen = 0
+
+    @classmethod
+    async def start(cls, *args: str, env: Mapping[str, str] | None = None) -> ExampleRun:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("PREEMPTD_")}
+        environ.update({"PYTHONPATH": str(REPO), **(env or {})})
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(FAULT_TOLERANT_EXAMPLE),
+            *args,
+            env=environ,
+            cwd=str(REPO),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        return cls(proc)
+
+    async def until(self, event: str, timeout: float = 60.0) -> dict[str, Any]:
+        """The next progress line of this kind (earlier unread lines are skipped over)."""
+        return await asyncio.wait_for(self._until(event), timeout)
+
+    async def _until(self, event: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            while self._seen < len(self.events):
+                doc = self.events[self._seen]
+                self._seen += 1
+                if doc["event"] == event:
+                    return doc
+            line = await self.proc.stdout.readline()
+            if not line:
+                stderr = await self.proc.stderr.read() if self.proc.stderr else b""
+                raise AssertionError(f"example ended before {event!r}: {stderr.decode()[-3000:]}")
+            self.events.append(json.loads(line))
+
+    async def finish(self, timeout: float = 60.0) -> int:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        rest, stderr = await asyncio.wait_for(self.proc.communicate(), timeout)
+        self.events.extend(json.loads(line) for line in rest.decode().splitlines() if line.strip())
+        assert self.proc.returncode is not None
+        if self.proc.returncode not in (0, EXIT_PREEMPTED):
+            raise AssertionError(f"example failed with {self.proc.returncode}: {stderr.decode()[-3000:]}")
+        return self.proc.returncode
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == event]
+
+
+async def drill(socket_path: Path, in_s: float = 30.0) -> str:
+    status, body = await http_json(socket_path, "POST", "/v1/drills", {"kind": "termination", "in_s": in_s})
+    assert status == 201, body
+    return str(body["notice"]["id"])
+
+
+async def hup_and_wait_ready(proc: AgentProcess) -> None:
+    """SIGHUP, then wait for RELOADING=1 and the READY=1 that ends the reload (either way)."""
+    assert proc.proc is not None
+    seen = len(proc.notifications)
+    proc.proc.send_signal(signal.SIGHUP)
+    await proc.wait_notification("RELOADING=1", after=seen)
+    reloading = next(
+        i for i in range(seen, len(proc.notifications)) if "RELOADING=1" in proc.notifications[i]
+    )
+    await proc.wait_notification("READY=1", after=reloading + 1)

@@ -3,7 +3,7 @@
 Verbs: ``run`` (the daemon), ``status``, ``watch``, ``drill``, ``version``, ``demo``, plus the verbs that
 modules listed in ``_EXTENSIONS`` register (each exposes ``register(subparsers)``). Client verbs use only the
 standard library client, and a verb's module is imported only when that verb runs, so they start fast and
-work without the agent's dependencies loaded (tests/test_cli_imports.py).
+work without the agent's dependencies loaded (tests/cli/test_imports.py).
 """
 
 from __future__ import annotations

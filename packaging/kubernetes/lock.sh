@@ -4,7 +4,7 @@
 # every file PyPI has for it (so the same lock installs on linux/amd64 and linux/arm64), resolved for
 # Python 3.11, the image's (Debian bookworm's). Run it after changing a dependency in pyproject.toml, or to
 # take newer releases; then rebuild the image (build-image.sh) and run its test
-# (tests/packaging/test_kubernetes_image.py).
+# (tests/deploy/test_kubernetes_image.py).
 #
 #   packaging/kubernetes/lock.sh            # PYTHON=python3.11 by default; INDEX_URL=https://pypi.org/simple
 #
