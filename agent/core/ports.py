@@ -101,22 +101,64 @@ class Reactor(Protocol):
     async def stop(self, timeout: float) -> None: ...
 
 
-class Host(Protocol):
-    """What a component, a reactor or the API may use of the running agent."""
+# ----- the host's roles: each part's host port is composed of the few it uses (as structlog composes its
+# processors): the agent answers each role from the part that owns it.
 
+
+class Tasks(Protocol):
+    """The agent's task owner (``agent.core.tasks.TaskSet``): a spawned task is logged when it fails."""
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any] | None: ...
+
+    async def cancel(self, task: asyncio.Task[Any], timeout: float) -> None: ...
+
+
+class HistoryFile(Protocol):
+    """Where the history log lives (``agent.service.state_files.History``)."""
+
+    @property
+    def path(self) -> Path: ...
+
+
+class Configured(Protocol):
     @property
     def config(self) -> ConfigView: ...
 
-    @property
-    def board(self) -> Board: ...
 
+class Clocked(Protocol):
     def now(self) -> datetime:
         """The agent's clock (UTC, aware); tests give the agent their own."""
         ...
 
+
+class Logged(Protocol):
+    @property
+    def log(self) -> Any:
+        """The agent's structlog logger."""
+        ...
+
+
+class Tasked(Protocol):
+    @property
+    def tasks(self) -> Tasks: ...
+
+
+class Recorded(Protocol):
     def record(self, record: Mapping[str, Any]) -> None:
         """Append a record (a mapping with ``type``) to the history log; ``time`` is added. Never blocks."""
         ...
+
+
+class HasHistory(Protocol):
+    @property
+    def history(self) -> HistoryFile: ...
+
+
+class Notices(Protocol):
+    """The notice board, and the only ways a part changes it."""
+
+    @property
+    def board(self) -> Board: ...
 
     def publish_ready(self, notice_id: str, data: Mapping[str, Any] | None = None) -> Event:
         """Emit a ``ready`` event for a notice (to clients, reactors and the history)."""
@@ -131,37 +173,53 @@ class Host(Protocol):
         """Clear what :meth:`inject` raised."""
         ...
 
+
+class Routes(Protocol):
     def add_route(self, method: str, path: str, handler: Handler) -> None:
         """Serve ``handler`` on the agent's socket (during setup only, before the socket serves)."""
         ...
 
+
+class StatusSections(Protocol):
     def add_status_section(self, name: str, fn: Callable[[], Any]) -> None:
         """A top-level key of ``/v1/status``, computed on each request."""
         ...
 
+
+class Collectors(Protocol):
     def add_metrics_collector(self, collector: Any) -> None:
         """A ``prometheus_client`` collector for ``GET /v1/metrics``."""
         ...
 
+
+class EventListeners(Protocol):
     def on_event(self, fn: Callable[[Event], None]) -> None:
         """Call ``fn`` on the loop for every event, after the SSE subscribers; must not block."""
         ...
 
+
+class ReportListeners(Protocol):
     def on_report(self, fn: Callable[[Report], None]) -> None:
         """Call ``fn`` on the loop for every accepted client report; must not block."""
         ...
 
+
+class ReportChecks(Protocol):
     def add_report_check(self, fn: Callable[[Report, bool], tuple[int, str] | None]) -> None:
         """``fn(report, privileged)`` may refuse a client report before anyone hears of it: it returns an
         HTTP status and the reason, or None. ``privileged``: the sender is root, the agent's user or in the
         admin group."""
         ...
 
+
+class SubscriberListeners(Protocol):
     def on_subscriber(self, fn: Callable[[Mapping[str, Any]], None]) -> None:
         """Call ``fn(peer)`` on the loop when an event-stream client's stream opens; ``peer`` holds its
         ``pid``, ``uid`` and ``gid`` from SO_PEERCRED (empty when unknown). Must not block."""
         ...
 
+
+class Offers(Protocol):
     def capability(self, name: str) -> Any | None:
         """A named capability (``GPU_PIDS``, ``AZURE_ACK``, or one a component provided), or None when no
         running part offers it now. Look it up when it is needed, not once: sources come and go."""
@@ -170,6 +228,25 @@ class Host(Protocol):
     def provide(self, name: str, fn: Any) -> None:
         """Offer a capability under ``name`` to the other parts."""
         ...
+
+
+class Host(
+    Configured,
+    Clocked,
+    Recorded,
+    Notices,
+    Routes,
+    StatusSections,
+    Collectors,
+    EventListeners,
+    ReportListeners,
+    ReportChecks,
+    SubscriberListeners,
+    Offers,
+    Protocol,
+):
+    """What a reactor (an action or a bridge) and a component typed against the whole host may use of the
+    running agent: every role."""
 
 
 class Component(Protocol[H_contra]):
@@ -189,51 +266,21 @@ class Component(Protocol[H_contra]):
         ...
 
 
-class Tasks(Protocol):
-    """The agent's task owner (``agent.core.tasks.TaskSet``): a spawned task is logged when it fails."""
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any] | None: ...
-
-    async def cancel(self, task: asyncio.Task[Any], timeout: float) -> None: ...
-
-
-class HistoryFile(Protocol):
-    """Where the history log lives (``agent.service.state_files.History``)."""
-
-    @property
-    def path(self) -> Path: ...
-
-
-class AdvisorHost(Protocol):
+class AdvisorHost(
+    Configured,
+    Logged,
+    Tasked,
+    HasHistory,
+    Clocked,
+    Recorded,
+    Routes,
+    StatusSections,
+    Collectors,
+    EventListeners,
+    ReportListeners,
+    Protocol,
+):
     """What the advisor component uses of the agent (``agent.advisor.component``)."""
-
-    @property
-    def config(self) -> ConfigView: ...
-
-    @property
-    def log(self) -> Any:
-        """The agent's structlog logger."""
-        ...
-
-    @property
-    def tasks(self) -> Tasks: ...
-
-    @property
-    def history(self) -> HistoryFile: ...
-
-    def now(self) -> datetime: ...
-
-    def record(self, record: Mapping[str, Any]) -> None: ...
-
-    def add_route(self, method: str, path: str, handler: Handler) -> None: ...
-
-    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
-
-    def add_metrics_collector(self, collector: Any) -> None: ...
-
-    def on_event(self, fn: Callable[[Event], None]) -> None: ...
-
-    def on_report(self, fn: Callable[[Report], None]) -> None: ...
 
 
 class HealthView(Protocol):
@@ -246,7 +293,7 @@ class HealthView(Protocol):
     def errors(self) -> int: ...
 
 
-class MetricsView(Protocol):
+class MetricsView(Clocked, Protocol):
     """What the agent's own metrics read at scrape time (``agent.service.api.build_registry``): the board, the hub's
     counters, reports, source health, the state directory, connections, and the components' collectors."""
 
@@ -268,8 +315,6 @@ class MetricsView(Protocol):
     @property
     def state_ok(self) -> bool: ...
 
-    def now(self) -> datetime: ...
-
     def connections(self) -> dict[str, Any]: ...
 
     def metrics_collectors(self) -> tuple[Any, ...]:
@@ -277,14 +322,8 @@ class MetricsView(Protocol):
         ...
 
 
-class MetricsHost(MetricsView, Protocol):
+class MetricsHost(MetricsView, Collectors, StatusSections, EventListeners, Protocol):
     """What the metrics component uses of the agent (``agent.service.metrics``)."""
-
-    def add_metrics_collector(self, collector: Any) -> None: ...
-
-    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
-
-    def on_event(self, fn: Callable[[Event], None]) -> None: ...
 
     def readiness(self) -> Mapping[str, str | None]:
         """Each readiness check (configuration, sources, socket, started): None when it passes, else why
@@ -312,7 +351,7 @@ class ApiConfig(Protocol):
     def admin_group(self) -> str | None: ...
 
 
-class ApiHost(MetricsView, Protocol):
+class ApiHost(MetricsView, Logged, Protocol):
     """What the HTTP API (``agent.service.api``) uses of the agent: its metrics, the event stream, client reports,
     drills and the status document."""
 
@@ -320,11 +359,6 @@ class ApiHost(MetricsView, Protocol):
 
     @property
     def config(self) -> ApiConfig: ...
-
-    @property
-    def log(self) -> Any:
-        """The agent's structlog logger."""
-        ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -356,15 +390,30 @@ __all__ = [
     "ApiHost",
     "ApiSettings",
     "Board",
+    "Clocked",
+    "Collectors",
     "Component",
     "ConfigView",
+    "Configured",
+    "EventListeners",
     "Handler",
+    "HasHistory",
     "HealthView",
     "HistoryFile",
     "Host",
+    "Logged",
     "MetricsHost",
     "MetricsView",
+    "Notices",
+    "Offers",
     "Reactor",
     "ReactorFactory",
+    "Recorded",
+    "ReportChecks",
+    "ReportListeners",
+    "Routes",
+    "StatusSections",
+    "SubscriberListeners",
+    "Tasked",
     "Tasks",
 ]

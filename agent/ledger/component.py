@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,7 +19,18 @@ from prometheus_client.metrics_core import Metric
 
 from agent.core.errors import ConfigError
 from agent.core.notice import Event, format_time
-from agent.core.ports import ConfigView, Handler, Tasks
+from agent.core.ports import (
+    Clocked,
+    Collectors,
+    Configured,
+    ConfigView,
+    EventListeners,
+    Logged,
+    ReportListeners,
+    Routes,
+    StatusSections,
+    Tasked,
+)
 from agent.core.reports import Report
 from agent.core.threads import deliver, settle
 from agent.ledger import store
@@ -51,29 +62,19 @@ GOODPUT_PARTS = (
 )
 
 
-class LedgerHost(Protocol):
+class LedgerHost(
+    Configured,
+    Logged,
+    Tasked,
+    Clocked,
+    Routes,
+    StatusSections,
+    Collectors,
+    EventListeners,
+    ReportListeners,
+    Protocol,
+):
     """What the ledger uses of the agent (``agent.service.daemon.Agent`` has it all)."""
-
-    @property
-    def config(self) -> ConfigView: ...
-
-    @property
-    def log(self) -> Any: ...
-
-    @property
-    def tasks(self) -> Tasks: ...
-
-    def now(self) -> datetime: ...
-
-    def add_route(self, method: str, path: str, handler: Handler) -> None: ...
-
-    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
-
-    def add_metrics_collector(self, collector: Any) -> None: ...
-
-    def on_event(self, fn: Callable[[Event], None]) -> None: ...
-
-    def on_report(self, fn: Callable[[Report], None]) -> None: ...
 
 
 def ledger_path(config: LedgerConfig, state_dir: Path) -> Path:

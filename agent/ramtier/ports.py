@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from agent.core.ports import Handler, Tasks
+from agent.core.ports import Clocked, Collectors, Logged, Routes, StatusSections, Tasked
 from agent.core.ratelog import ClientMistakes, Tally
 from agent.ramtier.config import RamTierConfig
 from agent.ramtier.holdings import Holdings, Key
@@ -24,25 +22,11 @@ class TierConfigView(Protocol):
     def table(self, name: str, schema: type[T]) -> T: ...
 
 
-class RamTierHost(Protocol):
+class RamTierHost(Logged, Tasked, Clocked, Routes, StatusSections, Collectors, Protocol):
     """What the RAM tier uses of the agent."""
 
     @property
     def config(self) -> TierConfigView: ...
-
-    @property
-    def log(self) -> Any: ...
-
-    @property
-    def tasks(self) -> Tasks: ...
-
-    def now(self) -> datetime: ...
-
-    def add_route(self, method: str, path: str, handler: Handler) -> None: ...
-
-    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
-
-    def add_metrics_collector(self, collector: Any) -> None: ...
 
     def capability(self, name: str) -> Any | None: ...
 

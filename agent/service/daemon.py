@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -312,6 +312,27 @@ def run_agent(config: Config, reload_config: Callable[[], Config] | None = None)
         agent.log.error("config_invalid", error=str(exc))
         return 2
     return 0
+
+
+if TYPE_CHECKING:
+    from agent.core.ports import AdvisorHost, ApiHost, Host, MetricsHost
+    from agent.ledger.component import LedgerHost
+    from agent.ramtier.ports import RamTierHost
+    from agent.service.membership import MembershipHost
+    from agent.window.component import WindowHost
+
+    def _answers_every_port(agent: Agent) -> tuple[object, ...]:
+        """mypy's proof that the agent is every host port its parts are typed against (each composed of the
+        roles in agent/core/ports.py)."""
+        host: Host = agent
+        advisor: AdvisorHost = agent
+        metrics: MetricsHost = agent
+        api: ApiHost = agent
+        ledger: LedgerHost = agent
+        tier: RamTierHost = agent
+        window: WindowHost = agent
+        membership: MembershipHost = agent
+        return (host, advisor, metrics, api, ledger, tier, window, membership)
 
 
 __all__ = ["Agent", "Component", "build_components", "load_config", "run_agent"]

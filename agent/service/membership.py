@@ -8,12 +8,12 @@ as they come; each report is one info line (rate-limited: a client in a loop can
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import structlog
 
 from agent.core.notice import format_time
+from agent.core.ports import ReportListeners, StatusSections
 from agent.core.ratelog import ClientMistakes
 from agent.core.reports import Report
 
@@ -22,10 +22,8 @@ HISTORY = 5  # re-forms kept per job
 log = structlog.get_logger("preemptd.membership")
 
 
-class MembershipHost(Protocol):
-    def on_report(self, fn: Callable[[Report], None]) -> None: ...
-
-    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
+class MembershipHost(ReportListeners, StatusSections, Protocol):
+    """What the membership reports use of the agent."""
 
 
 def describe_rate(phase: str, rate: dict[str, Any]) -> str:

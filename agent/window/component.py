@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +27,18 @@ from prometheus_client.metrics_core import Metric
 from agent.config import ActionsConfig, AdvisorConfig
 from agent.core.errors import PreemptdError
 from agent.core.notice import parse_time
-from agent.core.ports import Board, ConfigView, HistoryFile, Tasks
+from agent.core.ports import (
+    Board,
+    Clocked,
+    Collectors,
+    Configured,
+    HasHistory,
+    Logged,
+    Offers,
+    ReportListeners,
+    StatusSections,
+    Tasked,
+)
 from agent.core.reports import Report, parse_report
 from agent.sources.clouds import CLOUDS
 from agent.window.effective import (
@@ -50,20 +61,19 @@ MAX_PIDS = 256
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
-class WindowHost(Protocol):
+class WindowHost(
+    Configured,
+    Logged,
+    Tasked,
+    HasHistory,
+    Clocked,
+    StatusSections,
+    Collectors,
+    ReportListeners,
+    Offers,
+    Protocol,
+):
     """What the window uses of the agent (``agent.service.daemon.Agent`` has it all)."""
-
-    @property
-    def config(self) -> ConfigView: ...
-
-    @property
-    def log(self) -> Any: ...
-
-    @property
-    def tasks(self) -> Tasks: ...
-
-    @property
-    def history(self) -> HistoryFile: ...
 
     @property
     def board(self) -> Board:
@@ -74,18 +84,6 @@ class WindowHost(Protocol):
     def identity(self) -> Any:
         """``cloud``: the configured or detected cloud, None while unknown."""
         ...
-
-    def now(self) -> datetime: ...
-
-    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None: ...
-
-    def add_metrics_collector(self, collector: Any) -> None: ...
-
-    def on_report(self, fn: Callable[[Report], None]) -> None: ...
-
-    def provide(self, name: str, fn: Any) -> None: ...
-
-    def capability(self, name: str) -> Any | None: ...
 
 
 def _is_torchrun(cmdline: Sequence[str]) -> bool:
