@@ -360,7 +360,8 @@ def snapshot(job: Job, step: int, hazard: float) -> None:
     """A peer snapshot of the state after ``step``: staged now, copied into two hosts' RAM in the background.
     ``hazard``: the job's agreed hazard factor (more than 1: snapshots come more often, agent.client.hazard)."""
     job.progress.step = step
-    taken = job.store.snapshot(step, job.state)
+    # Copies go to pools other than those of hosts the job lost lately (a reclaim burst takes more there).
+    taken = job.store.snapshot(step, job.state, avoid_pools=job.coordinator.siblings.pools())
     if taken is not None:
         emit(
             "snapshot",

@@ -47,6 +47,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 from agent.client.events import Trigger
 from agent.client.hazard import Siblings
 from agent.client.launch import Launch, listens_on, restarts_left
+from agent.client.peer.ramtier import RamTier, RamTierError
 from agent.client.preempted import stopped_from_outside, withdraw
 from agent.client.reporting import client_info
 from agent.client.torch import Decision
@@ -66,6 +67,7 @@ class Member:
     noticed: bool
     store_host: bool
     restarts_left: int = 0  # torchrun's restarts this node has left (--max-restarts less those used)
+    pool: str | None = None  # its host's capacity pool (Domain.pool_name), as its agent knows it
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,7 @@ class Elastic:
         self.generation = 0
         # Notices on hosts that left: they raise the staying hosts' snapshot rate (give it to the Coordinator).
         self.siblings = Siblings()
+        self._pool: str | None = None  # this host's capacity pool, once its agent knew it
         self._store: Any = None  # the store the current group was built on (kept alive with the group)
 
     @property
@@ -241,7 +244,8 @@ class Elastic:
             return view.answer("stop", f"re-form at {size} rank(s) failed: {exc}"), view
         withdraw()  # this process goes on: its emergency record no longer means "stopped for a notice"
         self.generation += 1
-        self.siblings.note(f"{len(view.leaving)} host(s) of the job left with a notice")
+        pools = {m.pool for m in view.members if m.node in view.leaving and m.pool is not None}
+        self.siblings.note(f"{len(view.leaving)} host(s) of the job left with a notice", sorted(pools))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(new_rank), str(size)
         return view.answer(
             "continue", f"{len(view.leaving)} node(s) left with the notice", size, nodes, new_rank
@@ -291,10 +295,22 @@ class Elastic:
             noticed=noticed,
             store_host=bool(launch and launch.store_port and listens_on(launch.agent_pid, launch.store_port)),
             restarts_left=restarts_left(launch),
+            pool=self._host_pool(),
         )
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, member)
         return View(rank, list(gathered), started)
+
+    def _host_pool(self) -> str | None:
+        """This host's capacity pool from its agent's RAM tier (its failure domain); None when the agent, its
+        tier or its cloud is not known. Asked until it is known, briefly: this runs inside a notice's window."""
+        if self._pool is None:
+            try:
+                domain = RamTier.domain_of(RamTier(self.socket_path, timeout=0.5).info())
+            except (RamTierError, OSError):
+                domain = None
+            self._pool = domain.pool_name if domain is not None else None
+        return self._pool
 
     def _why_not(self, view: View, in_place: bool = True) -> str | None:
         launch = self.launch

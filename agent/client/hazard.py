@@ -64,27 +64,42 @@ def combined(*hazards: Hazard) -> Hazard:
 
 @dataclass
 class Siblings:
-    """Notices on other hosts of the job, each raising the hazard of the hosts that stay for ``hold_s`` seconds.
-    Keep one for the job's life (across re-forms) and give it to each :class:`~agent.client.torch.Coordinator`;
-    every staying rank notes the same departure, so their factors agree."""
+    """Notices on other hosts of the job, each raising the hazard of the hosts that stay for ``hold_s`` seconds,
+    and the capacity pools those hosts were in, where snapshot copies go only when no other host can hold them
+    for as long (a burst of reclaims in a pool takes its next host soon). Keep one for the job's life (across
+    re-forms) and give it to each :class:`~agent.client.torch.Coordinator`; every staying rank notes the same
+    departure, so their factors and pools agree."""
 
     hold_s: float = SIBLING_HOLD_S
     _until: dict[str, float] = field(default_factory=dict)  # reason -> monotonic end
+    _pools: dict[str, float] = field(default_factory=dict)  # pool name -> monotonic end
     _snapshot_asked: bool = False
 
-    def note(self, reason: str, now: float | None = None) -> None:
-        """Another host of the job had a notice (``reason`` says which): raise the hazard, ask for a snapshot."""
-        self._until[reason] = (time.monotonic() if now is None else now) + self.hold_s
+    def note(self, reason: str, pools: Iterable[str] = (), now: float | None = None) -> None:
+        """Another host of the job had a notice (``reason`` says which; ``pools``: the pool names of the hosts
+        that left, where known): raise the hazard, ask for a snapshot, avoid those pools."""
+        end = (time.monotonic() if now is None else now) + self.hold_s
+        self._until[reason] = end
+        self._pools.update(dict.fromkeys(pools, end))
         self._snapshot_asked = True
 
     def hazard(self, now: float | None = None) -> Hazard:
         """:data:`SIBLING_FACTOR` while a noted notice is younger than ``hold_s``, else none."""
-        now = time.monotonic() if now is None else now
-        for reason in [r for r, end in self._until.items() if end <= now]:
-            del self._until[reason]
+        self._expire(time.monotonic() if now is None else now)
         if not self._until:
             return Hazard()
         return Hazard(SIBLING_FACTOR, tuple(sorted(self._until)))
+
+    def pools(self, now: float | None = None) -> frozenset[str]:
+        """The pools of the hosts that left in the last ``hold_s`` seconds (``ShardedStore.snapshot``'s
+        ``avoid_pools``)."""
+        self._expire(time.monotonic() if now is None else now)
+        return frozenset(self._pools)
+
+    def _expire(self, now: float) -> None:
+        for noted in (self._until, self._pools):
+            for key in [k for k, end in noted.items() if end <= now]:
+                del noted[key]
 
     def take_snapshot(self) -> bool:
         """Whether a snapshot was asked for since the last call (once per note)."""

@@ -4,6 +4,7 @@ settings read from a real process' command line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -324,3 +325,23 @@ def test_exec_notes_a_stopping_signal_for_its_command_to_tell_from_its_launchers
         proc.wait(timeout=30)
         proc.stdout.close()
     assert ["launcher", "outside"] == answers
+
+
+async def test_a_hosts_capacity_pool_for_the_re_form_is_read_from_its_agent_once_it_knows_it(
+    base: Path,
+) -> None:
+    """What a rank tells the others of its host at a re-form (``Member.pool``), so that the staying hosts avoid
+    the departed hosts' pools as snapshot holders (``Siblings.pools``): its agent's domain, through the RAM
+    tier; None (and asked again next time) while the agent does not know it or cannot be reached."""
+    from agent.client.elastic import Elastic
+    from agent.simulate import AwsSimulator
+    from tests.cloud_harness import rig
+
+    settings = {"ram_tier.enabled": True, "ram_tier.path": str(base / "ram"), "ram_tier.cap_bytes": 1 << 20}
+    assert Elastic(socket_path=base / "none.sock")._host_pool() is None
+    async with AwsSimulator() as sim, rig("aws", base, sim=sim, settings=settings) as r:
+        await r.status_until(lambda d: d["agent"].get("domain") is not None, "the domain", timeout=20)
+        elastic = Elastic(socket_path=r.socket)
+        pool = await asyncio.to_thread(elastic._host_pool)
+    assert "aws/p4d.24xlarge/us-east-1a/spot" == pool
+    assert pool == elastic._host_pool()  # kept: the agent is gone now

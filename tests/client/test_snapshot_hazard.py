@@ -58,6 +58,16 @@ def test_a_sibling_notice_raises_the_hazard_for_a_while_and_asks_for_one_snapsho
     assert Hazard() == combined()
 
 
+def test_the_pools_of_the_hosts_that_left_are_avoided_for_as_long_as_the_hazard_holds() -> None:
+    siblings = Siblings(hold_s=600)
+    siblings.note("1 host(s) of the job left with a notice", ["aws/p5.48xlarge/us-east-1a/spot"], now=100.0)
+    siblings.note("1 host(s) of the job left with a notice", [], now=300.0)  # a pool not known: nothing added
+    assert frozenset({"aws/p5.48xlarge/us-east-1a/spot"}) == siblings.pools(now=699.0)
+    assert frozenset() == siblings.pools(now=700.0)
+    assert SIBLING_FACTOR == siblings.hazard(now=700.0).factor  # the second notice holds until 900
+    assert Hazard() == siblings.hazard(now=900.0)
+
+
 def test_steps_between_refuses_a_rule_below_one_step() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         steps_between(0, 1.0)

@@ -5,11 +5,13 @@ and receive at once."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from agent.client.peer._plan import (
+    NOTICED_POOL,
     OTHER_POOL,
     RING,
     SAME_POOL,
@@ -118,3 +120,20 @@ def test_a_host_that_sends_nothing_has_no_phase_and_the_others_still_never_send_
                 assert -1 == found[host]
             else:
                 assert found[host] >= 0 and found[host] != found[holder], (holders, found)
+
+
+def test_a_pool_where_the_job_lost_a_host_lately_holds_a_copy_only_when_no_other_pool_can() -> None:
+    """A departed host's pool (``Siblings.pools``, told by any one rank: every rank plans with the union) is
+    counted as a pool with a notice: host a's copy goes to c in a third pool rather than to b in the pool that
+    just lost a host, though b comes first in the ring; with nowhere else to go, b still holds one."""
+    third = Domain("aws", "p5.48xlarge", "us-east-1c", "spot")
+    gathered = places(["a", "b", "c"], 1, {"a": SPOT, "b": OTHER, "c": third})
+    assert "b" == ring(gathered).placement["a"].holder  # the next in the ring, another pool
+    told = [gathered[0], dataclasses.replace(gathered[1], avoid=(OTHER.pool_name,)), gathered[2]]
+    the_plan = ring(told)
+    assert ("c", OTHER_POOL) == (the_plan.placement["a"].holder, the_plan.placement["a"].rule)
+    two = [
+        dataclasses.replace(p, avoid=(OTHER.pool_name,))
+        for p in places(["a", "b"], 1, {"a": SPOT, "b": OTHER})
+    ]
+    assert ("b", NOTICED_POOL) == (ring(two).placement["a"].holder, ring(two).placement["a"].rule)

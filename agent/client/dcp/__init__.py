@@ -306,14 +306,18 @@ class ShardedStore:
             self.peer.settle()  # one background collective at a time on the store's second group
         return self._background.start(step, state, metadata)
 
-    def snapshot(self, step: int, state: Mapping[str, Any]) -> SnapshotRun | None:
+    def snapshot(
+        self, step: int, state: Mapping[str, Any], *, avoid_pools: Collection[str] = ()
+    ) -> SnapshotRun | None:
         """A peer snapshot of ``state`` as ``step`` (``tier="peer"``/``"auto"``): staged now, copied into the
         RAM of this host and of the next one in the background (:mod:`agent.client.peer.snapshot`); None when
-        it could not start (a warning says why). A background save in flight is waited for first."""
+        it could not start (a warning says why). A background save in flight is waited for first.
+        ``avoid_pools``: capacity pools (``Domain.pool_name``) where the job lost hosts lately, whose hosts hold
+        copies only when no other can (:meth:`agent.client.hazard.Siblings.pools`; the same on every rank)."""
         if self.peer is None:
             raise ValueError("snapshots go into the peers' RAM tiers: construct the store with tier='peer'")
         self._background.wait()
-        return self.peer.snapshot(step, state)
+        return self.peer.snapshot(step, state, avoid_pools)
 
     def wait_async(self, timeout: float | None = None) -> ShardedCheckpoint | None:
         """Wait for the background save in flight (if any) to be committed; its checkpoint, or None when

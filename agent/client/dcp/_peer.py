@@ -76,15 +76,17 @@ class PeerTier:
         self.streaming = True
         self.snapshots: PeerSnapshots | None = None  # made by the first snapshot()
 
-    def snapshot(self, step: int, state: Mapping[str, Any]) -> SnapshotRun | None:
-        """Start a peer snapshot of ``state`` as ``step`` (:mod:`agent.client.peer.snapshot`); None when it
-        could not start (a warning says why)."""
+    def snapshot(
+        self, step: int, state: Mapping[str, Any], avoid: Collection[str] = ()
+    ) -> SnapshotRun | None:
+        """Start a peer snapshot of ``state`` as ``step`` (:mod:`agent.client.peer.snapshot`), holders in the
+        pools in ``avoid`` a last choice; None when it could not start (a warning says why)."""
         from agent.client.peer.snapshot import PeerSnapshots  # on use: see save()
 
         if self.snapshots is None:
             self.snapshots = PeerSnapshots(self.ranks, self.tiers, self.job, self._report, self.thread_count)
         run = int(self.ranks.from_zero(self.local.run_for(step) if self.ranks.rank == 0 else 0))
-        return self.snapshots.start(step, run, state)
+        return self.snapshots.start(step, run, state, avoid)
 
     def settle(self, timeout: float | None = None) -> None:
         """Wait for the snapshot in flight, if any (an emergency save never races one)."""

@@ -5,7 +5,9 @@ peer tier cannot be used. Part of :mod:`agent.client.peer.evacuate`; import from
 A notified host's buddy host is chosen outside its failure domain (docs/ram-tier.md, "Failure domains and
 placement"): a host without a notice in another capacity pool first, then one whose domain is not known,
 then one in another pool that has a notice too, then one of the host's own pool in another placement group,
-then any; ring order breaks ties. Without any domain that is the next host in the ring without a notice.
+then any; ring order breaks ties. Without any domain that is the next host in the ring without a notice. A
+snapshot's holder is chosen by the same rule, with the pools of hosts that left the job lately (``avoid``:
+:meth:`agent.client.hazard.Siblings.pools`) counted as pools with a notice.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Place:
     problem: str | None = None  # why its host's RAM tier cannot be used
     reason: str = "tier_unavailable"  # that, as PeerTierUnusable's reason
     domain: Domain | None = None  # its host's failure domain (RamTier.domain_of), None when not known
+    avoid: tuple[str, ...] = ()  # a snapshot's: pools where this rank saw the job lose hosts lately
 
 
 @dataclass(frozen=True)
@@ -115,11 +118,13 @@ def host_domains(places: Sequence[Place]) -> dict[str, Domain | None]:
     return domains
 
 
-def _rank(mine: Domain | None, theirs: Domain | None, noticed_pools: frozenset[Any]) -> tuple[int, str, bool]:
+def _rank(mine: Domain | None, theirs: Domain | None, noticed_pools: frozenset[str]) -> tuple[int, str, bool]:
     """A candidate holder's tier (its index in RULES), that rule, and whether it is known to be in another
-    placement group than the notified host."""
+    placement group than the notified host. ``noticed_pools``: the pool names (``Domain.pool_name``) with a
+    notice."""
     other_group = bool(mine and theirs and mine.group and theirs.group and mine.group != theirs.group)
-    if theirs is not None and theirs.pool in noticed_pools and (mine is None or theirs.pool != mine.pool):
+    noticed = theirs is not None and theirs.pool_name in noticed_pools
+    if noticed and theirs is not None and (mine is None or theirs.pool != mine.pool):
         rule = NOTICED_POOL
     elif mine is None or theirs is None:
         rule = UNKNOWN_DOMAIN
@@ -135,13 +140,16 @@ def choose_holder(
     index: int,
     notified: Collection[str],
     domains: Mapping[str, Domain | None],
+    avoid: Collection[str] = (),
 ) -> tuple[int, str]:
     """The index in ``hosts`` (ring order) of the host that holds the shards of ``hosts[index]``, and the
     rule that chose it: the best tier of :data:`RULES`, then a known other placement group, then the next in
-    the ring. Without any domain: the next host in the ring without a notice, rule :data:`RING`. The same on
-    every rank for the same arguments."""
+    the ring. Without any domain: the next host in the ring without a notice, rule :data:`RING`. ``avoid``:
+    more pool names to count as noticed (where hosts of the job were lost lately). The same on every rank for
+    the same arguments."""
     mine = domains.get(hosts[index][0])
-    noticed_pools = frozenset(d.pool for h, d in domains.items() if d is not None and h in notified)
+    noticed_pools = frozenset(d.pool_name for h, d in domains.items() if d is not None and h in notified)
+    noticed_pools |= frozenset(avoid)
     best: tuple[tuple[int, bool, int], int, str] | None = None
     for step in range(1, len(hosts)):
         at = (index + step) % len(hosts)
@@ -198,19 +206,25 @@ def plan(places: Sequence[Place]) -> Plan:
 # -- peer snapshots (agent/client/peer/snapshot.py): every host sends, pure like the evacuation's plan --------
 
 
+def avoided(places: Sequence[Place]) -> frozenset[str]:
+    """The pools any rank asks to avoid (the same on every rank, whatever each one's clock expired)."""
+    return frozenset(pool for place in places for pool in place.avoid)
+
+
 def ring(places: Sequence[Place]) -> Plan:
     """Every rank's buddy: the (k mod n)-th rank of the host that holds its host's copy, chosen as an
     evacuation chooses a notified host's holder (:func:`choose_holder`: another capacity pool first, the host's
-    own pool last; without domains, the next host in the ring), with every host sending; PeerTierUnusable when
-    a rank's tier cannot be used or the job has one host (no peer to hold a copy)."""
+    own pool last, the pools a rank asks to avoid as if they had a notice; without domains, the next host in
+    the ring), with every host sending; PeerTierUnusable when a rank's tier cannot be used or the job has one
+    host (no peer to hold a copy)."""
     hosts = usable_hosts(places)
     if len(hosts) < 2:
         raise PeerTierUnusable("the job runs on one host: no peer to keep a copy", "one_host")
-    domains = host_domains(places)
+    domains, avoid = host_domains(places), avoided(places)
     buddy: dict[int, int] = {}
     placement: dict[str, Placement] = {}
     for index, (host, ranks) in enumerate(hosts):
-        at, rule = choose_holder(hosts, index, frozenset(), domains)
+        at, rule = choose_holder(hosts, index, frozenset(), domains, avoid)
         holder, after = hosts[at]
         placement[host] = Placement(holder, rule, domains[host], domains[holder])
         buddy.update({rank: after[k % len(after)] for k, rank in enumerate(ranks)})
@@ -224,14 +238,14 @@ def second_ring(places: Sequence[Place], first: Plan) -> Plan | None:
     hosts = first.hosts
     if len(hosts) < 3:
         return None
-    domains = host_domains(places)
+    domains, avoid = host_domains(places), avoided(places)
     buddy: dict[int, int] = {}
     placement: dict[str, Placement] = {}
     for index, (host, ranks) in enumerate(hosts):
         chosen = first.placement[host]
         if chosen.rule not in SHARED_POOL_RULES:
             continue
-        at, rule = choose_holder(hosts, index, frozenset({chosen.holder}), domains)
+        at, rule = choose_holder(hosts, index, frozenset({chosen.holder}), domains, avoid)
         holder, after = hosts[at]
         placement[host] = Placement(holder, rule, domains[host], domains[holder])
         buddy.update({rank: after[k % len(after)] for k, rank in enumerate(ranks)})

@@ -19,9 +19,10 @@ for the one in flight (:meth:`PeerSnapshots.settle`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -59,11 +60,15 @@ class Snapshot(Evacuation):
         super().__init__(ranks, ranks.group, tier, job, thread_count)
         self.sent_bytes = 0
 
-    def stage(self, step: int, state: Mapping[str, Any]) -> Callable[[int], Mapping[str, tuple[str, ...]]]:
+    def stage(
+        self, step: int, state: Mapping[str, Any], avoid: Collection[str] = ()
+    ) -> Callable[[int], Mapping[str, tuple[str, ...]]]:
         """Reserve and stage; returns the rest of the snapshot, to run in the background with the run
-        number: it returns each file's holders once the step is committed on every host."""
+        number: it returns each file's holders once the step is committed on every host. ``avoid``: capacity
+        pools where the job lost hosts lately, holders there a last choice (:func:`ring`)."""
         resolved = resolve(state)
-        places = self.ranks.gather(self._place((), estimate(resolved)), self.group)
+        place = dataclasses.replace(self._place((), estimate(resolved)), avoid=tuple(sorted(avoid)))
+        places = self.ranks.gather(place, self.group)
         the_plan = ring(places)
         second = second_ring(places, the_plan)  # a third copy where the holder shares the host's pool
         host = the_plan.host_of(self.ranks.rank)
@@ -211,16 +216,19 @@ class PeerSnapshots(OneInFlight[SnapshotRun]):
         super().__init__()
         self.committed: list[int] = []  # the snapshot steps this store committed and keeps, oldest first
 
-    def start(self, step: int, run: int, state: Mapping[str, Any]) -> SnapshotRun | None:
-        """Snapshot ``state`` as ``step`` (after waiting for the one in flight); the run in flight, or None
-        when it could not start (a warning and a ``failed`` report say why; training goes on)."""
+    def start(
+        self, step: int, run: int, state: Mapping[str, Any], avoid: Collection[str] = ()
+    ) -> SnapshotRun | None:
+        """Snapshot ``state`` as ``step`` (after waiting for the one in flight), holders in the pools in ``avoid``
+        a last choice; the run in flight, or None when it could not start (a warning and a ``failed`` report
+        say why; training goes on)."""
         self.settle()
         handle = SnapshotRun(step=step, started=time.monotonic())
         flush: dict[str, Any] = {"sharded": True, "world_size": self.ranks.world_size, "tier": "snapshot"}
         self._report("started", step, flush=flush)
         snapshot = Snapshot(self.ranks, self.tier, self.job, self.thread_count)
         try:
-            rest = snapshot.stage(step, state)
+            rest = snapshot.stage(step, state, avoid)
         except Exception as exc:
             self._failed(handle, exc, flush)
             return None
