@@ -8,6 +8,7 @@ c10d store's own host has the notice, or fewer than MIN nodes would stay) every 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -290,5 +291,47 @@ async def test_with_an_etcd_rendezvous_any_host_can_leave_even_rank_0s(tmp_path:
                 while not [e for e in run.of("step") if e["world_size"] == 2]:
                     await run.until_more(timeout=120)
                 assert run.proc.returncode is None
+        finally:
+            await kill_runs(runs)
+
+
+@pytest.mark.asyncio
+async def test_a_host_lost_without_a_notice_shrinks_the_elastic_job_from_the_newest_snapshot(
+    tmp_path: Path,
+) -> None:
+    """Issue 38, "Recovery without a notice", for an elastic job: 3 hosts under ``--nnodes 2:3`` take a peer
+    snapshot every 10 steps; one host (not the rendezvous store's) dies with no warning: its ranks and agent
+    killed, its RAM tier gone. The survivors' collectives fail, torchrun restarts their workers at world size 2
+    (a restart it had left), and they resume from the newest snapshot that is complete on the surviving hosts,
+    with the digest it had when it was taken: at most one snapshot interval lost, nothing read from disk."""
+    every = 10
+    ckpt = tmp_path / "ckpt"
+    args = [*LONG_RUN, "--snapshot-every", str(every), "--collective-timeout-s", "30"]
+    async with hosts(3) as three:
+        runs, store, _ = await _start(three, ckpt, args=args)
+        try:
+            lost = next(i for i in range(3) if i != store)
+            for run in runs:  # two snapshots taken, so that one is committed on every host
+                while len(run.of("snapshot")) < 2:
+                    await run.until_more(timeout=120)
+            await kill_runs([runs[lost]])
+            await three[lost].stop()
+            shutil.rmtree(three[lost].ram)
+            before = max(e["step"] for run in runs for e in run.of("step"))
+            taken = {e["step"]: e["digest"] for run in runs for e in run.of("snapshot")}
+            staying = [run for i, run in enumerate(runs) if i != lost]
+            for run in staying:
+                while not [e for e in run.of("resumed") if e["world_size"] == 2]:
+                    await run.until_more(timeout=180)
+            starts = {(e["next_step"], e["digest"]) for run in staying for e in run.of("resumed")}
+            assert 1 == len(starts), starts  # one step, one digest on every surviving rank
+            [(step, digest)] = starts
+            assert taken.get(step) == digest, (step, taken)  # the snapshot as it was taken
+            assert before - step <= 2 * every + 5 * len(runs), (before, step)  # the interval, give or take
+            for run in staying:  # and training goes on at world size 2, in the same execs
+                while not [e for e in run.of("step") if e["world_size"] == 2 and e["step"] >= step + 10]:
+                    await run.until_more(timeout=120)
+                assert run.proc.returncode is None
+            assert [] == list(ckpt.glob("step-*"))
         finally:
             await kill_runs(runs)
