@@ -130,8 +130,10 @@ def _install_root_handler(handler: logging.Handler, level: str) -> None:
     handler._preemptd = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(LEVELS[level])
-    # aiohttp logs every request at INFO on its access logger; the agent logs what matters itself.
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # aiohttp logs every request at INFO on its access logger, and httpx2 (the Kubernetes bridge's client, through
+    # lightkube) every API call; the agent logs what matters itself (kubernetes_call_failed and the counters).
+    for name in ("aiohttp.access", "httpx2", "httpx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def get_logger(**context: Any) -> Any:

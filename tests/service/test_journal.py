@@ -5,6 +5,7 @@ a real systemd-journald (in a private mount namespace, so the host's /run is unt
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -194,4 +195,22 @@ async def test_each_fact_is_logged_once(base: Path) -> None:
         events.count("notice_ready"),
         events.count("ready"),
         events.count("source_recovered"),
+    )
+
+
+def test_a_client_librarys_request_lines_stay_out_of_the_log_and_its_warnings_do_not(tmp_path: Path) -> None:
+    """httpx2 (lightkube's HTTP client, the Kubernetes bridge's) logs every API request at info; aiohttp every
+    request it serves: neither reaches the agent's log at info level, their warnings do."""
+    out = tmp_path / "stdout"
+    with out.open("w") as stream:
+        try:
+            configure_logging("json", "info", stream=stream, journal_send=None)
+            logging.getLogger("httpx2").info('HTTP Request: GET https://k8s/api/v1/nodes/n "HTTP/1.1 200 OK"')
+            logging.getLogger("aiohttp.access").info("GET /v1/status 200")
+            logging.getLogger("httpx2").warning("connection pool is full")
+        finally:
+            structlog.reset_defaults()
+    lines = out.read_text()
+    assert ("HTTP Request" not in lines, "/v1/status" not in lines, "pool is full" in lines) == (True,) * 3, (
+        lines
     )
