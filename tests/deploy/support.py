@@ -25,6 +25,9 @@ BRIDGE_PERMISSIONS = {
 
 
 MONITORING = REPO / "packaging" / "monitoring"
+# The PodMonitor and the PrometheusRules, as a kustomize component of the DaemonSet's base (the overlay
+# packaging/monitoring/kubernetes is the base with it).
+MONITORING_COMPONENT = REPO / "packaging" / "kubernetes" / "components" / "monitoring"
 PROMTOOL = shutil.which("promtool")
 RULES = MONITORING / "prometheus" / "preemptd-alerts.yml"
 PROMETHEUS_OWN = {"up"}

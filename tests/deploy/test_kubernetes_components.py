@@ -2,7 +2,9 @@
 with the real ``kubectl kustomize`` (base alone, base with each component, and combined) and validated with
 ``kubernetes-validate --strict`` against the oldest and newest Kubernetes versions the project supports; then
 what each one must say: where the pod schedules, what it tolerates, what admits its priority class, that the
-configuration rolls the DaemonSet when it changes and loads, and what each platform's component adds."""
+configuration rolls the DaemonSet when it changes and loads, and what each platform's component adds; the
+monitoring component adds the PodMonitor and the PrometheusRules, as the overlay
+packaging/monitoring/kubernetes does."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 
 from agent.config import load_config
+from tests.deploy.support import MONITORING, MONITORING_COMPONENT
 from tests.support import REPO
 
 yaml = pytest.importorskip("yaml")
@@ -34,6 +37,10 @@ GPU_LABELS = {
     "k8s.amazonaws.com/accelerator",
     "preemptd.io/gpu",
 }
+# The Prometheus Operator's kinds (PodMonitor, PrometheusRule: the monitoring component) are custom resources:
+# kubernetes-validate has schemas for Kubernetes' own API only (it raises SchemaNotFoundError for them), so
+# they are left out of its validation; test_the_monitoring_component_* checks what they say.
+OPERATOR_API = "monitoring.coreos.com/v1"
 
 pytestmark = [
     pytest.mark.service,  # kubectl
@@ -48,8 +55,13 @@ def render(tmp_path: Path, components: Sequence[str] = ()) -> list[dict[str, Any
     base = os.path.relpath(KUBERNETES, overlay)
     doc = {"resources": [base], "components": [f"{base}/components/{name}" for name in components]}
     (overlay / "kustomization.yaml").write_text(yaml.safe_dump(doc))
+    return render_dir(overlay)
+
+
+def render_dir(path: Path) -> list[dict[str, Any]]:
+    """``kubectl kustomize`` of a kustomization directory."""
     done = subprocess.run(
-        ["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60, check=False
+        ["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60, check=False
     )
     assert 0 == done.returncode, done.stderr
     return [d for d in yaml.safe_load_all(done.stdout) if d]
@@ -78,15 +90,26 @@ def gpu_config(docs: list[dict[str, Any]], tmp_path: Path) -> Any:
     return load_config(path, env=env).gpu
 
 
-@pytest.mark.parametrize("components", [(), *[(name,) for name in COMPONENTS], ("gke", "kmsg")], ids=str)
+def key(doc: dict[str, Any]) -> tuple[str, str, str]:
+    return (doc["kind"], doc["metadata"].get("namespace", ""), doc["metadata"]["name"])
+
+
+@pytest.mark.parametrize(
+    "components",
+    [(), *[(name,) for name in COMPONENTS], ("gke", "kmsg"), ("gpu-operator", "kmsg", "monitoring")],
+    ids=str,
+)
 def test_each_rendering_is_valid_for_the_oldest_and_newest_supported_kubernetes(
     tmp_path: Path, components: tuple[str, ...]
 ) -> None:
     validate: Callable[..., str] = pytest.importorskip("kubernetes_validate").validate
     docs = render(tmp_path, components)
+    custom = [d for d in docs if d["apiVersion"] == OPERATOR_API]
+    assert bool(custom) == ("monitoring" in components)  # no other component adds a custom resource
     for version in VERSIONS:
         for doc in docs:
-            validate(doc, version, strict=True)  # raises, naming the field, when it is not
+            if doc["apiVersion"] != OPERATOR_API:
+                validate(doc, version, strict=True)  # raises, naming the field, when it is not
     assert {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ResourceQuota"} <= {
         d["kind"] for d in docs
     }
@@ -189,3 +212,45 @@ def test_webhook_secrets_come_from_an_optional_secret_mounted_read_only(tmp_path
     assert (
         mount["readOnly"] and f'url_file = "{mount["mountPath"]}/' in (KUBERNETES / "config.toml").read_text()
     )
+
+
+def test_the_monitoring_component_adds_a_podmonitor_and_the_rule_files_as_prometheusrules(
+    tmp_path: Path,
+) -> None:
+    """It adds exactly three objects and changes none of the base's; the PrometheusRules' groups are those of
+    the rule files packaging/monitoring/prometheus/*.yml (what promtool checks and unit-tests), all of them
+    and nothing else, and the PodMonitor scrapes
+    the DaemonSet's pods, in their namespace, on the container port the base opens for its probes."""
+    base = {key(d): d for d in render(tmp_path)}
+    docs = {key(d): d for d in render(tmp_path, ["monitoring"])}
+    added = {k: d for k, d in docs.items() if k not in base}
+    assert base == {k: d for k, d in docs.items() if k in base}
+    assert ["PodMonitor", "PrometheusRule", "PrometheusRule"] == sorted(kind for kind, _, _ in added)
+    assert {OPERATOR_API} == {d["apiVersion"] for d in added.values()}
+    shipped = [g for d in added.values() if d["kind"] == "PrometheusRule" for g in d["spec"]["groups"]]
+    files = sorted(p for p in (MONITORING / "prometheus").glob("*.yml") if not p.name.endswith(".test.yml"))
+    checked = [g for path in files for g in yaml.safe_load(path.read_text())["groups"]]
+    assert ["preemptd-alerts.yml", "preemptd-ledger-rules.yml"] == [p.name for p in files]
+    assert sorted(shipped, key=lambda g: g["name"]) == sorted(checked, key=lambda g: g["name"])
+    daemonset = one(list(docs.values()), "DaemonSet")
+    [monitor] = [d for d in added.values() if d["kind"] == "PodMonitor"]
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    ports = {p["name"]: p["containerPort"] for p in container(list(docs.values()))["ports"]}
+    assert {daemonset["metadata"]["namespace"]} == {d["metadata"]["namespace"] for d in added.values()}
+    assert "namespaceSelector" not in monitor["spec"]  # the PodMonitor's own namespace, the agent's
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items()
+        <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert (9464, "/metrics") == (ports[endpoint["port"]], endpoint["path"])
+    assert {"targetLabel": "job", "replacement": "preemptd"} in endpoint["relabelings"]  # the rules' job
+
+
+def test_the_monitoring_components_files_are_its_own_and_the_overlay_renders_the_same(tmp_path: Path) -> None:
+    """kubectl apply -k packaging/monitoring/kubernetes (the path docs and users have) is the base with the
+    component: the same objects as a user's kustomization naming it."""
+    kustomization = yaml.safe_load((MONITORING_COMPONENT / "kustomization.yaml").read_text())
+    files = {p.name for p in MONITORING_COMPONENT.glob("*.yaml")} - {"kustomization.yaml"}
+    assert ("Component", files) == (kustomization["kind"], set(kustomization["resources"]))
+    overlay = sorted(render_dir(MONITORING / "kubernetes"), key=key)
+    assert sorted(render(tmp_path, ["monitoring"]), key=key) == overlay

@@ -1,7 +1,9 @@
-"""The Grafana dashboard, the Prometheus alert rules and the Kubernetes monitoring overlay in
-packaging/monitoring/: the rules pass `promtool check rules` and their unit tests, every metric the dashboard
-and the rules query is one the agent really exports (read from a running agent's /metrics, which `promtool
-check metrics` also lints), and the overlay builds with the metrics port the PodMonitor scrapes."""
+"""The Grafana dashboard and the Prometheus alert rules in packaging/monitoring/, and the Kubernetes
+monitoring overlay there (the base with packaging/kubernetes/components/monitoring): the rules pass
+`promtool check rules` and their unit tests, every metric the dashboard and the rules query is one the agent
+really exports (read from a running agent's /metrics, which `promtool check metrics` also lints), the
+PrometheusRule says what the rules file says, and the overlay builds with the metrics port the PodMonitor
+scrapes."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from agent.service.metrics import parse_listen
 from tests.deploy.support import (
     DASHBOARD,
     MONITORING,
+    MONITORING_COMPONENT,
     PROMETHEUS_OWN,
     RULES,
     exported,
@@ -78,7 +81,7 @@ def test_the_dashboard_is_importable_grafana_json() -> None:
 
 def test_the_prometheusrule_says_what_the_rules_file_says() -> None:
     yaml = pytest.importorskip("yaml")
-    rule = yaml.safe_load((MONITORING / "kubernetes" / "prometheusrule.yaml").read_text())
+    rule = yaml.safe_load((MONITORING_COMPONENT / "prometheusrule.yaml").read_text())
     assert ("PrometheusRule", yaml.safe_load(RULES.read_text())["groups"]) == (
         rule["kind"],
         rule["spec"]["groups"],

@@ -9,7 +9,15 @@ import re
 
 import pytest
 
-from tests.deploy.support import DASHBOARD, MONITORING, exported, metric_names, needs_promtool, promtool
+from tests.deploy.support import (
+    DASHBOARD,
+    MONITORING,
+    MONITORING_COMPONENT,
+    exported,
+    metric_names,
+    needs_promtool,
+    promtool,
+)
 
 LEDGER_RULES = MONITORING / "prometheus" / "preemptd-ledger-rules.yml"
 LEDGER_RULE_TESTS = MONITORING / "prometheus" / "preemptd-ledger-rules.test.yml"
@@ -59,8 +67,8 @@ async def test_ledger_rules_and_the_cost_row_read_only_what_the_agent_exports() 
 
 def test_the_ledger_prometheusrule_says_what_the_rules_file_says() -> None:
     yaml = pytest.importorskip("yaml")
-    rule = yaml.safe_load((MONITORING / "kubernetes" / "prometheusrule-ledger.yaml").read_text())
-    kustomization = yaml.safe_load((MONITORING / "kubernetes" / "kustomization.yaml").read_text())
+    rule = yaml.safe_load((MONITORING_COMPONENT / "prometheusrule-ledger.yaml").read_text())
+    kustomization = yaml.safe_load((MONITORING_COMPONENT / "kustomization.yaml").read_text())
     assert ("PrometheusRule", yaml.safe_load(LEDGER_RULES.read_text())["groups"], True) == (
         rule["kind"],
         rule["spec"]["groups"],
