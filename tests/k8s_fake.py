@@ -17,6 +17,8 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import datetime as dt
+import ipaddress
 import json
 import re
 import ssl
@@ -884,3 +886,37 @@ def pod_cgroup(pod_uid: str) -> Iterator[Callable[[int], None]]:
                 (root / name).rmdir()
         return
     pytest.skip("no cgroup can be created here to stand for a pod (needs root and a writable cgroup mount)")
+
+
+def make_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1: the cluster CA and the API server's certificate at once."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "tls.crt", directory / "tls.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_file, key_file

@@ -5,7 +5,6 @@ retried and shown in status and metrics."""
 from __future__ import annotations
 
 import datetime as dt
-import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from agent.core.notice import EventType, Kind, Notice, parse_time, utcnow
 from agent.core.reports import Report
 from tests.actions_support import event, make_notice
 from tests.deploy.support import BRIDGE_PERMISSIONS
-from tests.k8s_fake import NODE, FakeKube
+from tests.k8s_fake import NODE, FakeKube, make_certificate
 
 
 def make_bridge(kube: FakeKube, tmp_path: Path, **settings: Any) -> KubernetesBridge:
@@ -269,40 +268,6 @@ async def test_a_drill_is_left_alone_unless_drills_are_enabled(kube: FakeKube, t
 
 
 # --- in-cluster: the service account ------------------------------------------------------------------------
-
-
-def make_certificate(directory: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1: the cluster CA and the API server's certificate at once."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = directory / "tls.crt", directory / "tls.key"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return cert_file, key_file
 
 
 @pytest.mark.service
