@@ -241,6 +241,7 @@ async def test_the_ram_tier_info_carries_the_hosts_domain_for_every_rank(base: P
         rig("aws", base, sim=sim, settings=settings) as r,
     ):
         doc = await r.status_until(lambda d: d["agent"].get("domain") is not None, "the domain", timeout=20)
+        await r.status_until(lambda d: d["ram_tier"]["state"] == "ready", "the RAM tier read back")
         info = await asyncio.to_thread(RamTier(r.socket).info)
     assert (doc["agent"]["domain"], Domain("aws", "p4d.24xlarge", "us-east-1a", "spot", "pg-train")) == (
         info["domain"],
@@ -254,5 +255,6 @@ async def test_the_ram_tier_info_says_none_before_the_instance_is_identified(bas
         sim.inject({"type": "5xx", "path": "/latest/meta-data/instance-id"})
         async with rig("aws", base, sim=sim, settings=settings) as r:
             await r.status_until(lambda d: d["sources"]["aws"]["identity"]["failures"] >= 1, "a failure")
+            await r.status_until(lambda d: d["ram_tier"]["state"] == "ready", "the RAM tier read back")
             info = await asyncio.to_thread(RamTier(r.socket).info)
     assert (None, None) == (info["domain"], RamTier.domain_of(info))
