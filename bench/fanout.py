@@ -32,7 +32,7 @@ waits for ``cleared``; rounds are 20 ms apart, since notices are rare and a busy
 measured. Every subscriber must get every notice: a missing one fails the run.
 
 ``--sender-side`` adds a measurement of the sending side alone, in one process with nobody reading during the
-round: from ``agent.drill()`` until the frame is written to all N connections, next to the loop of N
+round: from ``agent.drills.drill()`` until the frame is written to all N connections, next to the loop of N
 ``transport.write()`` calls. ``--agent-tree`` runs the agent from another source tree, to compare commits.
 """
 
@@ -428,7 +428,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 async def sender_side(n: int, rounds: int) -> dict[str, list[float]]:
-    """Time from ``agent.drill()`` until the frame is written to all n connections, next to a loop of n
+    """Time from ``agent.drills.drill()`` until the frame is written to all n connections, next to a loop of n
     ``transport.write()`` calls, in this process; the subscribers' sockets are read only between rounds."""
     from agent.config import load_config
     from agent.core.notice import Kind
@@ -466,7 +466,7 @@ async def sender_side(n: int, rounds: int) -> dict[str, list[float]]:
         for i in range(WARMUP + rounds):
             target = sum(s.delivered for s in subs) + n
             t0 = time.perf_counter()
-            notice = agent.drill(Kind.TERMINATION, 600, None, "fan-out benchmark", {})
+            notice = agent.drills.drill(Kind.TERMINATION, 600, None, "fan-out benchmark", {})
             # Spin, yielding to the loop at each turn: the frames still queued are written in those turns.
             while sum(s.delivered for s in subs) < target:  # noqa: ASYNC110
                 await asyncio.sleep(0)

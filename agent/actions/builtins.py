@@ -32,7 +32,7 @@ def build_signals(host: Host) -> SignalEngine:
     cfg = actions_config(host)
 
     async def gpu_pids() -> Mapping[str, Iterable[int]]:
-        return await call_gpu_pids(host.capability(GPU_PIDS))
+        return await call_gpu_pids(host.hooks.capability(GPU_PIDS))
 
     return SignalEngine(
         (SignalRule.from_config(rule, i) for i, rule in enumerate(cfg.signals)),
@@ -54,7 +54,7 @@ def build_azure_acknowledgement(host: Host) -> AzureAcknowledger:
     cfg = actions_config(host)
     return AzureAcknowledger(
         cfg.ready.azure_acknowledge,
-        ack=lambda: host.capability(AZURE_ACK),
+        ack=lambda: host.hooks.capability(AZURE_ACK),
         tasks=TaskSet("actions-azure"),
         recent=Recent(cfg.history_size),
     )

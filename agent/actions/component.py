@@ -46,12 +46,12 @@ class ActionsComponent:
                 available=sorted(item.name for item in found),
                 effect="ignored; install the bridge that reads it, or remove the table",
             )
-        host.on_event(self.reactors.handle)
-        host.on_report(self.reactors.on_report)
-        host.on_subscriber(self.reactors.on_subscriber)
-        host.add_report_check(self.reactors.refusal)
-        host.add_status_section("actions", self.status)
-        host.add_metrics_collector(_Collector(self))
+        host.fanout.on_event(self.reactors.handle)
+        host.hooks.on_report(self.reactors.on_report)
+        host.hooks.on_subscriber(self.reactors.on_subscriber)
+        host.hooks.add_report_check(self.reactors.refusal)
+        host.hooks.add_status_section("actions", self.status)
+        host.hooks.add_metrics_collector(_Collector(self))
         log.info("reactors_built", reactors=[r.name for r in self.reactors])
 
     async def start(self) -> None:

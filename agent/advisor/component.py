@@ -119,13 +119,13 @@ class AdvisorComponent:
         if self._config is None:
             self._config = agent.config.table("advisor", AdvisorConfig)
         check_config(self._config)
-        agent.add_route("GET", "/v1/advice", self.handle_advice)
-        agent.add_status_section("advice", self.status_advice)
-        agent.add_status_section("flush_risk", self.status_flush_risk)
-        agent.add_status_section("emergency_save", lambda: self._emergency_save)
-        agent.add_metrics_collector(AdvisorCollector(self))
-        agent.on_event(self._on_event)
-        agent.on_report(self._on_report)
+        agent.hooks.add_route("GET", "/v1/advice", self.handle_advice)
+        agent.hooks.add_status_section("advice", self.status_advice)
+        agent.hooks.add_status_section("flush_risk", self.status_flush_risk)
+        agent.hooks.add_status_section("emergency_save", lambda: self._emergency_save)
+        agent.hooks.add_metrics_collector(AdvisorCollector(self))
+        agent.fanout.on_event(self._on_event)
+        agent.hooks.on_report(self._on_report)
         # What the history holds now is read at start() in a thread; what comes later arrives through the
         # listeners. Remember the sizes so nothing is read twice.
         history = agent.history.path
@@ -293,7 +293,7 @@ class AdvisorComponent:
                 )
             except Exception as exc:  # the mark of uptime matters even when the estimate fails
                 agent.log.error("advisor_failed", error=repr(exc), exc_info=True)
-            agent.record(record)  # it also marks this run as alive in the history
+            agent.keeper.record(record)  # it also marks this run as alive in the history
             self._add({"time": format_time(agent.now()), **record})
 
     # ----- outputs -----

@@ -71,10 +71,10 @@ def register_metrics(host: Host, name: str, label: str, bridge: Bridge) -> None:
     """Show ``bridge``'s metrics: the first build registers a collector, a reload's new bridge takes the old
     one's place in it (a collector registered twice would repeat its metric names)."""
     key = f"bridges.{name}.metrics"
-    slot: list[Bridge] | None = host.capability(key)
+    slot: list[Bridge] | None = host.hooks.capability(key)
     if slot is None:
         slot = [bridge]
-        host.provide(key, slot)
-        host.add_metrics_collector(BridgeCollector(name, label, lambda: slot[0]))
+        host.hooks.provide(key, slot)
+        host.hooks.add_metrics_collector(BridgeCollector(name, label, lambda: slot[0]))
     else:
         slot[0] = bridge

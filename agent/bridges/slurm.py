@@ -167,11 +167,11 @@ def build_reactor(host: Host) -> SlurmBridge | None:
     """The bridge for ``[actions.slurm]``, or None when it is not enabled."""
     config = host.config.table("actions.slurm", SlurmConfig)
     if not config.enabled:
-        withdraw_limits(host, "slurm")  # a reload that turns the bridge off takes its KillWait back
+        withdraw_limits(host.hooks, "slurm")  # a reload that turns the bridge off takes its KillWait back
         return None
     bridge = SlurmBridge(config)
     register_metrics(host, "slurm", "Slurm", bridge)
-    offer_window_limit(host, bridge.commands)  # KillWait, for the window (agent/window/)
+    offer_window_limit(host.hooks, bridge.commands)  # KillWait, for the window (agent/window/)
     return bridge
 
 

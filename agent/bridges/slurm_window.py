@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from agent.bridges.slurm_commands import SlurmCommands
+from agent.core.offers import Capabilities
 from agent.window.limits import Limit, limit_registry
 
 READ_S = 300.0
@@ -56,6 +56,6 @@ class KillWait:
         return found
 
 
-def offer(host: Any, commands: SlurmCommands) -> None:
-    """Offer KillWait to the window (``host``: its ``capability`` and ``provide``)."""
-    limit_registry(host).add("slurm", KillWait(commands))
+def offer(hooks: Capabilities, commands: SlurmCommands) -> None:
+    """Offer KillWait to the window (``hooks``: the host's, with ``capability`` and ``provide``)."""
+    limit_registry(hooks).add("slurm", KillWait(commands))

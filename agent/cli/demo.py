@@ -397,7 +397,7 @@ async def _demo_with(
         )
         tasks.spawn(_notice(simulator, args), "notice")
 
-    agent.on_event(show)
+    agent.fanout.on_event(show)
     await agent.start()
     screen.say("agent", f"listening on {socket_path}")
     screen.say("agent", f"watch it from another terminal: PREEMPTD_SOCKET={socket_path} preemptd watch")

@@ -45,7 +45,7 @@ class Fanout:
         self._record = record
         self._listeners: list[Callable[[Event], None]] = []
 
-    def add(self, listener: Callable[[Event], None]) -> None:
+    def on_event(self, listener: Callable[[Event], None]) -> None:
         self._listeners.append(listener)
 
     def _send(self, event: Event) -> Event:

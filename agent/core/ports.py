@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
@@ -143,10 +143,26 @@ class Tasked(Protocol):
     def tasks(self) -> Tasks: ...
 
 
-class Recorded(Protocol):
+class Keeper(Protocol):
+    """The state keeper (``agent.service.state_keeper.StateKeeper``): the history log and the state file."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the last write of the state directory succeeded."""
+        ...
+
     def record(self, record: Mapping[str, Any]) -> None:
         """Append a record (a mapping with ``type``) to the history log; ``time`` is added. Never blocks."""
         ...
+
+    async def flush(self) -> None:
+        """Write what is pending (state and history) now."""
+        ...
+
+
+class HasKeeper(Protocol):
+    @property
+    def keeper(self) -> Keeper: ...
 
 
 class HasHistory(Protocol):
@@ -192,12 +208,6 @@ class Collectors(Protocol):
         ...
 
 
-class EventListeners(Protocol):
-    def on_event(self, fn: Callable[[Event], None]) -> None:
-        """Call ``fn`` on the loop for every event, after the SSE subscribers; must not block."""
-        ...
-
-
 class ReportListeners(Protocol):
     def on_report(self, fn: Callable[[Report], None]) -> None:
         """Call ``fn`` on the loop for every accepted client report; must not block."""
@@ -230,21 +240,87 @@ class Offers(Protocol):
         ...
 
 
-class Host(
-    Configured,
-    Clocked,
-    Recorded,
-    Notices,
+class HookPoints(
     Routes,
     StatusSections,
     Collectors,
-    EventListeners,
     ReportListeners,
     ReportChecks,
     SubscriberListeners,
     Offers,
     Protocol,
 ):
+    """What the parts register with the agent while they are set up, and the calls that reach what they
+    registered (``agent.core.hooks.Hooks``)."""
+
+    @property
+    def collectors(self) -> Sequence[Any]:
+        """The collectors added with ``add_metrics_collector``."""
+        ...
+
+    @property
+    def reports_total(self) -> Mapping[str, int]:
+        """Accepted client reports by phase."""
+        ...
+
+    def check_report(self, report: Report, privileged: bool) -> tuple[int, str] | None:
+        """The first report check's refusal (HTTP status, reason), or None."""
+        ...
+
+    def accept_report(self, report: Report) -> None:
+        """Count an accepted report and tell the ``on_report`` listeners."""
+        ...
+
+    def subscriber_connected(self, peer: Mapping[str, Any]) -> None:
+        """An event stream opened for ``peer`` (pid, uid, gid): tell the ``on_subscriber`` listeners."""
+        ...
+
+
+class HasHooks(Protocol):
+    @property
+    def hooks(self) -> HookPoints: ...
+
+
+class EventFanout(Protocol):
+    """Where events go after the SSE subscribers (``agent.core.fanout.Fanout``)."""
+
+    def on_event(self, fn: Callable[[Event], None]) -> None:
+        """Call ``fn`` on the loop for every event, after the SSE subscribers; must not block."""
+        ...
+
+
+class HasFanout(Protocol):
+    @property
+    def fanout(self) -> EventFanout: ...
+
+
+class DrillMaker(Protocol):
+    """Drills (``agent.core.expiry.Drills``): notices raised on request, which end by themselves."""
+
+    def drill(
+        self, kind: Kind, in_s: float, severity: Severity | None, reason: str, peer: Mapping[str, Any]
+    ) -> Notice: ...
+
+
+class HasDrills(Protocol):
+    @property
+    def drills(self) -> DrillMaker: ...
+
+
+class Connections(Protocol):
+    """The socket server (``agent.service.server.Server``), as the metrics and the status read it."""
+
+    def connections(self) -> dict[str, Any]:
+        """Open connections and event streams, counted."""
+        ...
+
+
+class HasServer(Protocol):
+    @property
+    def server(self) -> Connections: ...
+
+
+class Host(Configured, Clocked, HasKeeper, Notices, HasHooks, HasFanout, Protocol):
     """What a reactor (an action or a bridge) and a component typed against the whole host may use of the
     running agent: every role."""
 
@@ -266,20 +342,7 @@ class Component(Protocol[H_contra]):
         ...
 
 
-class AdvisorHost(
-    Configured,
-    Logged,
-    Tasked,
-    HasHistory,
-    Clocked,
-    Recorded,
-    Routes,
-    StatusSections,
-    Collectors,
-    EventListeners,
-    ReportListeners,
-    Protocol,
-):
+class AdvisorHost(Configured, Logged, Tasked, HasHistory, Clocked, HasKeeper, HasHooks, HasFanout, Protocol):
     """What the advisor component uses of the agent (``agent.advisor.component``)."""
 
 
@@ -293,9 +356,10 @@ class HealthView(Protocol):
     def errors(self) -> int: ...
 
 
-class MetricsView(Clocked, Protocol):
-    """What the agent's own metrics read at scrape time (``agent.service.api.build_registry``): the board, the hub's
-    counters, reports, source health, the state directory, connections, and the components' collectors."""
+class MetricsView(Clocked, HasHooks, HasKeeper, HasServer, Protocol):
+    """What the agent's own metrics read at scrape time (``agent.service.api.build_registry``): the board, the
+    hub's counters, reports (``hooks.reports_total``), source health, the state directory (``keeper.ok``),
+    connections, and the components' collectors (``hooks.collectors``)."""
 
     @property
     def board(self) -> Board: ...
@@ -304,25 +368,13 @@ class MetricsView(Clocked, Protocol):
     def hub(self) -> Hub: ...
 
     @property
-    def reports_total(self) -> Mapping[str, int]: ...
-
-    @property
     def reports_rejected(self) -> int: ...
 
     @property
     def health(self) -> Mapping[str, HealthView]: ...
 
-    @property
-    def state_ok(self) -> bool: ...
 
-    def connections(self) -> dict[str, Any]: ...
-
-    def metrics_collectors(self) -> tuple[Any, ...]:
-        """The collectors parts added with ``add_metrics_collector``."""
-        ...
-
-
-class MetricsHost(MetricsView, Collectors, StatusSections, EventListeners, Protocol):
+class MetricsHost(MetricsView, HasFanout, Protocol):
     """What the metrics component uses of the agent (``agent.service.metrics``)."""
 
     def readiness(self) -> Mapping[str, str | None]:
@@ -351,9 +403,9 @@ class ApiConfig(Protocol):
     def admin_group(self) -> str | None: ...
 
 
-class ApiHost(MetricsView, Logged, Protocol):
-    """What the HTTP API (``agent.service.api``) uses of the agent: its metrics, the event stream, client reports,
-    drills and the status document."""
+class ApiHost(MetricsView, Logged, HasDrills, Protocol):
+    """What the HTTP API (``agent.service.api``) uses of the agent: its metrics, the event stream, client reports
+    (``hooks``), drills, the state's flush (``keeper``) and the status document."""
 
     reports_rejected: int  # counted by the API's handlers
 
@@ -362,21 +414,7 @@ class ApiHost(MetricsView, Logged, Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
-    def check_report(self, report: Report, privileged: bool) -> tuple[int, str] | None: ...
-
-    def accept_report(self, report: Report) -> None: ...
-
-    def subscriber_connected(self, peer: Mapping[str, Any]) -> None:
-        """An event stream opened for ``peer`` (pid, uid, gid): tell the ``on_subscriber`` listeners."""
-        ...
-
-    def drill(
-        self, kind: Kind, in_s: float, severity: Severity | None, reason: str, peer: Mapping[str, Any]
-    ) -> Notice: ...
-
     def retract(self, source: str, key: str, reason: str | None = None) -> Notice | None: ...
-
-    async def persist(self) -> None: ...
 
 
 ReactorFactory = Callable[[Host], "Reactor | None"]
@@ -395,12 +433,21 @@ __all__ = [
     "Component",
     "ConfigView",
     "Configured",
-    "EventListeners",
+    "Connections",
+    "DrillMaker",
+    "EventFanout",
     "Handler",
+    "HasDrills",
+    "HasFanout",
     "HasHistory",
+    "HasHooks",
+    "HasKeeper",
+    "HasServer",
     "HealthView",
     "HistoryFile",
+    "HookPoints",
     "Host",
+    "Keeper",
     "Logged",
     "MetricsHost",
     "MetricsView",
@@ -408,7 +455,6 @@ __all__ = [
     "Offers",
     "Reactor",
     "ReactorFactory",
-    "Recorded",
     "ReportChecks",
     "ReportListeners",
     "Routes",

@@ -19,18 +19,7 @@ from prometheus_client.metrics_core import Metric
 
 from agent.core.errors import ConfigError
 from agent.core.notice import Event, format_time
-from agent.core.ports import (
-    Clocked,
-    Collectors,
-    Configured,
-    ConfigView,
-    EventListeners,
-    Logged,
-    ReportListeners,
-    Routes,
-    StatusSections,
-    Tasked,
-)
+from agent.core.ports import Clocked, Configured, ConfigView, HasFanout, HasHooks, Logged, Tasked
 from agent.core.reports import Report
 from agent.core.threads import deliver, settle
 from agent.ledger import store
@@ -62,18 +51,7 @@ GOODPUT_PARTS = (
 )
 
 
-class LedgerHost(
-    Configured,
-    Logged,
-    Tasked,
-    Clocked,
-    Routes,
-    StatusSections,
-    Collectors,
-    EventListeners,
-    ReportListeners,
-    Protocol,
-):
+class LedgerHost(Configured, Logged, Tasked, Clocked, HasHooks, HasFanout, Protocol):
     """What the ledger uses of the agent (``agent.service.daemon.Agent`` has it all)."""
 
 
@@ -114,12 +92,12 @@ class LedgerComponent:
             self._failed,
         )
         self._started_at = host.now()
-        host.on_event(self._on_event)
-        host.on_report(self._on_report)
-        host.add_route("GET", "/v1/ledger", self.handle_ledger)
-        host.add_status_section("ledger", self.status)
-        host.add_status_section("goodput", self.status_goodput)
-        host.add_metrics_collector(LedgerCollector(self))
+        host.fanout.on_event(self._on_event)
+        host.hooks.on_report(self._on_report)
+        host.hooks.add_route("GET", "/v1/ledger", self.handle_ledger)
+        host.hooks.add_status_section("ledger", self.status)
+        host.hooks.add_status_section("goodput", self.status_goodput)
+        host.hooks.add_metrics_collector(LedgerCollector(self))
 
     async def start(self) -> None:
         host = self._require()

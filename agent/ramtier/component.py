@@ -105,9 +105,9 @@ class RamTierComponent:
         )
         self.state = "loading" if self.config.enabled else "off"
         for method, path, handler in routes(self):
-            host.add_route(method, path, handler)
-        host.add_status_section("ram_tier", self.status)
-        host.add_metrics_collector(RamTierCollector(self))
+            host.hooks.add_route(method, path, handler)
+        host.hooks.add_status_section("ram_tier", self.status)
+        host.hooks.add_metrics_collector(RamTierCollector(self))
 
     async def start(self) -> None:
         if self.state == "off":

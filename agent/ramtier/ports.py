@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from agent.core.ports import Clocked, Collectors, Logged, Routes, StatusSections, Tasked
+from agent.core.ports import Clocked, HasHooks, Logged, Tasked
 from agent.core.ratelog import ClientMistakes, Tally
 from agent.ramtier.config import RamTierConfig
 from agent.ramtier.holdings import Holdings, Key
@@ -22,13 +22,11 @@ class TierConfigView(Protocol):
     def table(self, name: str, schema: type[T]) -> T: ...
 
 
-class RamTierHost(Logged, Tasked, Clocked, Routes, StatusSections, Collectors, Protocol):
+class RamTierHost(Logged, Tasked, Clocked, HasHooks, Protocol):
     """What the RAM tier uses of the agent."""
 
     @property
     def config(self) -> TierConfigView: ...
-
-    def capability(self, name: str) -> Any | None: ...
 
 
 class TierView(Protocol):

@@ -163,7 +163,7 @@ async def info(tier: TierView, request: web.Request) -> web.StreamResponse:
 def _domain(tier: TierView) -> dict[str, str] | None:
     """This host's failure domain, which every rank reads here before an evacuation: None until a cloud
     source has identified the instance (and on an agent without a cloud)."""
-    offered = tier.host.capability(DOMAIN)
+    offered = tier.host.hooks.capability(DOMAIN)
     domain = offered() if callable(offered) else None
     return domain.to_json() if isinstance(domain, Domain) else None
 
@@ -176,7 +176,7 @@ async def job_id(tier: TierView, request: web.Request) -> web.StreamResponse:
         raise TierError(
             403, "a job id is found only for clients on the agent's Unix socket (peer credentials)"
         )
-    registry = tier.host.capability(JOB_NAMES)
+    registry = tier.host.hooks.capability(JOB_NAMES)
     if not isinstance(registry, JobNameRegistry) or not registry.sources:
         raise TierError(
             404,

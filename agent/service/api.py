@@ -200,7 +200,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     except HubFull as exc:
         request.app[MISTAKES_KEY].warning("subscriber_refused", error=str(exc), peer=peer)
         return _error(503, str(exc))
-    agent.subscriber_connected(peer)
+    agent.hooks.subscriber_connected(peer)
     last_event_id = request.headers.get("Last-Event-ID")
     resume = agent.hub.resume_from(last_event_id)
     transport = request.transport
@@ -294,14 +294,14 @@ async def reports(request: web.Request) -> web.Response:
         agent.reports_rejected += 1
         request.app[MISTAKES_KEY].warning("report_rejected", error=str(exc), peer=peer_doc(request))
         return _error(400, str(exc))
-    refusal = agent.check_report(report, is_admin(creds, agent.config.admin_group)[0])
+    refusal = agent.hooks.check_report(report, is_admin(creds, agent.config.admin_group)[0])
     if refusal is not None:
         agent.reports_rejected += 1
         request.app[MISTAKES_KEY].warning(
             "report_refused", status=refusal[0], error=refusal[1], peer=peer_doc(request)
         )
         return _error(*refusal)
-    agent.accept_report(report)
+    agent.hooks.accept_report(report)
     # Any socket user may report in a loop: at info, counts per interval (each report is a debug line).
     job = report.client.get("job") or report.client.get("name") or "unnamed"
     request.app[REPORTS_KEY].count({"kinds": f"{report.kind} {report.phase}", "jobs": str(job)})
@@ -322,10 +322,10 @@ async def drills(request: web.Request) -> web.Response:
     except (NoticeError, ReportError) as exc:
         request.app[MISTAKES_KEY].warning("drill_rejected", error=str(exc), peer=peer)
         return _error(400, str(exc))
-    notice = agent.drill(kind, in_s, severity, reason, peer)
+    notice = agent.drills.drill(kind, in_s, severity, reason, peer)
     # Published at once (no disk write on the way to the subscribers), answered once on disk: a drill that
     # was answered survives a crash of the agent.
-    await agent.persist()
+    await agent.keeper.flush()
     return web.json_response({"notice": notice.to_json(agent.now())}, status=201)
 
 
@@ -340,7 +340,7 @@ async def clear_drill(request: web.Request) -> web.Response:
         return _error(404, f"no active drill with id {notice_id!r}")
     cleared = agent.retract(notice.source, notice.key, "drill cleared by request")
     assert cleared is not None
-    await agent.persist()
+    await agent.keeper.flush()
     return web.json_response({"notice": cleared.to_json(agent.now())})
 
 
@@ -362,7 +362,7 @@ class AgentCollector:
             *_report_families(agent),
             *_source_families(agent),
         ]
-        return [*_connection_families(agent.connections()), *families]
+        return [*_connection_families(agent.server.connections()), *families]
 
 
 def _notice_families(agent: MetricsView, now: datetime) -> list[Metric]:
@@ -402,8 +402,8 @@ def _report_families(agent: MetricsView) -> list[Metric]:
     """The client reports accepted, by phase, and rejected."""
     reports_metric = CounterMetricFamily("preemptd_reports", "Client reports accepted", labels=["phase"])
     # Every phase from the start, so that a rate() or an alert on failed reports has a series at 0.
-    for phase in sorted({"started", "finished", "failed"} | set(agent.reports_total)):
-        reports_metric.add_metric([phase], agent.reports_total.get(phase, 0))
+    for phase in sorted({"started", "finished", "failed"} | set(agent.hooks.reports_total)):
+        reports_metric.add_metric([phase], agent.hooks.reports_total.get(phase, 0))
     rejected = CounterMetricFamily("preemptd_reports_rejected", "Client reports rejected")
     rejected.add_metric([], agent.reports_rejected)
     return [reports_metric, rejected]
@@ -419,7 +419,7 @@ def _source_families(agent: MetricsView) -> list[Metric]:
         source_up.add_metric([name, health.state.value], 1 if health.state.value == "ok" else 0)
         source_errors.add_metric([name], health.errors)
     state_ok = GaugeMetricFamily("preemptd_state_ok", "1 when the state directory is usable")
-    state_ok.add_metric([], 1 if agent.state_ok else 0)
+    state_ok.add_metric([], 1 if agent.keeper.ok else 0)
     return [source_up, source_errors, state_ok]
 
 
@@ -468,7 +468,7 @@ def build_registry(agent: MetricsView) -> CollectorRegistry:
     the TCP metrics listener read the same)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(agent))
-    for collector in agent.metrics_collectors():
+    for collector in agent.hooks.collectors:
         registry.register(collector)
     return registry
 

@@ -25,10 +25,9 @@ from agent.core.domain import DOMAIN
 from agent.core.errors import AlreadyRunningError, ConfigError
 from agent.core.expiry import Drills, Expiry
 from agent.core.fanout import Fanout
-from agent.core.hooks import Hooks, ReportCheck
-from agent.core.notice import Event, Kind, Notice, Observation, Severity, utcnow
-from agent.core.ports import Component, Handler
-from agent.core.reports import Report
+from agent.core.hooks import Hooks
+from agent.core.notice import Event, Notice, Observation, utcnow
+from agent.core.ports import Component
 from agent.core.source_health import HealthBook
 from agent.core.subscribers import Hub
 from agent.core.tasks import TaskSet
@@ -78,7 +77,6 @@ class Agent:
         self.drills = Drills(identity.boot_id, self.inject, clock, self.log)
         self.hooks = Hooks(self.log, self.runner.capability)
         self.hooks.provide(DOMAIN, identity.domain)
-        self.reports_total = self.hooks.reports_total
         self.reports_rejected = 0  # counted by the API's handlers
         self.components: list[Component[Any]] = list(components or [])
         self.notifier = Notifier()
@@ -95,9 +93,11 @@ class Agent:
         self.board.on_change(self.expiry.wake)
         self.board.on_change(self._notify_status)
         # Event listeners: the sequence lease first; the components' follow as they are set up.
-        self.fanout.add(self.keeper.lease_sequence)
+        self.fanout.on_event(self.keeper.lease_sequence)
         # Report listeners: the history and the sources first; the components' follow.
-        self.hooks.on_report(lambda report: self.record({"type": "report", "report": report.to_json()}))
+        self.hooks.on_report(
+            lambda report: self.keeper.record({"type": "report", "report": report.to_json()})
+        )
         self.hooks.on_report(self.runner.on_report)
 
     # ----- the parts, as the rest of the code and the tests read them -----
@@ -107,10 +107,6 @@ class Agent:
         return self.runner.sources
 
     @property
-    def state_ok(self) -> bool:
-        return self.keeper.ok
-
-    @property
     def socket_path(self) -> Path | None:
         return self.server.socket_path
 
@@ -118,53 +114,12 @@ class Agent:
     def opened(self) -> bool:
         return self.keeper.loaded
 
-    def connections(self) -> dict[str, Any]:
-        return self.server.connections()
-
     def _speaks_for(self, source: str) -> bool:
         """Whether ``source`` runs, and so ends its own notices (they do not expire)."""
         return source in self.sources and self.health.running(source)
 
-    # ----- the host port (agent/core/ports.py; docs/internals.md), answered by the parts -----
-
-    def add_route(self, method: str, path: str, handler: Handler) -> None:
-        self.hooks.add_route(method, path, handler)
-
-    def add_status_section(self, name: str, fn: Callable[[], Any]) -> None:
-        self.hooks.add_status_section(name, fn)
-
-    def add_metrics_collector(self, collector: Any) -> None:
-        self.hooks.add_metrics_collector(collector)
-
-    def metrics_collectors(self) -> tuple[Any, ...]:
-        return tuple(self.hooks.collectors)
-
-    def on_event(self, fn: Callable[[Event], None]) -> None:
-        self.fanout.add(fn)
-
-    def on_report(self, fn: Callable[[Report], None]) -> None:
-        self.hooks.on_report(fn)
-
-    def capability(self, name: str) -> Any | None:
-        return self.hooks.capability(name)
-
-    def provide(self, name: str, fn: Any) -> None:
-        self.hooks.provide(name, fn)
-
-    def add_report_check(self, fn: ReportCheck) -> None:
-        self.hooks.add_report_check(fn)
-
-    def on_subscriber(self, fn: Callable[[Mapping[str, Any]], None]) -> None:
-        self.hooks.on_subscriber(fn)
-
-    def subscriber_connected(self, peer: Mapping[str, Any]) -> None:
-        self.hooks.subscriber_connected(peer)
-
-    def check_report(self, report: Report, privileged: bool) -> tuple[int, str] | None:
-        return self.hooks.check_report(report, privileged)
-
-    def accept_report(self, report: Report) -> None:
-        self.hooks.accept_report(report)
+    # ----- the host ports (agent/core/ports.py; docs/internals.md): the parts are handed out (hooks, fanout,
+    # keeper, drills, server, board); what needs more than one part is answered here -----
 
     def publish_ready(self, notice_id: str, data: Mapping[str, Any] | None = None) -> Event:
         return self.fanout.ready(notice_id, self.board.get(notice_id), data or {}, self.now())
@@ -177,17 +132,6 @@ class Agent:
         change = self.board.clear(source, key, self.now(), reason)
         return change.notice if change else None
 
-    def drill(
-        self, kind: Kind, in_s: float, severity: Severity | None, reason: str, peer: Mapping[str, Any]
-    ) -> Notice:
-        return self.drills.drill(kind, in_s, severity, reason, peer)
-
-    def record(self, record: Mapping[str, Any]) -> None:
-        self.keeper.record(record)  # looked up on each call: tests spy on the keeper's
-
-    async def persist(self) -> None:
-        await self.keeper.flush()
-
     def status(self) -> dict[str, Any]:
         return status.document(
             self.now(),
@@ -196,7 +140,7 @@ class Agent:
             self.health,
             self.runner.status(self.identity.started_at),
             self.hub,
-            self.connections(),
+            self.server.connections(),
             (self.keeper.ok, self.keeper.error),
             self.hooks.status_sections,
         )

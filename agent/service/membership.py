@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import structlog
 
 from agent.core.notice import format_time
-from agent.core.ports import ReportListeners, StatusSections
+from agent.core.ports import HasHooks
 from agent.core.ratelog import ClientMistakes
 from agent.core.reports import Report
 
@@ -22,7 +22,7 @@ HISTORY = 5  # re-forms kept per job
 log = structlog.get_logger("preemptd.membership")
 
 
-class MembershipHost(ReportListeners, StatusSections, Protocol):
+class MembershipHost(HasHooks, Protocol):
     """What the membership reports use of the agent."""
 
 
@@ -60,8 +60,8 @@ class MembershipComponent:
         self._lines = ClientMistakes(log)
 
     def setup(self, host: MembershipHost) -> None:
-        host.on_report(self._on_report)
-        host.add_status_section("jobs", self.status)
+        host.hooks.on_report(self._on_report)
+        host.hooks.add_status_section("jobs", self.status)
 
     async def start(self) -> None:
         return None

@@ -228,10 +228,10 @@ class MetricsComponent:
 
     def setup(self, agent: MetricsHost) -> None:
         self._agent = agent
-        agent.add_metrics_collector(DeadlineCollector(agent))
-        agent.add_metrics_collector(_OutcomeCollector(self.outcomes))
-        agent.on_event(self._on_event)
-        agent.add_status_section("metrics", self.status)
+        agent.hooks.add_metrics_collector(DeadlineCollector(agent))
+        agent.hooks.add_metrics_collector(_OutcomeCollector(self.outcomes))
+        agent.fanout.on_event(self._on_event)
+        agent.hooks.add_status_section("metrics", self.status)
 
     def _on_event(self, event: Event) -> None:
         assert self._agent is not None

@@ -27,18 +27,7 @@ from prometheus_client.metrics_core import Metric
 from agent.config import ActionsConfig, AdvisorConfig
 from agent.core.errors import PreemptdError
 from agent.core.notice import parse_time
-from agent.core.ports import (
-    Board,
-    Clocked,
-    Collectors,
-    Configured,
-    HasHistory,
-    Logged,
-    Offers,
-    ReportListeners,
-    StatusSections,
-    Tasked,
-)
+from agent.core.ports import Board, Clocked, Configured, HasHistory, HasHooks, Logged, Tasked
 from agent.core.reports import Report, parse_report
 from agent.sources.clouds import CLOUDS
 from agent.window.effective import (
@@ -61,18 +50,7 @@ MAX_PIDS = 256
 _TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
 
 
-class WindowHost(
-    Configured,
-    Logged,
-    Tasked,
-    HasHistory,
-    Clocked,
-    StatusSections,
-    Collectors,
-    ReportListeners,
-    Offers,
-    Protocol,
-):
+class WindowHost(Configured, Logged, Tasked, HasHistory, Clocked, HasHooks, Protocol):
     """What the window uses of the agent (``agent.service.daemon.Agent`` has it all)."""
 
     @property
@@ -209,11 +187,11 @@ class WindowComponent:
         # The saves of earlier runs, so that the start-up warning has a prediction (before the socket serves).
         for report in read_reports(host.history.path):
             self.flushes.add(report)
-        self.registry = limit_registry(host)  # the bridges built before this offered theirs already
+        self.registry = limit_registry(host.hooks)  # the bridges built before this offered theirs already
         self.registry.changed = self._poke.set
-        host.on_report(self._on_report)
-        host.add_status_section("window", self.status)
-        host.add_metrics_collector(WindowCollector(self))
+        host.hooks.on_report(self._on_report)
+        host.hooks.add_status_section("window", self.status)
+        host.hooks.add_metrics_collector(WindowCollector(self))
 
     async def start(self) -> None:
         self._task = self._require().tasks.spawn(self._loop(), "window")

@@ -65,7 +65,7 @@ async def test_another_uids_checkpoint_report_is_refused_and_ready_waits_for_the
         client = await SSEClient.connect(sock)
         await client.next()
         registered = await post_as(sock, ALICE, report("started"))
-        notice = agent.drill(Kind.TERMINATION, 600, None, "drill", {})
+        notice = agent.drills.drill(Kind.TERMINATION, 600, None, "drill", {})
         forged = await post_as(sock, MALLORY, report("finished", participant=False, emergency=True))
         _, status = await http_json(sock, "GET", "/v1/status")
         owner = await post_as(sock, ALICE, report("finished", emergency=True))
@@ -84,7 +84,7 @@ async def test_a_name_registered_first_by_another_uid_does_not_take_it_from_its_
         sock = agent.config.socket
         squat = await post_as(sock, MALLORY, report("started"))
         owner = await post_as(sock, ALICE, report("started"))
-        notice = agent.drill(Kind.TERMINATION, 600, None, "drill", {})
+        notice = agent.drills.drill(Kind.TERMINATION, 600, None, "drill", {})
         finished = await post_as(sock, ALICE, report("finished", emergency=True))
         _, status = await http_json(sock, "GET", "/v1/status")
     ready = status["actions"]["ready"]
@@ -102,7 +102,7 @@ async def test_root_may_report_for_another_uids_participant(shared: Path) -> Non
         client = await SSEClient.connect(sock)
         await client.next()
         await post_as(sock, ALICE, report("started"))
-        agent.drill(Kind.TERMINATION, 600, None, "drill", {})
+        agent.drills.drill(Kind.TERMINATION, 600, None, "drill", {})
         status, _ = await post_as(sock, 0, report("finished", participant=False, emergency=True))
         ready = await client.until(lambda e: e["type"] == "ready")
         await client.close()
@@ -157,7 +157,7 @@ async def test_a_participant_whose_process_exited_stops_counting(shared: Path) -
         _, before = await http_json(sock, "GET", "/v1/status")
         client = await SSEClient.connect(sock)
         await client.next()
-        agent.drill(Kind.TERMINATION, 600, None, "drill", {})
+        agent.drills.drill(Kind.TERMINATION, 600, None, "drill", {})
         ready = await client.until(lambda e: e["type"] == "ready")
         await client.close()
         other = await post_as(sock, MALLORY, report("started", 5))  # the slot it held is free again

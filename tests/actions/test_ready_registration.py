@@ -61,7 +61,7 @@ async def test_a_job_that_has_not_saved_yet_is_waited_for_until_its_emergency_ch
 
     async with running_agent(base, {"actions.ready.grace_s": 300.0}) as agent:
         sock = agent.config.socket
-        agent.on_report(seen)
+        agent.hooks.on_report(seen)
         job = await asyncio.create_subprocess_exec(
             sys.executable, "-c", JOB, str(sock), str(base / "ckpt"), env=environ(), cwd=str(REPO),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -101,7 +101,7 @@ async def test_preemptd_watch_is_not_a_participant(base: Path) -> None:
     subscribed = asyncio.Event()
     async with running_agent(base, {"actions.ready.without_participants": "immediately"}) as agent:
         sock = agent.config.socket
-        agent.on_subscriber(lambda peer: subscribed.set())
+        agent.hooks.on_subscriber(lambda peer: subscribed.set())
         watch = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "agent", "watch", env={**environ(), "PREEMPTD_SOCKET": str(sock)},
             cwd=str(REPO), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,

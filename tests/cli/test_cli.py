@@ -26,7 +26,7 @@ async def test_version_prints_the_version() -> None:
 async def test_status_json_is_the_raw_document_and_exit_status_follows_overall(base: Path) -> None:
     async with running_agent(base) as agent:
         code_ok, out_ok, _ = await cli("status", "--json", socket=agent.config.socket)
-        agent.drill(Kind.TERMINATION, 60, None, "drill", {})
+        agent.drills.drill(Kind.TERMINATION, 60, None, "drill", {})
         code_bad, out_bad, _ = await cli("status", socket=agent.config.socket)
     assert (0, "ok") == (code_ok, json.loads(out_ok)["overall"])
     assert 1 == code_bad

@@ -208,7 +208,7 @@ async def test_on_a_terminal_the_countdown_and_every_line_fit_80_columns(base: P
     try:
         async with running_agent(base) as agent:
             for kind in (Kind.TERMINATION, Kind.MAINTENANCE, Kind.GPU_DEGRADED, Kind.REBALANCE):
-                agent.drill(kind, 6000, None, REASON, {})
+                agent.drills.drill(kind, 6000, None, REASON, {})
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "agent", "watch", "--count", "1",
                 env=env, stdin=terminal, stdout=terminal, stderr=terminal,

@@ -103,7 +103,7 @@ async def reporting_agent(cap_bytes: int = 1 << 24) -> AsyncIterator[tuple[Path,
     settings = {"ram_tier.enabled": True, "ram_tier.path": str(base / "ram"), "ram_tier.cap_bytes": cap_bytes}
     agent = Agent(agent_config(base, settings))
     received: list[Report] = []
-    agent.on_report(received.append)
+    agent.hooks.on_report(received.append)
     await agent.start()
     try:
         tier = next(c for c in agent.components if isinstance(c, RamTierComponent))

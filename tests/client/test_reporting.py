@@ -31,7 +31,7 @@ class Advice:
         self.doc = doc
 
     def setup(self, agent: Agent) -> None:
-        agent.add_route("GET", "/v1/advice", self.handle)
+        agent.hooks.add_route("GET", "/v1/advice", self.handle)
 
     async def handle(self, request: web.Request) -> web.Response:
         return web.json_response(self.doc)
@@ -50,7 +50,7 @@ def writer(directory: Path) -> None:
 async def test_store_reports_started_and_finished_with_size_and_notice(base: Path) -> None:
     reports: list[Report] = []
     async with running_agent(base, components=[]) as agent:
-        agent.on_report(reports.append)
+        agent.hooks.on_report(reports.append)
         reporter = Reporter(base / "a.sock", client=client_info(name="trainer", rank=3, world_size=8))
         store = CheckpointStore(base / "ckpt", reporter=reporter)
         await asyncio.to_thread(store.save, 12, writer, emergency=True, notice_id="drill-1")
@@ -70,7 +70,7 @@ async def test_failed_save_is_reported_as_failed(base: Path) -> None:
         raise OSError("no space left")
 
     async with running_agent(base, components=[]) as agent:
-        agent.on_report(reports.append)
+        agent.hooks.on_report(reports.append)
         reporter = Reporter(base / "a.sock")
         store = CheckpointStore(base / "ckpt", reporter=reporter)
         with pytest.raises(CheckpointError, match="no space left"):

@@ -129,7 +129,7 @@ async def test_a_failed_emergency_save_hands_the_notice_to_the_earlier_step_for_
     monkeypatch.setenv(ENV, str(channel))
     reports: list[Report] = []
     async with running_agent(base) as agent:
-        agent.on_report(reports.append)
+        agent.hooks.on_report(reports.append)
         reporter = Reporter(base / "a.sock")
         s = CheckpointStore(small_fs, reporter=reporter)
         await asyncio.to_thread(s.save, 1, torch_writer({"w": torch.zeros(1000)}))

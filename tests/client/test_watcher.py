@@ -161,11 +161,11 @@ async def test_reconnect_with_last_event_id_replays_what_happened_while_disconne
             on_cleared=record("cleared"),
         )
         with watcher:
-            first = agent.drill(Kind.TERMINATION, 30.0, None, "drill while connected", {})
+            first = agent.drills.drill(Kind.TERMINATION, 30.0, None, "drill while connected", {})
             assert ("notice", first.id) == await asyncio.wait_for(seen.get(), 10)
             for sub in list(agent.hub.subscribers):
                 sub.kick("test: drop the stream")
-            notice = agent.drill(Kind.TERMINATION, 30.0, None, "drill while away", {})
+            notice = agent.drills.drill(Kind.TERMINATION, 30.0, None, "drill while away", {})
             agent.retract(notice.source, notice.key, "over")
             got = [await asyncio.wait_for(seen.get(), 10) for _ in range(2)]
     assert [("notice", notice.id), ("cleared", notice.id)] == got
@@ -218,7 +218,7 @@ async def registrations(base: Path, make: Callable[[Path], Any], runs: int = 1) 
         for _ in range(runs):
             # Listening from before the socket serves: the watcher may register while the agent starts.
             agent = Agent(agent_config(base), components=[])
-            agent.on_report(seen)
+            agent.hooks.on_report(seen)
             await agent.start()
             try:
                 await seen.next()

@@ -59,7 +59,7 @@ async def test_a_stream_resumed_with_nothing_missed_gets_the_next_notice(base: P
         client = await SSEClient.connect(agent.config.socket, last_event_id=str(agent.hub.seq))
         try:
             for in_s in (60, 90):
-                notice = agent.drill(Kind.TERMINATION, in_s, None, "drill", {})
+                notice = agent.drills.drill(Kind.TERMINATION, in_s, None, "drill", {})
                 event = await client.next()
                 assert ("notice", notice.id) == (event["type"], event["notice"]["id"])
         finally:

@@ -34,7 +34,7 @@ async def interrupted_run(base: Path, ckpt: Path) -> tuple[ExampleRun, str, list
     """Train under an agent until a drill interrupts; returns the run, the drill's id and the reports."""
     reports: list[Report] = []
     async with running_agent(base) as agent:
-        agent.on_report(reports.append)
+        agent.hooks.on_report(reports.append)
         sock = base / "a.sock"
         run = await ExampleRun.start(
             "--checkpoint-dir", str(ckpt), "--steps", "100000", "--step-time", "0.01", "--socket", str(sock)

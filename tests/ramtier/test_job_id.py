@@ -193,7 +193,7 @@ async def test_a_reload_that_turns_the_bridge_off_takes_its_job_names_and_window
                 values["actions.kubernetes.enabled"] = enabled
                 await agent.reload()
                 answers.append(await _ask(base / "a.sock", join))
-                limits.append(sorted(agent.capability(WINDOW_LIMITS).sources))
+                limits.append(sorted(agent.hooks.capability(WINDOW_LIMITS).sources))
     finally:
         await agent.stop()
     owner = pod["metadata"]["ownerReferences"][0]["uid"]

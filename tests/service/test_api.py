@@ -30,7 +30,7 @@ async def raw_exchange(path: Path, data: bytes, read: bool = True) -> bytes:
 
 async def test_status_describes_agent_notices_sources_and_subscribers(base: Path) -> None:
     async with running_agent(base) as agent:
-        agent.drill(Kind.TERMINATION, 60, None, "drill", {})
+        agent.drills.drill(Kind.TERMINATION, 60, None, "drill", {})
         status, doc = await http_json(agent.config.socket, "GET", "/v1/status")
     assert 200 == status
     assert ("critical", 1, "none", {"connected": 0, "max": 4096, "disconnected_slow": 0}) == (
@@ -105,7 +105,7 @@ async def test_valid_report_is_accepted_counted_and_kept_in_history(base: Path) 
     with capture_logs() as logs:
         async with running_agent(base) as agent:
             status, body = await http_json(agent.config.socket, "POST", "/v1/reports", report)
-            await agent.persist()
+            await agent.keeper.flush()
             history = [r for r in agent.history.records() if r["type"] == "report"]
     assert (202, os.getpid()) == (status, body["report"]["peer_pid"])
     tally = [e for e in logs if e["event"] == "reports_received"]
@@ -178,7 +178,7 @@ async def test_unknown_path_and_wrong_method_get_json_errors(base: Path) -> None
 
 async def test_metrics_are_prometheus_text(base: Path) -> None:
     async with running_agent(base) as agent:
-        agent.drill(Kind.TERMINATION, 60, None, "drill", {})
+        agent.drills.drill(Kind.TERMINATION, 60, None, "drill", {})
         status, text = await http_json(agent.config.socket, "GET", "/metrics")
     assert 200 == status
     assert 'preemptd_notices_active{kind="termination",severity="critical"} 1.0' in text
@@ -189,12 +189,12 @@ async def test_reconnect_with_last_event_id_gets_exactly_the_missed_events(base:
     async with running_agent(base) as agent:
         first = await SSEClient.connect(agent.config.socket)
         await first.next()
-        agent.drill(Kind.TERMINATION, 60, None, "one", {})
+        agent.drills.drill(Kind.TERMINATION, 60, None, "one", {})
         await first.next()
         last_id = first.last_event_id
         await first.close()
-        agent.drill(Kind.REBALANCE, 60, None, "two", {})
-        agent.drill(Kind.MAINTENANCE, 60, None, "three", {})
+        agent.drills.drill(Kind.REBALANCE, 60, None, "two", {})
+        agent.drills.drill(Kind.MAINTENANCE, 60, None, "three", {})
         second = await SSEClient.connect(agent.config.socket, last_event_id=last_id)
         try:
             missed = [await second.next(), await second.next()]
@@ -222,7 +222,7 @@ async def test_client_that_disconnects_mid_stream_is_removed(base: Path) -> None
             client = await SSEClient.connect(agent.config.socket)
             await client.next()
             await client.close()
-            agent.drill(Kind.TERMINATION, 60, None, "after", {})
+            agent.drills.drill(Kind.TERMINATION, 60, None, "after", {})
             await eventually(lambda: len(agent.hub) == 0, what="subscriber removed")
     tally = [e for e in logs if e["event"] == "event_streams"]
     assert 0 == len(agent.hub)

@@ -86,7 +86,7 @@ async def test_an_event_stream_outlives_the_idle_timeout(base: Path) -> None:
         client = await SSEClient.connect(agent.config.socket)
         await client.next()
         await asyncio.sleep(1.5)  # three idle timeouts: the stream must still be there
-        agent.drill(Kind.TERMINATION, 60, None, "drill", {})
+        agent.drills.drill(Kind.TERMINATION, 60, None, "drill", {})
         event = await client.next()
         await client.close()
     assert "notice" == event["type"]
@@ -95,12 +95,12 @@ async def test_an_event_stream_outlives_the_idle_timeout(base: Path) -> None:
 async def test_past_the_cap_a_connection_is_answered_503_with_the_reason(base: Path) -> None:
     async with running_agent(base, {"api.max_connections": 3, "api.idle_timeout_s": 30}) as agent:
         held = [await asyncio.open_unix_connection(str(agent.config.socket)) for _ in range(3)]
-        await eventually(lambda: agent.connections()["open"] == 3, what="three connections served")
+        await eventually(lambda: agent.server.connections()["open"] == 3, what="three connections served")
         with capture_logs() as logs:
             status, body = await http_json(agent.config.socket, "GET", "/v1/status")
         for _, writer in held:
             writer.close()
-        await eventually(lambda: agent.connections()["open"] == 0, what="held connections gone")
+        await eventually(lambda: agent.server.connections()["open"] == 0, what="held connections gone")
         _, doc = await http_json(agent.config.socket, "GET", "/v1/status")
         _, metrics = await http_json(agent.config.socket, "GET", "/metrics")
     assert 503 == status
@@ -146,11 +146,13 @@ async def test_accept_failures_out_of_descriptors_are_logged_at_a_bounded_rate(b
         )
         try:
             with capture_logs() as logs:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (agent.connections()["descriptors"]["open"], hard))
+                resource.setrlimit(
+                    resource.RLIMIT_NOFILE, (agent.server.connections()["descriptors"]["open"], hard)
+                )
                 try:
                     assert clients.stdout is not None
                     await asyncio.wait_for(asyncio.to_thread(clients.stdout.readline), 20)
-                    await eventually(lambda: agent.connections()["accept_failures"] >= 3, timeout=20)
+                    await eventually(lambda: agent.server.connections()["accept_failures"] >= 3, timeout=20)
                 finally:
                     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         finally:

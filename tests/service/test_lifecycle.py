@@ -54,12 +54,12 @@ async def test_unreadable_state_variants_never_stop_start_up(base: Path, content
     state.mkdir()
     (state / STATE_FILE).write_bytes(content)
     async with running_agent(base) as agent:
-        assert (True, 0) == (agent.state_ok, len(agent.board))
+        assert (True, 0) == (agent.keeper.ok, len(agent.board))
 
 
 async def test_missing_state_directory_is_created(base: Path) -> None:
     async with running_agent(base, {"state_dir": str(base / "deep" / "er")}) as agent:
-        assert agent.state_ok
+        assert agent.keeper.ok
     assert (base / "deep" / "er" / STATE_FILE).exists()
 
 
@@ -67,7 +67,7 @@ async def test_unusable_state_directory_leaves_the_agent_serving_without_persist
     (base / "file").write_text("not a directory")
     with capture_logs() as logs:
         async with running_agent(base, {"state_dir": str(base / "file" / "state")}) as agent:
-            agent.drill(Kind.TERMINATION, 60, None, "still works", {})
+            agent.drills.drill(Kind.TERMINATION, 60, None, "still works", {})
             status, doc = await http_json(agent.config.socket, "GET", "/v1/status")
     assert (200, False, 1, "warning") == (
         status,
@@ -81,8 +81,8 @@ async def test_unusable_state_directory_leaves_the_agent_serving_without_persist
 
 async def test_a_second_agent_on_the_same_socket_refuses_to_start(base: Path) -> None:
     async with running_agent(base) as first:
-        first.drill(Kind.TERMINATION, 60, None, "first", {})
-        await first.persist()
+        first.drills.drill(Kind.TERMINATION, 60, None, "first", {})
+        await first.keeper.flush()
         before = (base / "state" / STATE_FILE).read_bytes()
         with pytest.raises(AlreadyRunningError, match="another preemptd"):
             async with running_agent(base):

@@ -48,8 +48,8 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
     config = host.config.table(TABLE, KubernetesConfig)
     if not config.enabled:
         # A reload that turns the bridge off takes back what the running one offered the other parts.
-        withdraw_limits(host, "kubernetes")
-        withdraw_job_names(host, "kubernetes")
+        withdraw_limits(host.hooks, "kubernetes")
+        withdraw_job_names(host.hooks, "kubernetes")
         return None
     node = node_name(config)
     try:
@@ -75,15 +75,15 @@ def build_reactor(host: Host) -> KubernetesBridge | None:
     collector = _collectors.get(host)
     if collector is None:
         collector = Collector(bridge)
-        host.add_metrics_collector(collector)
+        host.hooks.add_metrics_collector(collector)
         # A host that cannot be weakly referenced gets one collector per build.
         with contextlib.suppress(TypeError):
             _collectors[host] = collector
     collector.bridge = bridge
     from agent.bridges.kubernetes import jobname, window
 
-    window.offer(host, bridge)  # the training pods' grace, for the window (agent/window/)
-    jobname.offer(host, bridge)  # the pods' owners, for the RAM tier's job ids (agent/core/jobs.py)
+    window.offer(host.hooks, bridge)  # the training pods' grace, for the window (agent/window/)
+    jobname.offer(host.hooks, bridge)  # the pods' owners, for the RAM tier's job ids (agent/core/jobs.py)
     return bridge
 
 

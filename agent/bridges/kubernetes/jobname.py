@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.bridges.kubernetes import plan
 from agent.core.jobs import JobName, UnknownJob, job_name_registry
+from agent.core.offers import Capabilities
 
 if TYPE_CHECKING:
     from agent.bridges.kubernetes.bridge import KubernetesBridge
@@ -64,6 +65,6 @@ class PodOwner:
         raise UnknownJob(f"pid {pid}'s pod {sorted(uids)[0]} is not among node {self.bridge.node}'s pods")
 
 
-def offer(host: Any, bridge: KubernetesBridge) -> None:
-    """Offer the pods' owners as job names (``host``: its ``capability`` and ``provide``)."""
-    job_name_registry(host).add("kubernetes", PodOwner(bridge))
+def offer(hooks: Capabilities, bridge: KubernetesBridge) -> None:
+    """Offer the pods' owners as job names (``hooks``: the host's, with ``capability`` and ``provide``)."""
+    job_name_registry(hooks).add("kubernetes", PodOwner(bridge))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.bridges.kubernetes import plan
 from agent.bridges.kubernetes.drain import alive
+from agent.core.offers import Capabilities
 from agent.window.limits import Limit, limit_registry
 
 if TYPE_CHECKING:
@@ -61,6 +62,6 @@ class PodGrace:
         ]
 
 
-def offer(host: Any, bridge: KubernetesBridge) -> None:
-    """Offer the training pods' grace to the window (``host``: its ``capability`` and ``provide``)."""
-    limit_registry(host).add("kubernetes", PodGrace(bridge))
+def offer(hooks: Capabilities, bridge: KubernetesBridge) -> None:
+    """Offer the training pods' grace to the window (``hooks``: the host's, with ``capability`` and ``provide``)."""
+    limit_registry(hooks).add("kubernetes", PodGrace(bridge))
