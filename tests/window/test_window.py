@@ -287,7 +287,7 @@ async def test_a_hung_and_a_failing_limit_source_are_unknown_and_status_still_an
             assert agent.socket_path is not None
             component = window_component(agent)
             component.source_timeout_s = 0.5
-            registry = limit_registry(agent)
+            registry = limit_registry(agent.hooks)
             registry.add("stuck", hangs)
             registry.add("broken", fails)
             registry.add("unit", answers)
