@@ -71,6 +71,18 @@ def uses_lazy_torch(module: object) -> bool:
     return module is not None and any(isinstance(value, Lazy) for value in vars(module).values())
 
 
+def weight(item: pytest.Item) -> int:
+    """Where a test goes in the whole suite's order: first several simulated hosts (tests/e2e/) and the groups
+    that run on one worker, one after another (a shared Slurm, Ray cluster, image or checkpoint run); then the
+    other multi-process torch tests, the other services, the other slow tests, the rest."""
+    marks = {m for m in NOT_FAST if item.get_closest_marker(m)}
+    if "e2e" in item.path.parts or item.get_closest_marker("xdist_group"):
+        return 0
+    if "torch_mp" in marks:
+        return 1
+    return 2 if marks else 3
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     grouped = config.pluginmanager.hasplugin("xdist")
@@ -85,9 +97,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # Its torch runs in child processes (torchrun, ranks): nothing in this one would skip it.
             item.add_marker(pytest.mark.skip(reason="torch is not installed (pip install -e '.[torch]')"))
     if not config.getoption("fast"):
-        # The long tests first (stable: each kind keeps its order): on parallel workers they start together
-        # and the short ones fill in around them, rather than a long one drawn last running on alone.
-        items.sort(key=lambda item: not any(item.get_closest_marker(m) for m in NOT_FAST))
+        # The long tests first, the longest kinds first (stable: each kind keeps its order): on parallel
+        # workers they start together and the short ones fill in around them, rather than a long one drawn
+        # last running on alone.
+        items.sort(key=weight)
         return
     if grouped:
         # The fast lane's tests of modules that resolve torch on first use (tests/lazy.py) run on one worker,
