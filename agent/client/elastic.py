@@ -45,12 +45,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from agent.client.events import Trigger
+from agent.client.frameworks.torch import Decision
 from agent.client.hazard import Siblings
 from agent.client.launch import Launch, listens_on, restarts_left
 from agent.client.peer.ramtier import RamTier, RamTierError
 from agent.client.preempted import stopped_from_outside, withdraw
 from agent.client.reporting import client_info
-from agent.client.torch import Decision
 from agent.client.transport import AgentHTTPError, AgentUnavailable, request_json
 from agent.client.watcher import WatcherBase
 

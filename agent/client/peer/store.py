@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from agent.checkpoint.durable import presealed
 from agent.checkpoint.manifest import Checkpoint, CheckpointError, CheckpointWarning, FileEntry, Verify
 from agent.client.dcp._commit import Ranks
+from agent.client.frameworks.torch import load_agreed
 from agent.client.peer.evacuate import PeerTierUnusable, Place, host_key, plan, receive_file, send_file
 from agent.client.peer.ramtier import (
     TIER_FILE,
@@ -35,7 +36,6 @@ from agent.client.peer.ramtier import (
 from agent.client.preempted import record_emergency
 from agent.client.store import CheckpointStore, Skipped, Writer
 from agent.client.store_failure import fall_back, summary
-from agent.client.torch import load_agreed
 
 __all__ = ["Copy", "PeerCheckpointStore", "newest_copy", "newest_held"]
 
