@@ -3,8 +3,10 @@ directory's disk, read with psutil and raised as ``host_degraded`` notices with 
 
 The checkpoint check uses what clients report (``POST /v1/reports``: ``bytes`` and ``path``): a directory
 whose free space is below the last checkpoint's size (times ``host.checkpoint_headroom``) is flagged before
-the next flush fails. Every psutil call runs on a daemon thread under a time bound, so a dead network mount
-neither blocks the loop nor the agent's exit.
+the next flush fails. Every read of a file system runs on a daemon thread under a time bound, so a dead
+network mount neither blocks the loop nor the agent's exit. The memory is read on the loop: /proc/meminfo is
+the kernel's, answered from memory, and a thread's round trip for it cost more CPU than the read itself
+(bench/RESULTS.md, "Idle cost").
 """
 
 from __future__ import annotations
@@ -128,10 +130,10 @@ def checkpoint_finding(
 
 
 class _Reader:
-    """A daemon thread kept for one kind of read (the memory, one directory), started at its first call:
-    a new thread for each read of each check cost more CPU than the reads themselves (bench/RESULTS.md,
-    "Idle cost"). Calls run one at a time, so one that hangs (a dead
-    mount) holds this reader alone; unlike the default executor's, a stuck thread never delays exit."""
+    """A daemon thread kept for one directory's reads (the state directory, each checkpoint directory),
+    started at its first call: a new thread for each read of each check cost more CPU than the reads
+    themselves (bench/RESULTS.md, "Idle cost"). Calls run one at a time, so one that hangs (a dead mount)
+    holds this reader alone; unlike the default executor's, a stuck thread never delays exit."""
 
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -242,8 +244,11 @@ class HostSource(Source):
 
     async def _check(self, sink: Sink) -> None:
         errors: list[str] = []
-        memory = await self._bounded("memory", read_memory)
-        if memory is not None:
+        try:
+            memory = read_memory()
+        except OSError as exc:  # /proc not mounted (a container without it)
+            errors.append(f"memory: {exc}")
+        else:
             self._readings["memory"] = {"available_percent": round(memory.available_percent, 2)}
             self._apply("memory", memory_finding(memory, self.config))
         try:
@@ -255,10 +260,10 @@ class HostSource(Source):
                 self._readings["state_dir"] = {"path": state.measured, "free_bytes": state.free}
                 self._apply("disk/state", state_dir_finding(state, self.config))
         directories = self._checkpoint_dirs()
-        for what in [w for w in self._hung if w not in {"memory", "state_dir", *directories}]:
+        for what in [w for w in self._hung if w not in {"state_dir", *directories}]:
             drop(self._hung.pop(what))  # a reported directory no longer watched
             self._stuck.discard(what)
-        for what in [w for w in self._readers if w not in {"memory", "state_dir", *directories}]:
+        for what in [w for w in self._readers if w not in {"state_dir", *directories}]:
             self._readers.pop(what).close()
         for directory in directories:
             key = f"disk/{directory}"
