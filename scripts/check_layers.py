@@ -15,6 +15,8 @@ lists, each with its reason. Split a function that grows past them into well-nam
 from __future__ import annotations
 
 import ast
+import functools
+import gc
 import sys
 from pathlib import Path
 
@@ -82,11 +84,17 @@ def modules(root: Path) -> dict[str, Path]:
     return found
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """The module at ``path``, parsed once for both checks."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def imported(module: str, path: Path, known: dict[str, Path]) -> list[tuple[int, str]]:
     """(line, module) for every agent module that ``module`` imports, wherever the import statement is."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -169,7 +177,7 @@ def branches(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 def functions(path: Path) -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
     """(qualified name, node) for every function and method in the module at ``path``, nested ones too."""
     found: list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]] = []
-    todo: list[tuple[str, ast.AST]] = [("", ast.parse(path.read_text(), str(path)))]
+    todo: list[tuple[str, ast.AST]] = [("", parsed(path))]
     while todo:
         prefix, parent = todo.pop()
         for node in ast.iter_child_nodes(parent):
@@ -208,6 +216,7 @@ def oversized(root: Path) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str]) -> int:
+    gc.disable()  # the parsed modules are kept for both checks: the collector would walk them on each pass
     root = Path(argv[1]).resolve() if len(argv) > 1 else Path(__file__).resolve().parent.parent
     problems = check(root)
     too_big, spare = oversized(root)
