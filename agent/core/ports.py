@@ -102,7 +102,8 @@ class Reactor(Protocol):
 
 
 # ----- the host's roles: each part's host port is composed of the few it uses (as structlog composes its
-# processors): the agent answers each role from the part that owns it.
+# processors). A role names either a part the agent hands out (``hooks``, ``fanout``, ``keeper``, ``drills``,
+# ``server``, ``board``) or one of the few calls that take more than one part (``inject``, ``now``).
 
 
 class Tasks(Protocol):
