@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import agent.sources.host as host_module
@@ -257,3 +258,26 @@ async def test_a_restored_notice_keeps_its_id_while_the_condition_is_seen_again(
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 5.0)
     assert (sink.events("memory"), sink.active()["memory"].id) == ([EventType.UPDATE], restored.notice.id)
+
+
+async def test_memory_that_cannot_be_read_is_an_error_and_the_disks_are_still_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory is read on the loop: a /proc without meminfo (a container without /proc) is the check's
+    error, named, and the state directory is still read."""
+
+    class NoProc:
+        disk_usage = staticmethod(psutil.disk_usage)
+
+        @staticmethod
+        def virtual_memory() -> Any:
+            raise FileNotFoundError(2, "No such file or directory", "/proc/meminfo")
+
+    monkeypatch.setattr(host_module, "_psutil", lambda: NoProc)
+    async with monitor(tmp_path) as (source, sink):
+        await sink.wait_for(lambda: any(e.startswith("memory: ") for e in sink.errors), what="the error")
+        rounds = source.status()["checks"]
+        await sink.wait_for(lambda: source.status()["checks"] > rounds, what="another check")
+    assert "/proc/meminfo" in next(e for e in sink.errors if e.startswith("memory: "))
+    readings = source.status()["readings"]
+    assert (False, True) == ("memory" in readings, "state_dir" in readings)
