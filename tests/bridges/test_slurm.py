@@ -845,6 +845,11 @@ async def test_requeue_exit_in_slurm_conf_and_the_agent_requeue_once(cluster: Sl
         job_id = running(cluster, "--requeue", script=exits_75_on(flag))
         bridge = bridge_for(cluster, stop_wait_s=0.5)
         notice = await drained_for_a_notice(cluster, bridge)
+        # The job's flush only once the bridge has listed it: requeued by Slurm, it would be pending on no
+        # node, and a listing after that would not find it.
+        await until(
+            lambda: bridge.status()["notices"][notice.id]["phase"] == "waiting", what="the job listed"
+        )
         flag.touch()
         await asyncio.to_thread(cluster.wait_job, job_id, lambda j: j["restart_cnt"] == 1)
         bridge.handle(event(EventType.READY, notice, {"notice_id": notice.id}))
